@@ -1,0 +1,122 @@
+"""Interfaces of the outside systems, as the engine sees them.
+
+The engine depends on these Protocols, never on ``kubernetes`` or ``ansible_runner``
+directly. Implementations: ``engine.connectors.kube.KubeConnector`` and
+``engine.connectors.ansible.AnsibleConnector``; unit tests use fakes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+from engine.facts import HostFacts, NodeFacts
+
+PatchType = Literal["merge", "strategic", "json"]
+
+
+@dataclass(frozen=True)
+class PodRef:
+    namespace: str
+    name: str
+    node: str = ""
+    labels: Mapping[str, str] = field(default_factory=dict)
+    phase: str = ""
+
+
+@dataclass(frozen=True)
+class LeaseRecord:
+    namespace: str
+    name: str
+    holder: str
+    duration_seconds: int
+    acquire_time: float  # epoch seconds
+    renew_time: float
+    resource_version: str
+
+
+class KubeAPI(Protocol):
+    """Kubernetes, reduced to what runbooks need. Errors are ``engine.errors.KubeError``."""
+
+    def read_node(self, name: str) -> NodeFacts | None: ...
+
+    def list_nodes(self, label_selector: str | None = None) -> list[NodeFacts]: ...
+
+    def patch_node(self, name: str, patch: Any, *, patch_type: PatchType = "merge",
+                   dry_run: bool = False) -> NodeFacts: ...
+
+    def list_pods(self, *, node: str | None = None, label_selector: str | None = None,
+                  namespace: str | None = None) -> list[PodRef]: ...
+
+    def evict_pod(self, pod: PodRef, *, dry_run: bool = False) -> None:
+        """policy/v1 Eviction, falling back to policy/v1beta1 on servers older than 1.22."""
+        ...
+
+    def delete_pod(self, pod: PodRef, *, dry_run: bool = False, grace_seconds: int | None = None) -> None: ...
+
+    def list_objects(self, api_version: str, kind_plural: str, *, namespace: str | None = None,
+                     label_selector: str | None = None) -> list[Mapping[str, Any]]:
+        """Any listable kind (core or custom), as plain mappings."""
+        ...
+
+    def wait_for_node(self, name: str, predicate: Callable[[NodeFacts | None], bool],
+                      timeout: float) -> tuple[bool, NodeFacts | None]:
+        """Watch the node until ``predicate`` holds (True, node) or ``timeout`` (False, last seen)."""
+        ...
+
+    def read_lease(self, namespace: str, name: str) -> LeaseRecord | None: ...
+
+    def create_lease(self, namespace: str, name: str, holder: str, duration_seconds: int) -> LeaseRecord:
+        """Raises ``Conflict`` when it already exists."""
+        ...
+
+    def update_lease(self, lease: LeaseRecord, holder: str, duration_seconds: int,
+                     *, acquire: bool) -> LeaseRecord:
+        """Replace with the given resourceVersion; ``Conflict`` (409) when it is stale."""
+        ...
+
+    def delete_lease(self, lease: LeaseRecord) -> None: ...
+
+
+TaskEvent = Mapping[str, Any]  # {"host", "task", "status": ok|changed|failed|skipped|unreachable, "msg"}
+
+
+@dataclass(frozen=True)
+class PlaybookResult:
+    """The outcome of one ansible-runner run over one or more hosts."""
+
+    status: str  # successful | failed | timeout | canceled
+    rc: int
+    changed: Mapping[str, bool] = field(default_factory=dict)
+    failed_hosts: Mapping[str, str] = field(default_factory=dict)  # host -> message
+    unreachable_hosts: Mapping[str, str] = field(default_factory=dict)
+    diffs: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # host -> unified diffs
+    host_facts: Mapping[str, HostFacts] = field(default_factory=dict)  # facts returned after acting
+    tasks: tuple[TaskEvent, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "successful" and not self.failed_hosts and not self.unreachable_hosts
+
+
+class NodeAutomation(Protocol):
+    """Sudo work and host facts on node hosts, through Ansible."""
+
+    def inventory_host(self, node: str) -> str:
+        """The inventory host for a Kubernetes node (hostvar ``k8s_node_name`` or same name).
+        Raises ``HostError`` for a node the inventory does not know."""
+        ...
+
+    def gather_facts(self, nodes: Sequence[str]) -> Mapping[str, HostFacts | Exception]:
+        """One read-only run for all nodes (forks); per node, facts or the error."""
+        ...
+
+    def run_playbook(self, playbook: Path, nodes: Sequence[str], *, extravars: Mapping[str, Any] | None = None,
+                     become: bool = True, timeout: float = 300, check: bool = False,
+                     on_event: Callable[[TaskEvent], None] | None = None) -> PlaybookResult: ...
+
+    def close(self) -> None:
+        """End SSH control masters and remove the private data dir (no artifacts kept)."""
+        ...

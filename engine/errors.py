@@ -1,0 +1,140 @@
+"""One root error, a subclass per phase; each maps to a CLI exit code.
+
+Exit codes are a contract (README, issue #3): 0 success, 1 failed, 2 usage/invalid,
+3 blocked, 4 cancelled, 5 stale plan or invalid approval.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class ExitCode:
+    OK = 0
+    FAILED = 1
+    USAGE = 2
+    BLOCKED = 3
+    CANCELLED = 4
+    STALE = 5
+
+
+class RunbookError(Exception):
+    """Root of every error this package raises on purpose."""
+
+    exit_code: int = ExitCode.FAILED
+    retryable: bool = False
+
+
+@dataclass(frozen=True)
+class Location:
+    """Where in a user's file a problem is: ``path:line[:column]: where: message``."""
+
+    path: str
+    line: int = 1
+    column: int | None = None
+    where: str = ""  # e.g. "steps[2].verify[0]"
+
+    def format(self, message: str) -> str:
+        col = f":{self.column}" if self.column else ""
+        where = f" {self.where}:" if self.where else ""
+        return f"{self.path}:{self.line}{col}:{where} {message}"
+
+
+class LoadError(RunbookError):
+    """A runbook, scenario, inventory or plan file is invalid. Carries every problem found."""
+
+    exit_code = ExitCode.USAGE
+
+    def __init__(self, problems: list[tuple[Location, str]]) -> None:
+        self.problems = problems
+        super().__init__("\n".join(loc.format(msg) for loc, msg in problems))
+
+
+class UsageError(RunbookError):
+    """Bad command-line use or an invalid parameter value."""
+
+    exit_code = ExitCode.USAGE
+
+
+class PlanError(RunbookError):
+    """The runbook cannot be planned (e.g. ``requires`` order violated)."""
+
+    exit_code = ExitCode.USAGE
+
+
+class PreconditionFailed(RunbookError):
+    """A precondition does not hold or could not be evaluated (fail closed)."""
+
+    exit_code = ExitCode.BLOCKED
+
+
+class GuardBlocked(RunbookError):
+    """A guard re-read just before acting does not hold, or could not be evaluated."""
+
+    exit_code = ExitCode.BLOCKED
+
+
+class LockHeld(RunbookError):
+    """Another run holds the node's remediation Lease."""
+
+    exit_code = ExitCode.BLOCKED
+
+
+class ActionFailed(RunbookError):
+    """An action reported failure (API error, playbook failed, host unreachable)."""
+
+    exit_code = ExitCode.FAILED
+
+
+class VerificationFailed(RunbookError):
+    """Reality differs from the plan after a step: a verify check did not pass in time."""
+
+    exit_code = ExitCode.FAILED
+
+
+class Cancelled(RunbookError):
+    """The operator (SIGINT/SIGTERM) or a refusal at the prompt stopped the run."""
+
+    exit_code = ExitCode.CANCELLED
+
+
+class StalePlan(RunbookError):
+    """A saved plan no longer matches reality, or an approval names another plan."""
+
+    exit_code = ExitCode.STALE
+
+
+class ConnectorError(RunbookError):
+    """An outside system (Kubernetes API, Ansible/SSH) failed. Wraps the library's exception."""
+
+    exit_code = ExitCode.FAILED
+
+    def __init__(self, message: str, *, retryable: bool = False) -> None:
+        super().__init__(message)
+        self.retryable = retryable
+
+
+class KubeError(ConnectorError):
+    """The Kubernetes API answered with an error or could not be reached."""
+
+    def __init__(self, message: str, *, status: int | None = None, retryable: bool = False) -> None:
+        super().__init__(message, retryable=retryable)
+        self.status = status
+
+
+class NotFound(KubeError):
+    """The object does not exist (HTTP 404)."""
+
+
+class Conflict(KubeError):
+    """Optimistic concurrency conflict (HTTP 409)."""
+
+
+class HostError(ConnectorError):
+    """Ansible could not run, a host was unreachable, or a playbook task failed."""
+
+    def __init__(self, message: str, *, host: str | None = None, unreachable: bool = False,
+                 retryable: bool = False) -> None:
+        super().__init__(message, retryable=retryable)
+        self.host = host
+        self.unreachable = unreachable

@@ -1,0 +1,131 @@
+"""Typed, frozen facts: what probes read from the cluster and from node hosts.
+
+Facts are values. Connectors build them at their boundary (from API objects or from the
+``runbook_facts`` dict the node-facts playbook returns); everything else only reads them.
+Nothing here performs I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Any
+
+EMPTY: Mapping[str, str] = MappingProxyType({})
+
+
+@dataclass(frozen=True)
+class Taint:
+    key: str
+    effect: str
+    value: str = ""
+
+
+@dataclass(frozen=True)
+class Condition:
+    type: str
+    status: str  # "True" | "False" | "Unknown"
+    reason: str = ""
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class NodeFacts:
+    """One Kubernetes Node as the API shows it. ``exists=False`` for an unknown node."""
+
+    name: str
+    exists: bool = True
+    labels: Mapping[str, str] = EMPTY
+    annotations: Mapping[str, str] = EMPTY
+    taints: tuple[Taint, ...] = ()
+    conditions: tuple[Condition, ...] = ()
+    capacity: Mapping[str, str] = EMPTY
+    allocatable: Mapping[str, str] = EMPTY
+    unschedulable: bool = False
+    resource_version: str = ""
+
+    def condition(self, type_: str) -> Condition | None:
+        return next((c for c in self.conditions if c.type == type_), None)
+
+    @property
+    def ready(self) -> bool:
+        """True only when the Ready condition is True (Unknown and False are not ready)."""
+        c = self.condition("Ready")
+        return c is not None and c.status == "True"
+
+    def with_labels(self, labels: Mapping[str, str]) -> NodeFacts:
+        return replace(self, labels=MappingProxyType(dict(labels)))
+
+
+@dataclass(frozen=True)
+class SwapDevice:
+    name: str
+    type: str = "file"
+    size_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class ServiceFacts:
+    name: str
+    state: str  # systemctl is-active output: active | activating | inactive | failed | unknown
+    journal_tail: str = ""
+
+
+@dataclass(frozen=True)
+class GpuDevice:
+    slot: str  # PCI address, e.g. "01:00.0"
+    vendor_device: str  # "10de:2b85"
+    name: str = ""
+    driver: str = "none"  # "nvidia" | "vfio-pci" | "none"
+
+
+@dataclass(frozen=True)
+class CudaProcess:
+    pid: int
+    name: str
+
+
+@dataclass(frozen=True)
+class HostFacts:
+    """What the read-only node-facts playbook found on one node host."""
+
+    host: str
+    swap_devices: tuple[SwapDevice, ...] = ()
+    fstab_active_swap: tuple[str, ...] = ()  # active (uncommented) fstab lines of type swap
+    unhandled_swap_sources: tuple[str, ...] = ()  # zram devices, *.swap units: not ours to switch off
+    services: Mapping[str, ServiceFacts] = field(default_factory=dict)
+    gpus: tuple[GpuDevice, ...] = ()
+    cuda_processes: tuple[CudaProcess, ...] = ()
+
+    @property
+    def swap_active(self) -> bool:
+        return bool(self.swap_devices)
+
+    @property
+    def gpu_driver(self) -> str:
+        """The driver of the first NVIDIA GPU, or "none" when there is no GPU or no driver bound."""
+        return self.gpus[0].driver if self.gpus else "none"
+
+    def service(self, name: str) -> ServiceFacts:
+        return self.services.get(name) or ServiceFacts(name=name, state="unknown")
+
+
+@dataclass(frozen=True)
+class ProbeError:
+    """A probe that could not answer. Checks over it fail closed."""
+
+    probe: str  # "node", "host", "objects:<query>"
+    message: str
+
+
+@dataclass(frozen=True)
+class Facts:
+    """Everything known about one target (a node and its host) at one moment."""
+
+    node_name: str
+    node: NodeFacts | None = None
+    host: HostFacts | None = None
+    objects: Mapping[str, tuple[Mapping[str, Any], ...]] = field(default_factory=dict)
+    errors: tuple[ProbeError, ...] = ()
+    gathered_at: float = 0.0
