@@ -12,9 +12,6 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
-EMPTY: Mapping[str, str] = MappingProxyType({})
-
-
 @dataclass(frozen=True)
 class Taint:
     key: str
@@ -36,12 +33,12 @@ class NodeFacts:
 
     name: str
     exists: bool = True
-    labels: Mapping[str, str] = EMPTY
-    annotations: Mapping[str, str] = EMPTY
+    labels: Mapping[str, str] = field(default_factory=dict)
+    annotations: Mapping[str, str] = field(default_factory=dict)
     taints: tuple[Taint, ...] = ()
     conditions: tuple[Condition, ...] = ()
-    capacity: Mapping[str, str] = EMPTY
-    allocatable: Mapping[str, str] = EMPTY
+    capacity: Mapping[str, str] = field(default_factory=dict)
+    allocatable: Mapping[str, str] = field(default_factory=dict)
     unschedulable: bool = False
     resource_version: str = ""
 

@@ -1,0 +1,346 @@
+"""The durable record of runs: an embedded SQLite journal, written ahead of every effect.
+
+Every run gets an id; every event (stage, step start, action intent, action result, verify
+attempt, outcome, approval) is appended with a sequence number. Writes are committed with
+``synchronous=FULL`` in WAL mode, so an outcome that was recorded survives a crash of the
+engine or of the machine. This module stores; it never decides what to do next.
+
+Secrets never reach the journal: :func:`redact` removes values whose keys look secret, and
+callers register known secret values (become password, tokens) with :meth:`Journal.add_secret`
+so they are masked wherever they appear.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sqlite3
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.errors import RunbookError, StalePlan, UsageError
+
+ACTIVE_STATES = ("pending", "waiting-approval", "running")
+FINAL_STATES = ("succeeded", "failed", "blocked", "cancelled")
+SECRET_KEY_MARKERS = ("password", "secret", "token", "authorization", "become_pass")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS runs (
+  id TEXT PRIMARY KEY,
+  runbook TEXT NOT NULL,
+  params TEXT NOT NULL,
+  nodes TEXT NOT NULL,
+  state TEXT NOT NULL,
+  source TEXT NOT NULL DEFAULT 'cli',
+  plan_digest TEXT,
+  plan TEXT,
+  approval_required INTEGER NOT NULL DEFAULT 0,
+  approved_by TEXT,
+  approved_at REAL,
+  approved_digest TEXT,
+  created REAL NOT NULL,
+  started REAL,
+  finished REAL,
+  exit_code INTEGER,
+  owner_host TEXT,
+  owner_pid INTEGER,
+  owner_start TEXT,
+  heartbeat REAL
+);
+CREATE TABLE IF NOT EXISTS events (
+  run_id TEXT NOT NULL REFERENCES runs(id),
+  seq INTEGER NOT NULL,
+  ts REAL NOT NULL,
+  kind TEXT NOT NULL,
+  step TEXT,
+  data TEXT NOT NULL,
+  PRIMARY KEY (run_id, seq)
+);
+CREATE INDEX IF NOT EXISTS runs_created ON runs(created);
+"""
+
+
+def default_journal_path() -> Path:
+    """``$RUNBOOK_JOURNAL``, else ``$XDG_STATE_HOME/runbook/journal.sqlite``."""
+    env = os.environ.get("RUNBOOK_JOURNAL")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "runbook" / "journal.sqlite"
+
+
+def new_run_id() -> str:
+    """Sortable by time, unique across machines: ``r-YYYYmmddHHMMSS-xxxxxx``."""
+    return time.strftime("r-%Y%m%d%H%M%S-", time.gmtime()) + uuid.uuid4().hex[:6]
+
+
+def redact(value: Any, secrets: frozenset[str] = frozenset()) -> Any:
+    """A copy of ``value`` with secret-looking keys and known secret strings masked."""
+    if isinstance(value, Mapping):
+        return {
+            k: ("***" if any(m in str(k).lower() for m in SECRET_KEY_MARKERS) else redact(v, secrets))
+            for k, v in value.items()
+        }
+    if isinstance(value, list | tuple):
+        return [redact(v, secrets) for v in value]
+    if isinstance(value, str):
+        for s in secrets:
+            if s and s in value:
+                value = value.replace(s, "***")
+        return value
+    return value
+
+
+def _process_start(pid: int) -> str | None:
+    """The kernel's start time of a process (field 22 of /proc/PID/stat), to tell PID reuse apart."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def process_alive(host: str | None, pid: int | None, start: str | None) -> bool | None:
+    """True/False for a process on this machine; None when it ran on another machine."""
+    if host != socket.gethostname() or pid is None:
+        return None
+    return _process_start(pid) == start
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    id: str
+    runbook: str
+    params: dict[str, Any]
+    nodes: list[str]
+    state: str
+    source: str
+    plan_digest: str | None
+    plan: dict[str, Any] | None
+    approval_required: bool
+    approved_by: str | None
+    approved_at: float | None
+    approved_digest: str | None
+    created: float
+    started: float | None
+    finished: float | None
+    exit_code: int | None
+    owner_host: str | None
+    owner_pid: int | None
+    owner_start: str | None
+
+    def summary(self) -> dict[str, Any]:
+        """The fields `runbook runs -o json` and `GET /runs` show."""
+        return {
+            "id": self.id, "runbook": self.runbook, "params": self.params, "nodes": self.nodes,
+            "state": self.state, "source": self.source, "plan_digest": self.plan_digest,
+            "approval_required": self.approval_required, "approved_by": self.approved_by,
+            "started": _iso(self.started or self.created), "finished": _iso(self.finished),
+            "exit_code": self.exit_code,
+        }
+
+
+@dataclass(frozen=True)
+class EventRecord:
+    run_id: str
+    seq: int
+    ts: float
+    kind: str
+    step: str | None
+    data: dict[str, Any]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"seq": self.seq, "time": _iso(self.ts), "kind": self.kind, "step": self.step, **self.data}
+
+
+def _iso(ts: float | None) -> str | None:
+    if ts is None:
+        return None
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ts)) + f".{int(ts % 1 * 1000):03d}Z"
+
+
+class Journal:
+    """One SQLite file, safe for several processes (WAL) and threads (a lock per connection)."""
+
+    def __init__(self, path: Path | str | None = None) -> None:
+        self.path = Path(path) if path else default_journal_path()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.RLock()
+        self._secrets: set[str] = set()
+        try:
+            self._db = sqlite3.connect(self.path, timeout=30, check_same_thread=False, isolation_level=None)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.executescript(_SCHEMA)
+        except sqlite3.DatabaseError as e:
+            raise RunbookError(f"{self.path}: cannot open the journal: {e}") from e
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def add_secret(self, value: str | None) -> None:
+        """Mask this exact value wherever it would be written."""
+        if value:
+            self._secrets.add(value)
+
+    def _dump(self, value: Any) -> str:
+        return json.dumps(redact(value, frozenset(self._secrets)), default=str, sort_keys=True)
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    # -- runs ---------------------------------------------------------------------------------
+
+    def create_run(self, runbook: str, params: Mapping[str, Any], nodes: list[str], *,
+                   source: str = "cli", state: str = "pending", run_id: str | None = None,
+                   approval_required: bool = False) -> str:
+        run_id = run_id or new_run_id()
+        pid = os.getpid()
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO runs (id, runbook, params, nodes, state, source, approval_required, created,"
+                " owner_host, owner_pid, owner_start, heartbeat) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                (run_id, runbook, self._dump(dict(params)), json.dumps(nodes), state, source,
+                 int(approval_required), time.time(), socket.gethostname(), pid, _process_start(pid),
+                 time.time()),
+            )
+        return run_id
+
+    def claim(self, run_id: str) -> None:
+        """This process now owns the run (a resume after the engine died)."""
+        pid = os.getpid()
+        with self._tx() as db:
+            db.execute("UPDATE runs SET owner_host=?, owner_pid=?, owner_start=? WHERE id=?",
+                       (socket.gethostname(), pid, _process_start(pid), run_id))
+
+    def set_plan(self, run_id: str, plan: Mapping[str, Any], digest: str) -> None:
+        with self._tx() as db:
+            db.execute("UPDATE runs SET plan=?, plan_digest=? WHERE id=?", (self._dump(plan), digest, run_id))
+
+    def set_state(self, run_id: str, state: str, *, exit_code: int | None = None) -> None:
+        now = time.time()
+        with self._tx() as db:
+            if state == "running":
+                db.execute("UPDATE runs SET state=?, started=COALESCE(started, ?) WHERE id=?",
+                           (state, now, run_id))
+            elif state in FINAL_STATES:
+                db.execute("UPDATE runs SET state=?, finished=?, exit_code=? WHERE id=?",
+                           (state, now, exit_code, run_id))
+            else:
+                db.execute("UPDATE runs SET state=? WHERE id=?", (state, run_id))
+        self.append(run_id, "run.state", state=state, exit_code=exit_code)
+
+    def record_approval(self, run_id: str, digest: str, approved_by: str) -> RunRecord:
+        """Approve the run's current plan. Raises StalePlan for another digest, UsageError if unknown."""
+        with self._tx() as db:
+            row = db.execute("SELECT plan_digest, state FROM runs WHERE id=?", (run_id,)).fetchone()
+            if row is None:
+                raise UsageError(f"unknown run id {run_id!r}")
+            current, state = row
+            if current is None or digest != current:
+                raise StalePlan(f"run {run_id}: approval names plan {digest!r}, but the run's plan is "
+                                f"{current!r}; re-read the plan and approve that digest")
+            if state != "waiting-approval":
+                raise StalePlan(f"run {run_id} is {state}, not waiting for approval")
+            db.execute("UPDATE runs SET approved_by=?, approved_at=?, approved_digest=? WHERE id=?",
+                       (approved_by, time.time(), digest, run_id))
+        self.append(run_id, "approval.granted", approved_by=approved_by, plan_digest=digest)
+        return self.get_run(run_id)
+
+    def get_run(self, run_id: str) -> RunRecord:
+        with self._lock:
+            row = self._db.execute("SELECT * FROM runs WHERE id=?", (run_id,)).fetchone()
+            cols = [d[0] for d in self._db.execute("SELECT * FROM runs LIMIT 0").description]
+        if row is None:
+            raise UsageError(f"unknown run id {run_id!r}")
+        return self._record(dict(zip(cols, row, strict=True)))
+
+    def list_runs(self, *, limit: int = 100, states: tuple[str, ...] | None = None) -> list[RunRecord]:
+        q = "SELECT * FROM runs"
+        args: list[Any] = []
+        if states:
+            q += f" WHERE state IN ({','.join('?' * len(states))})"
+            args.extend(states)
+        q += " ORDER BY created DESC LIMIT ?"
+        args.append(limit)
+        with self._lock:
+            cur = self._db.execute(q, args)
+            cols = [d[0] for d in cur.description]
+            rows = cur.fetchall()
+        return [self._record(dict(zip(cols, r, strict=True))) for r in rows]
+
+    def _record(self, row: dict[str, Any]) -> RunRecord:
+        state = row["state"]
+        if state in ACTIVE_STATES and state != "pending" and \
+                process_alive(row["owner_host"], row["owner_pid"], row["owner_start"]) is False:
+            state = "interrupted"  # the engine that owned it is gone, however it died
+        return RunRecord(
+            id=row["id"], runbook=row["runbook"], params=json.loads(row["params"]),
+            nodes=json.loads(row["nodes"]), state=state, source=row["source"],
+            plan_digest=row["plan_digest"], plan=json.loads(row["plan"]) if row["plan"] else None,
+            approval_required=bool(row["approval_required"]), approved_by=row["approved_by"],
+            approved_at=row["approved_at"], approved_digest=row["approved_digest"],
+            created=row["created"], started=row["started"], finished=row["finished"],
+            exit_code=row["exit_code"], owner_host=row["owner_host"], owner_pid=row["owner_pid"],
+            owner_start=row["owner_start"],
+        )
+
+    # -- events -------------------------------------------------------------------------------
+
+    def append(self, run_id: str, kind: str, step: str | None = None, **data: Any) -> int:
+        """Append one event durably; returns its sequence number."""
+        with self._tx() as db:
+            (seq,) = db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM events WHERE run_id=?",
+                                (run_id,)).fetchone()
+            db.execute("INSERT INTO events (run_id, seq, ts, kind, step, data) VALUES (?,?,?,?,?,?)",
+                       (run_id, seq, time.time(), kind, step, self._dump(data)))
+            db.execute("UPDATE runs SET heartbeat=? WHERE id=?", (time.time(), run_id))
+        return int(seq)
+
+    def events(self, run_id: str) -> list[EventRecord]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT run_id, seq, ts, kind, step, data FROM events WHERE run_id=? ORDER BY seq",
+                (run_id,)).fetchall()
+        return [EventRecord(r[0], r[1], r[2], r[3], r[4], json.loads(r[5])) for r in rows]
+
+    def step_progress(self, run_id: str) -> tuple[set[str], str | None]:
+        """(steps with a recorded outcome, the step whose action started without an outcome)."""
+        done: set[str] = set()
+        started: str | None = None
+        for e in self.events(run_id):
+            if e.kind == "step.outcome" and e.step:
+                done.add(e.step)
+                if started == e.step:
+                    started = None
+            elif e.kind == "action.intent" and e.step:
+                started = e.step
+        return done, started
+
+
+class JournalSink:
+    """An EventSink that writes to the journal before returning (write-ahead)."""
+
+    def __init__(self, journal: Journal, run_id: str) -> None:
+        self.journal = journal
+        self.run_id = run_id
+
+    def emit(self, kind: str, **data: Any) -> None:
+        step = data.pop("step", None)
+        self.journal.append(self.run_id, kind, step=step, **data)

@@ -1,0 +1,78 @@
+"""Shared command options as one value, and the connectors built from them.
+
+Connectors are created on first use so read-only commands never pay for Kubernetes or
+Ansible imports. The become password comes from ``RUNBOOK_BECOME_PASSWORD``, a file, or a
+prompt; it is never written anywhere.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from engine.errors import UsageError
+
+if TYPE_CHECKING:
+    from engine.connectors.base import KubeAPI, NodeAutomation
+    from engine.journal import Journal
+
+
+@dataclass
+class Settings:
+    kubeconfig: str | None = None
+    context: str | None = None
+    inventory: Path | None = None
+    runbooks_dir: Path | None = None
+    journal: Path | None = None
+    become_password_file: Path | None = None
+    ask_become_pass: bool = False
+    debug: bool = False
+    _cache: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def become_password(self) -> str | None:
+        if "become" not in self._cache:
+            value: str | None = os.environ.get("RUNBOOK_BECOME_PASSWORD")
+            if self.become_password_file is not None:
+                value = self.become_password_file.read_text().rstrip("\n")
+            elif self.ask_become_pass:
+                import getpass
+
+                value = getpass.getpass("BECOME password: ")
+            self._cache["become"] = value
+        return self._cache["become"]  # type: ignore[no-any-return]
+
+    def kube(self) -> KubeAPI:
+        if "kube" not in self._cache:
+            from engine.connectors.kube import KubeConnector
+
+            self._cache["kube"] = KubeConnector(kubeconfig=self.kubeconfig, context=self.context)
+        return self._cache["kube"]  # type: ignore[no-any-return]
+
+    def nodes(self, playbooks_dir: Path) -> NodeAutomation:
+        if "nodes" not in self._cache:
+            if self.inventory is None:
+                raise UsageError("this runbook needs node hosts: give --inventory or set RUNBOOK_INVENTORY")
+            if not self.inventory.exists():
+                raise UsageError(f"{self.inventory}: inventory not found")
+            from engine.connectors.ansible import AnsibleConnector
+
+            self._cache["nodes"] = AnsibleConnector(self.inventory, playbooks_dir,
+                                                    become_password=self.become_password())
+        return self._cache["nodes"]  # type: ignore[no-any-return]
+
+    def open_journal(self) -> Journal:
+        if "journal" not in self._cache:
+            from engine.journal import Journal
+
+            j = Journal(self.journal)
+            j.add_secret(self.become_password() if "become" in self._cache else
+                         os.environ.get("RUNBOOK_BECOME_PASSWORD"))
+            self._cache["journal"] = j
+        return self._cache["journal"]  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        nodes = self._cache.pop("nodes", None)
+        if nodes is not None:
+            nodes.close()
