@@ -62,11 +62,13 @@ if [ -z "$MIRROR" ]; then
 fi
 [ -n "$MIRROR" ] || { say "no Debian archive found in this machine's apt configuration: set RUNBOOK_DEBIAN_MIRROR"; exit 2; }
 MIRROR=${MIRROR%/}/
+: > "$W"/apt/status   # an empty dpkg status: the machine's installed versions never become the candidates
 printf 'deb [signed-by=%s] %s bookworm main\ndeb-src [signed-by=%s] %s bookworm main\n' \
   "$KEYRING" "$MIRROR" "$KEYRING" "$MIRROR" > "$W"/apt/src.list
 APTO=(-o "Dir::Etc::SourceList=$W/apt/src.list" -o Dir::Etc::SourceParts=/dev/null
       -o Dir::Etc::Preferences=/dev/null -o Dir::Etc::PreferencesParts=/dev/null
-      -o "Dir::State::Lists=$W/apt/lists" -o "Dir::Cache::Archives=$W/apt/archives"
+      -o "Dir::State::Lists=$W/apt/lists" -o "Dir::State::status=$W/apt/status"
+      -o "Dir::Cache::Archives=$W/apt/archives"
       -o "Dir::Cache::pkgcache=" -o "Dir::Cache::srcpkgcache=" -o APT::Default-Release=bookworm)
 quiet_apt() { grep -v -e unsandboxed -e '^Get:' -e '^Hit:' -e '^Ign:' || true; }
 

@@ -1,0 +1,614 @@
+"""Evaluate checks against facts (pure), predict facts, and say which probes checks need.
+
+``evaluate`` answers three-valued: ``holds`` is True, False, or None when the check could not be
+evaluated (a probe failed, a fact is missing, an expression errored). Callers decide what None
+means, always failing closed: in preconditions and guards None blocks; in ``skip_if`` None means
+"not done", so the step runs (and its guards, evaluated the same way, protect it).
+
+Combinators use Kleene logic: ``all`` is False if any part is False, else None if any part is
+unknown; ``any`` is True if any part is True, else None if any is unknown; ``not None`` is None.
+
+``establish`` returns the facts as they will be once a check holds: planning applies it to the
+verify checks of each changing step, so a later guard sees the predicted state. Where the
+outcome is unknowable (an expression, a journal line) it returns the facts unchanged.
+
+``CheckResult.reads`` maps stable fact paths to the values the decision read (``depends_on`` of a
+plan). Volatile readings (journal tails, heartbeat times) are deliberately not recorded.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from decimal import Decimal, InvalidOperation
+from types import MappingProxyType
+from typing import Any
+
+from pydantic import BaseModel
+
+from engine.facts import Condition, Facts, HostFacts, NodeFacts, ServiceFacts, SwapDevice, Taint
+from engine.model import (
+    AllCheck,
+    AllocatableCheck,
+    AnyCheck,
+    CudaProcessesCheck,
+    ExprCheck,
+    FstabActiveSwapCheck,
+    GpuDriverCheck,
+    JournalContainsCheck,
+    NodeConditionCheck,
+    NodeExistsCheck,
+    NodeLabelCheck,
+    NodeReadyCheck,
+    NodeTaintCheck,
+    NotCheck,
+    ObjectsCheck,
+    ObjectsSpec,
+    ServiceCheck,
+    SwapActiveCheck,
+    is_template,
+)
+
+# A check, once parsed: any of the check models (kept loose to avoid a huge Union alias).
+CheckModel = BaseModel
+
+NODE = "node"
+HOST = "host"
+
+NODE_CHECKS = (NodeExistsCheck, NodeReadyCheck, NodeLabelCheck, NodeTaintCheck, NodeConditionCheck,
+               AllocatableCheck)
+HOST_CHECKS = (SwapActiveCheck, FstabActiveSwapCheck, ServiceCheck, JournalContainsCheck, GpuDriverCheck,
+               CudaProcessesCheck)
+
+
+@dataclass(frozen=True)
+class ObjectsQuery:
+    """One list call: ``list_objects(api_version, plural, namespace=, label_selector=)``."""
+
+    api_version: str
+    plural: str
+    namespace: str | None = None
+    selector: str | None = None
+
+    @property
+    def key(self) -> str:
+        """The key of its results in ``Facts.objects``."""
+        out = f"{self.api_version}/{self.plural}"
+        if self.namespace:
+            out += f"?namespace={self.namespace}"
+        if self.selector:
+            out += ("&" if self.namespace else "?") + f"selector={self.selector}"
+        return out
+
+    @classmethod
+    def of(cls, spec: ObjectsSpec) -> ObjectsQuery:
+        return cls(spec.api_version, spec.plural_name, spec.namespace, spec.selector)
+
+
+Probe = str | ObjectsQuery  # NODE, HOST or an objects query
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    holds: bool | None
+    observed: str
+    evidence: Mapping[str, Any] = field(default_factory=dict)
+    reads: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        """Fail closed: only a definite True passes."""
+        return self.holds is True
+
+
+# --------------------------------------------------------------------------------------------
+# Quantities
+# --------------------------------------------------------------------------------------------
+
+_SUFFIX = {
+    "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"), "": Decimal(1),
+    "k": Decimal("1e3"), "M": Decimal("1e6"), "G": Decimal("1e9"), "T": Decimal("1e12"),
+    "P": Decimal("1e15"), "E": Decimal("1e18"),
+    "Ki": Decimal(2**10), "Mi": Decimal(2**20), "Gi": Decimal(2**30), "Ti": Decimal(2**40),
+    "Pi": Decimal(2**50), "Ei": Decimal(2**60),
+}
+_QUANTITY = re.compile(r"^([+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E)?$")
+
+
+def parse_quantity(value: str | int | float) -> Decimal:
+    """A Kubernetes quantity (``"1"``, ``"500m"``, ``"4Gi"``, ``"1e3"``) -> Decimal; ValueError otherwise."""
+    if isinstance(value, bool):
+        raise ValueError(f"not a quantity: {value!r}")
+    if isinstance(value, int | float):
+        return Decimal(str(value))
+    m = _QUANTITY.match(value.strip())
+    if not m:
+        raise ValueError(f"not a quantity: {value!r}")
+    try:
+        return Decimal(m.group(1)) * _SUFFIX[m.group(2) or ""]
+    except InvalidOperation as e:
+        raise ValueError(f"not a quantity: {value!r}") from e
+
+
+# --------------------------------------------------------------------------------------------
+# Binding templates
+# --------------------------------------------------------------------------------------------
+
+
+def _has_template(value: Any) -> bool:
+    if isinstance(value, str):
+        return is_template(value)
+    if isinstance(value, ExprCheck):
+        return False
+    if isinstance(value, BaseModel):
+        return any(_has_template(getattr(value, name)) for name in type(value).model_fields)
+    if isinstance(value, Mapping):
+        return any(_has_template(k) or _has_template(v) for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return any(_has_template(v) for v in value)
+    return False
+
+
+def _render_model(value: Any, ctx: Mapping[str, Any]) -> Any:
+    from engine.templating import render, render_value
+
+    if isinstance(value, str):
+        return render(value, ctx) if is_template(value) else value
+    if isinstance(value, ExprCheck):
+        return value  # an expression is evaluated, not rendered
+    if isinstance(value, BaseModel):
+        update = {name: _render_model(getattr(value, name), ctx) for name in type(value).model_fields
+                  if _has_template(getattr(value, name))}
+        return value.model_copy(update=update) if update else value
+    if isinstance(value, tuple):
+        return tuple(_render_model(v, ctx) for v in value)
+    if isinstance(value, Mapping | list):
+        return render_value(value, ctx)
+    return value
+
+
+def bind(model: Any, params: Mapping[str, Any], facts: Facts | None = None) -> Any:
+    """The model (check or action) with its templated strings rendered. TemplateError on failure."""
+    if not _has_template(model):
+        return model
+    from engine.templating import context
+
+    return _render_model(model, context(params, facts))
+
+
+# --------------------------------------------------------------------------------------------
+# Describing checks
+# --------------------------------------------------------------------------------------------
+
+
+def describe(check: Any) -> str:
+    """A short human text: ``label nvidia.com/gpu.workload.config = container``."""
+    c = check
+    if isinstance(c, NodeExistsCheck):
+        return "node exists" if c.node_exists else "node does not exist"
+    if isinstance(c, NodeReadyCheck):
+        return "node is Ready" if c.node_ready else "node is not Ready"
+    if isinstance(c, NodeLabelCheck):
+        s = c.node_label
+        if s.equals is not None:
+            return f"label {s.key} = {s.equals}"
+        return f"label {s.key} absent" if s.absent else f"label {s.key} present"
+    if isinstance(c, NodeTaintCheck):
+        s = c.node_taint
+        what = f"{s.key}:{s.effect}" if s.effect else s.key
+        return f"taint {what} {'present' if s.present else 'absent'}"
+    if isinstance(c, NodeConditionCheck):
+        return f"condition {c.node_condition.type} = {c.node_condition.status}"
+    if isinstance(c, AllocatableCheck):
+        return f"allocatable {c.allocatable.resource} >= {c.allocatable.min}"
+    if isinstance(c, ObjectsCheck):
+        s = c.objects
+        where = f" with {s.field} = {s.equals}" if s.field else ""
+        ns = f" in {s.namespace}" if s.namespace else ""
+        sel = f" matching {s.selector}" if s.selector else ""
+        if s.count is not None:
+            bound = f"exactly {s.count}"
+        elif s.min is not None and s.max is not None:
+            bound = f"{s.min}..{s.max}"
+        elif s.max is not None:
+            bound = f"at most {s.max}"
+        else:
+            bound = f"at least {s.min if s.min is not None else 1}"
+        return f"{bound} {s.kind}{ns}{sel}{where}"
+    if isinstance(c, SwapActiveCheck):
+        return "swap is on" if c.swap_active else "swap is off"
+    if isinstance(c, FstabActiveSwapCheck):
+        return "fstab has an active swap entry" if c.fstab_active_swap else "fstab has no active swap entry"
+    if isinstance(c, ServiceCheck):
+        return f"service {c.service.name} is {'|'.join(c.service.states)}"
+    if isinstance(c, JournalContainsCheck):
+        return f"journal of {c.journal_contains.unit} contains {c.journal_contains.text!r}"
+    if isinstance(c, GpuDriverCheck):
+        return f"GPU driver is {c.gpu_driver}"
+    if isinstance(c, CudaProcessesCheck):
+        s = c.cuda_processes
+        parts = ([f">= {s.min}"] if s.min is not None else []) + ([f"<= {s.max}"] if s.max is not None else [])
+        return f"CUDA processes {' and '.join(parts)}"
+    if isinstance(c, ExprCheck):
+        return f"expr {c.expr}"
+    if isinstance(c, AllCheck):
+        return "all(" + "; ".join(describe(x) for x in c.all_) + ")"
+    if isinstance(c, AnyCheck):
+        return "any(" + "; ".join(describe(x) for x in c.any_) + ")"
+    if isinstance(c, NotCheck):
+        return f"not({describe(c.not_)})"
+    return type(c).__name__
+
+
+# --------------------------------------------------------------------------------------------
+# Evaluation
+# --------------------------------------------------------------------------------------------
+
+
+def _probe_error(facts: Facts, probe: str) -> str:
+    for e in facts.errors:
+        if e.probe == probe or e.probe.startswith(probe + ":"):
+            return e.message
+    return "not gathered"
+
+
+def _unknown(what: str, facts: Facts, probe: str) -> CheckResult:
+    msg = _probe_error(facts, probe)
+    return CheckResult(None, f"{what} unknown: {msg}", {"error": msg, "probe": probe})
+
+
+def _result(holds: bool, observed: str, reads: Mapping[str, Any] | None = None,
+            **evidence: Any) -> CheckResult:
+    return CheckResult(holds, observed, dict(evidence), dict(reads or {}))
+
+
+def _taint_text(t: Taint) -> str:
+    return f"{t.key}={t.value}:{t.effect}" if t.value else f"{t.key}:{t.effect}"
+
+
+def evaluate(check: Any, facts: Facts, params: Mapping[str, Any] | None = None) -> CheckResult:
+    """Whether ``check`` holds in ``facts``. Pure; never raises for bad facts (holds=None instead)."""
+    params = params or {}
+    if _has_template(check):
+        try:
+            check = bind(check, params, facts)
+        except Exception as e:  # a template that cannot render makes the check unknowable
+            return CheckResult(None, f"could not render check: {e}", {"error": str(e)})
+    try:
+        return _evaluate(check, facts, params)
+    except Exception as e:  # noqa: BLE001 - fail closed on anything unexpected in the facts
+        return CheckResult(None, f"could not evaluate {describe(check)}: {type(e).__name__}: {e}",
+                           {"error": str(e)})
+
+
+def _evaluate(c: Any, facts: Facts, params: Mapping[str, Any]) -> CheckResult:
+    if isinstance(c, AllCheck | AnyCheck | NotCheck):
+        return _evaluate_combinator(c, facts, params)
+    if isinstance(c, NODE_CHECKS):
+        return _evaluate_node(c, facts)
+    if isinstance(c, HOST_CHECKS):
+        return _evaluate_host(c, facts)
+    if isinstance(c, ObjectsCheck):
+        return _evaluate_objects(c, facts)
+    if isinstance(c, ExprCheck):
+        from engine.templating import TemplateError, context, evaluate_expression
+
+        try:
+            value = evaluate_expression(c.expr, context(params, facts))
+        except TemplateError as e:
+            return CheckResult(None, str(e), {"error": str(e)})
+        holds = bool(value)
+        return _result(holds, f"{c.expr} -> {value!r}"[:300], {f"expr[{c.expr}]": holds})
+    raise TypeError(f"not a check: {c!r}")
+
+
+def _evaluate_combinator(c: AllCheck | AnyCheck | NotCheck, facts: Facts,
+                         params: Mapping[str, Any]) -> CheckResult:
+    if isinstance(c, NotCheck):
+        r = evaluate(c.not_, facts, params)
+        holds = None if r.holds is None else not r.holds
+        return CheckResult(holds, f"not ({r.observed})", r.evidence, r.reads)
+    parts = [evaluate(x, facts, params) for x in (c.all_ if isinstance(c, AllCheck) else c.any_)]
+    values = [p.holds for p in parts]
+    holds: bool | None
+    if isinstance(c, AllCheck):
+        holds = False if False in values else (None if None in values else True)
+    else:
+        holds = True if True in values else (None if None in values else False)
+    reads: dict[str, Any] = {}
+    for p in parts:
+        reads.update(p.reads)
+    observed = "; ".join(p.observed for p in parts)
+    return CheckResult(holds, observed, {"parts": [{"holds": p.holds, "observed": p.observed} for p in parts]},
+                       reads)
+
+
+def _evaluate_node(c: Any, facts: Facts) -> CheckResult:
+    node = facts.node
+    if node is None:
+        return _unknown("node", facts, NODE)
+    if isinstance(c, NodeExistsCheck):
+        return _result(node.exists == c.node_exists,
+                       f"node {node.name} {'exists' if node.exists else 'does not exist'}",
+                       {"node.exists": node.exists})
+    if not node.exists:
+        return CheckResult(None, f"node {node.name} does not exist", {"error": "node does not exist"},
+                           {"node.exists": False})
+    if isinstance(c, NodeReadyCheck):
+        cond = node.condition("Ready")
+        detail = f"Ready={cond.status}" + (f" ({cond.reason})" if cond and cond.reason else "") if cond \
+            else "no Ready condition"
+        return _result(node.ready == c.node_ready, detail, {"node.ready": node.ready})
+    if isinstance(c, NodeLabelCheck):
+        s = c.node_label
+        value = node.labels.get(s.key)
+        observed = f"label {s.key}={value}" if value is not None else f"label {s.key} absent"
+        reads = {f"node.labels[{s.key}]": value}
+        if s.equals is not None:
+            return _result(value == s.equals, observed, reads)
+        return _result((value is None) == bool(s.absent), observed, reads)
+    if isinstance(c, NodeTaintCheck):
+        s = c.node_taint
+        matching = [t for t in node.taints if t.key == s.key and (s.effect is None or t.effect == s.effect)]
+        texts = sorted(_taint_text(t) for t in node.taints if t.key == s.key)
+        observed = f"taints {', '.join(texts)}" if texts else f"no taint {s.key}"
+        return _result(bool(matching) == s.present, observed, {f"node.taints[{s.key}]": texts})
+    if isinstance(c, NodeConditionCheck):
+        s = c.node_condition
+        cond = node.condition(s.type)
+        status = cond.status if cond else "Unknown"
+        return _result(status == s.status, f"{s.type}={status}" + (f" ({cond.reason})" if cond and cond.reason
+                                                                     else ""),
+                       {f"node.conditions[{s.type}]": status})
+    if isinstance(c, AllocatableCheck):
+        s = c.allocatable
+        raw = node.allocatable.get(s.resource)
+        reads = {f"node.allocatable[{s.resource}]": raw}
+        have = parse_quantity(raw) if raw is not None else Decimal(0)
+        want = parse_quantity(s.min)
+        return _result(have >= want, f"allocatable {s.resource}={raw if raw is not None else 0}", reads)
+    raise TypeError(f"not a node check: {c!r}")
+
+
+def _evaluate_host(c: Any, facts: Facts) -> CheckResult:
+    host = facts.host
+    if host is None:
+        return _unknown("host facts", facts, HOST)
+    if isinstance(c, SwapActiveCheck):
+        devices = ", ".join(d.name for d in host.swap_devices)
+        observed = f"swap on: {devices}" if devices else "swap off"
+        return _result(host.swap_active == c.swap_active, observed, {"host.swap_active": host.swap_active},
+                       swap_devices=[d.name for d in host.swap_devices])
+    if isinstance(c, FstabActiveSwapCheck):
+        active = bool(host.fstab_active_swap)
+        observed = ("fstab active swap: " + "; ".join(host.fstab_active_swap)) if active \
+            else "no active swap entry in fstab"
+        return _result(active == c.fstab_active_swap, observed, {"host.fstab_active_swap": active},
+                       fstab_lines=list(host.fstab_active_swap))
+    if isinstance(c, ServiceCheck):
+        s = c.service
+        svc = host.service(s.name)
+        holds = svc.state in s.states
+        return _result(holds, f"{s.name} is {svc.state}",
+                       {f"host.services[{s.name}].state in [{'|'.join(s.states)}]": holds}, state=svc.state)
+    if isinstance(c, JournalContainsCheck):
+        s = c.journal_contains
+        tail = host.service(s.unit).journal_tail
+        holds = s.text in tail
+        line = next((ln for ln in tail.splitlines() if s.text in ln), "")
+        observed = f"{s.unit} journal: {line.strip()[:200]}" if holds else \
+            f"{s.unit} journal does not contain {s.text!r}"
+        return _result(holds, observed, None, journal_line=line.strip()[:500])  # volatile: no reads
+    if isinstance(c, GpuDriverCheck):
+        return _result(host.gpu_driver == c.gpu_driver, f"GPU driver {host.gpu_driver}",
+                       {"host.gpu_driver": host.gpu_driver})
+    if isinstance(c, CudaProcessesCheck):
+        s = c.cuda_processes
+        n = len(host.cuda_processes)
+        holds = (s.min is None or n >= s.min) and (s.max is None or n <= s.max)
+        return _result(holds, f"{n} CUDA process{'es' if n != 1 else ''}",
+                       {f"host.cuda_processes ({describe(c)})": holds},
+                       processes=[f"{p.pid} {p.name}" for p in host.cuda_processes][:20])
+    raise TypeError(f"not a host check: {c!r}")
+
+
+def field_value(obj: Mapping[str, Any], path: str) -> Any:
+    """``status.printableStatus`` in a plain object mapping; None when absent."""
+    cur: Any = obj
+    for part in path.split("."):
+        if isinstance(cur, Mapping) and part in cur:
+            cur = cur[part]
+        elif isinstance(cur, list | tuple) and part.isdigit() and int(part) < len(cur):
+            cur = cur[int(part)]
+        else:
+            return None
+    return cur
+
+
+def _evaluate_objects(c: ObjectsCheck, facts: Facts) -> CheckResult:
+    s = c.objects
+    q = ObjectsQuery.of(s)
+    objs = facts.objects.get(q.key)
+    if objs is None:
+        return _unknown(f"{s.kind} list", facts, f"objects:{q.key}")
+
+    def name(o: Mapping[str, Any]) -> str:
+        md = o.get("metadata") or {}
+        return f"{md.get('namespace', '')}/{md.get('name', '?')}".lstrip("/")
+
+    if s.field is None:
+        matching = list(objs)
+    else:
+        matching = [o for o in objs if field_value(o, s.field) == s.equals]
+    n = len(matching)
+    if s.count is not None:
+        holds = n == s.count
+    else:
+        lo = s.min if s.min is not None else (0 if s.max is not None else 1)
+        holds = n >= lo and (s.max is None or n <= s.max)
+    where = f" with {s.field}={s.equals}" if s.field else ""
+    observed = f"{n} of {len(objs)} {s.kind}{where}"
+    if matching:
+        observed += ": " + ", ".join(name(o) for o in matching[:5]) + (" ..." if n > 5 else "")
+    return _result(holds, observed, {f"objects[{q.key}]{where}": n}, matching=[name(o) for o in matching][:50])
+
+
+# --------------------------------------------------------------------------------------------
+# Prediction
+# --------------------------------------------------------------------------------------------
+
+
+def establish(check: Any, facts: Facts, params: Mapping[str, Any] | None = None) -> Facts:
+    """The facts as they will be once ``check`` holds (identity where that is unknowable)."""
+    params = params or {}
+    if _has_template(check):
+        try:
+            check = bind(check, params, facts)
+        except Exception:
+            return facts
+    c = check
+    if isinstance(c, AllCheck):
+        for part in c.all_:
+            facts = establish(part, facts, params)
+        return facts
+    if isinstance(c, AnyCheck | NotCheck | ExprCheck | JournalContainsCheck | ObjectsCheck | NodeExistsCheck):
+        return facts
+    if isinstance(c, NODE_CHECKS):
+        node = facts.node
+        if node is None or not node.exists:
+            return facts  # unknown stays unknown: predictions never turn an error into a pass
+        return replace(facts, node=_establish_node(c, node))
+    if isinstance(c, HOST_CHECKS):
+        if facts.host is None:
+            return facts
+        return replace(facts, host=_establish_host(c, facts.host))
+    return facts
+
+
+def _set_condition(node: NodeFacts, type_: str, status: str) -> NodeFacts:
+    others = tuple(c for c in node.conditions if c.type != type_)
+    old = node.condition(type_)
+    reason = "Predicted" if old is None or old.status != status else old.reason
+    return replace(node, conditions=(*others, Condition(type_, status, reason=reason)))
+
+
+def _establish_node(c: Any, node: NodeFacts) -> NodeFacts:
+    if isinstance(c, NodeReadyCheck):
+        return _set_condition(node, "Ready", "True" if c.node_ready else "False")
+    if isinstance(c, NodeConditionCheck):
+        return _set_condition(node, c.node_condition.type, c.node_condition.status)
+    if isinstance(c, NodeLabelCheck):
+        s = c.node_label
+        labels = dict(node.labels)
+        if s.equals is not None:
+            labels[s.key] = s.equals
+        elif s.absent:
+            labels.pop(s.key, None)
+        else:
+            labels.setdefault(s.key, "")
+        return node.with_labels(labels)
+    if isinstance(c, NodeTaintCheck):
+        s = c.node_taint
+        if s.present:
+            if any(t.key == s.key and (s.effect is None or t.effect == s.effect) for t in node.taints):
+                return node
+            return replace(node, taints=(*node.taints, Taint(s.key, s.effect or "NoSchedule")))
+        kept = tuple(t for t in node.taints if not (t.key == s.key and (s.effect is None or t.effect == s.effect)))
+        return replace(node, taints=kept)
+    if isinstance(c, AllocatableCheck):
+        s = c.allocatable
+        raw = node.allocatable.get(s.resource)
+        if raw is not None and parse_quantity(raw) >= parse_quantity(s.min):
+            return node
+        alloc = dict(node.allocatable)
+        alloc[s.resource] = str(s.min)
+        return replace(node, allocatable=MappingProxyType(alloc))
+    return node
+
+
+def _establish_host(c: Any, host: HostFacts) -> HostFacts:
+    if isinstance(c, SwapActiveCheck):
+        if c.swap_active == host.swap_active:
+            return host
+        return replace(host, swap_devices=(SwapDevice("(predicted)"),) if c.swap_active else ())
+    if isinstance(c, FstabActiveSwapCheck):
+        if c.fstab_active_swap == bool(host.fstab_active_swap):
+            return host
+        return replace(host, fstab_active_swap=("(predicted)",) if c.fstab_active_swap else ())
+    if isinstance(c, ServiceCheck):
+        s = c.service
+        if host.service(s.name).state in s.states:
+            return host
+        services = dict(host.services)
+        old = host.service(s.name)
+        services[s.name] = ServiceFacts(s.name, s.states[0], journal_tail=old.journal_tail)
+        return replace(host, services=services)
+    if isinstance(c, GpuDriverCheck):
+        if not host.gpus or host.gpu_driver == c.gpu_driver:
+            return host
+        first = replace(host.gpus[0], driver=c.gpu_driver)
+        return replace(host, gpus=(first, *host.gpus[1:]))
+    if isinstance(c, CudaProcessesCheck):
+        if c.cuda_processes.max is not None and len(host.cuda_processes) > c.cuda_processes.max:
+            return replace(host, cuda_processes=host.cuda_processes[: c.cuda_processes.max])
+        return host
+    return host
+
+
+# --------------------------------------------------------------------------------------------
+# Probes a set of checks needs
+# --------------------------------------------------------------------------------------------
+
+
+def required_probes(checks: Iterable[Any], params: Mapping[str, Any] | None = None) -> set[Probe]:
+    """Which probes (NODE, HOST, ObjectsQuery) are needed to evaluate ``checks``."""
+    out: set[Probe] = set()
+    for c in checks:
+        _collect_probes(c, params or {}, out)
+    return out
+
+
+def _collect_probes(c: Any, params: Mapping[str, Any], out: set[Probe]) -> None:
+    if isinstance(c, AllCheck):
+        for x in c.all_:
+            _collect_probes(x, params, out)
+    elif isinstance(c, AnyCheck):
+        for x in c.any_:
+            _collect_probes(x, params, out)
+    elif isinstance(c, NotCheck):
+        _collect_probes(c.not_, params, out)
+    elif isinstance(c, NODE_CHECKS):
+        out.add(NODE)
+    elif isinstance(c, HOST_CHECKS):
+        out.add(HOST)
+    elif isinstance(c, ObjectsCheck):
+        spec = c.objects
+        if _has_template(spec):
+            try:
+                spec = bind(spec, params)
+            except Exception:
+                return  # evaluation will report the render error (fails closed)
+        out.add(ObjectsQuery.of(spec))
+    elif isinstance(c, ExprCheck):
+        src = c.expr
+        if "facts" in src:
+            wants_node = "node" in src
+            wants_host = "host" in src
+            if wants_node or not wants_host:
+                out.add(NODE)
+            if wants_host or not wants_node:
+                out.add(HOST)
+
+
+def iter_checks(c: Any) -> Iterable[Any]:
+    """The check and every check nested in it."""
+    yield c
+    if isinstance(c, AllCheck):
+        for x in c.all_:
+            yield from iter_checks(x)
+    elif isinstance(c, AnyCheck):
+        for x in c.any_:
+            yield from iter_checks(x)
+    elif isinstance(c, NotCheck):
+        yield from iter_checks(c.not_)

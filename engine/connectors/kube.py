@@ -1,0 +1,583 @@
+"""The Kubernetes connector: the engine's only importer of ``kubernetes``.
+
+``KubeConnector`` implements ``engine.connectors.base.KubeAPI`` with the official client. It
+converts API objects into ``engine.facts`` values at this boundary (nothing past it sees a
+client model or a raw response) and wraps every client error in ``engine.errors.KubeError``
+(``NotFound`` for 404, ``Conflict`` for 409, ``retryable`` for 429/5xx and connection errors).
+
+What it must not do: shell out to kubectl, sleep-poll where a watch can wait, or let a dead API
+server hang a run (connect timeout 5 s, no client-side connection retries).
+
+Notes on the client (kubernetes 37):
+
+* Responses are read as JSON (``_preload_content=False``): faster than the client's model
+  deserialisation and the same shape the watch stream delivers, so one converter serves both.
+* Lease bodies are sent as raw JSON: the client's models serialise datetimes with
+  ``isoformat()``, which drops the fraction when microseconds are 0; the apiserver requires a
+  MicroTime with exactly six fractional digits and answers 400 otherwise.
+* Evictions are sent as raw JSON too, as ``policy/v1`` first and ``policy/v1beta1`` when the
+  server does not know v1 (Kubernetes < 1.22, e.g. the lab's 1.20).
+* ``kubernetes`` costs ~0.3 s to import, so it is imported in the constructor, not at module load.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import queue
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from datetime import UTC, datetime
+from types import MappingProxyType
+from typing import Any
+from urllib.parse import quote
+
+from engine.connectors.base import LeaseRecord, PatchType, PodRef
+from engine.errors import Conflict, KubeError, NotFound
+from engine.facts import Condition, NodeFacts, Taint
+
+MICROTIME_FORMAT = "%Y-%m-%dT%H:%M:%S.%fZ"
+
+_PATCH_CONTENT_TYPES: Mapping[str, str] = {
+    "merge": "application/merge-patch+json",
+    "strategic": "application/strategic-merge-patch+json",
+    "json": "application/json-patch+json",
+}
+_EVICTION_VERSIONS = ("policy/v1", "policy/v1beta1")
+
+
+# --------------------------------------------------------------------------- conversions (pure)
+
+
+def format_microtime(epoch: float) -> str:
+    """A Kubernetes MicroTime: always six fractional digits, UTC, ``Z`` suffix."""
+    return datetime.fromtimestamp(epoch, tz=UTC).strftime(MICROTIME_FORMAT)
+
+
+def parse_time(value: str | None) -> float:
+    """RFC 3339 Time or MicroTime (fraction optional) -> epoch seconds; 0.0 when absent."""
+    if not value:
+        return 0.0
+    return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+
+
+def _frozen(mapping: Mapping[str, Any] | None) -> Mapping[str, str]:
+    return MappingProxyType({str(k): str(v) for k, v in (mapping or {}).items()})
+
+
+def node_facts_from_dict(obj: Mapping[str, Any]) -> NodeFacts:
+    """A Node as the API serves it (JSON, camelCase) -> ``NodeFacts``."""
+    meta = obj.get("metadata") or {}
+    spec = obj.get("spec") or {}
+    status = obj.get("status") or {}
+    return NodeFacts(
+        name=meta.get("name", ""),
+        labels=_frozen(meta.get("labels")),
+        annotations=_frozen(meta.get("annotations")),
+        taints=tuple(
+            Taint(key=t.get("key", ""), effect=t.get("effect", ""), value=t.get("value") or "")
+            for t in spec.get("taints") or ()
+        ),
+        conditions=tuple(
+            Condition(type=c.get("type", ""), status=c.get("status", "Unknown"),
+                      reason=c.get("reason") or "", message=c.get("message") or "")
+            for c in status.get("conditions") or ()
+        ),
+        capacity=_frozen(status.get("capacity")),
+        allocatable=_frozen(status.get("allocatable")),
+        unschedulable=bool(spec.get("unschedulable", False)),
+        resource_version=meta.get("resourceVersion", ""),
+    )
+
+
+def pod_ref_from_dict(obj: Mapping[str, Any]) -> PodRef:
+    meta = obj.get("metadata") or {}
+    return PodRef(
+        namespace=meta.get("namespace", ""),
+        name=meta.get("name", ""),
+        node=(obj.get("spec") or {}).get("nodeName") or "",
+        labels=_frozen(meta.get("labels")),
+        phase=(obj.get("status") or {}).get("phase") or "",
+    )
+
+
+def lease_record_from_dict(obj: Mapping[str, Any]) -> LeaseRecord:
+    meta = obj.get("metadata") or {}
+    spec = obj.get("spec") or {}
+    return LeaseRecord(
+        namespace=meta.get("namespace", ""),
+        name=meta.get("name", ""),
+        holder=spec.get("holderIdentity") or "",
+        duration_seconds=int(spec.get("leaseDurationSeconds") or 0),
+        acquire_time=parse_time(spec.get("acquireTime")),
+        renew_time=parse_time(spec.get("renewTime")),
+        resource_version=meta.get("resourceVersion", ""),
+    )
+
+
+def _status_message(body: str | bytes | None) -> str:
+    """The ``message`` of a Kubernetes Status body, else the body itself (shortened)."""
+    if not body:
+        return ""
+    text = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
+    try:
+        status = json.loads(text)
+    except ValueError:
+        return text.strip()[:300]
+    if isinstance(status, dict) and status.get("message"):
+        return str(status["message"])
+    return text.strip()[:300]
+
+
+# --------------------------------------------------------------------------- the connector
+
+
+class KubeConnector:
+    """``KubeAPI`` over the official client. One instance per process is enough (thread-safe)."""
+
+    def __init__(self, kubeconfig: str | None = None, context: str | None = None,
+                 in_cluster: bool = False, *, connect_timeout: float = 5.0,
+                 read_timeout: float = 30.0) -> None:
+        try:
+            import urllib3
+            from kubernetes import client, config
+            from kubernetes.config.config_exception import ConfigException
+        except ImportError as e:  # pragma: no cover - a dependency of the package
+            raise KubeError(f"the kubernetes client is not installed: {e}") from e
+        self._client = client
+        self._urllib3 = urllib3
+        self._timeout = (connect_timeout, read_timeout)
+        self._connect_timeout = connect_timeout
+        cfg = client.Configuration()
+        try:
+            if in_cluster:
+                config.load_incluster_config(client_configuration=cfg)
+            else:
+                config.load_kube_config(config_file=kubeconfig, context=context,
+                                        client_configuration=cfg)
+        except (ConfigException, OSError, ValueError, TypeError) as e:
+            where = "in-cluster configuration" if in_cluster else (
+                f"kubeconfig {kubeconfig}" if kubeconfig else "the default kubeconfig")
+            ctx = f" (context {context})" if context else ""
+            raise KubeError(f"cannot load {where}{ctx}: {e}") from e
+        # Fail fast: urllib3 would otherwise retry a refused connection three times.
+        cfg.retries = False
+        if not cfg.verify_ssl:
+            # The kubeconfig asked for insecure-skip-tls-verify; do not warn on every request.
+            warnings.filterwarnings("ignore", category=urllib3.exceptions.InsecureRequestWarning)
+        self.host: str = cfg.host
+        self._api = client.ApiClient(cfg)
+        self._core = client.CoreV1Api(self._api)
+        self._custom = client.CustomObjectsApi(self._api)
+        self._eviction_version: str | None = None  # learnt on first eviction
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _wrap(self, e: BaseException, what: str) -> KubeError:
+        """Translate a client/transport exception into our error types."""
+        if isinstance(e, KubeError):
+            return e
+        if isinstance(e, self._client.ApiException):
+            status = int(e.status or 0)
+            msg = _status_message(e.body) or (e.reason or "")
+            text = f"{what}: {msg}" if msg else f"{what}: HTTP {status}"
+            if status == 404:
+                return NotFound(text, status=404)
+            if status == 409:
+                return Conflict(text, status=409)
+            if status == 0:  # the client's own wrapper for TLS/protocol failures
+                return KubeError(f"{what}: cannot talk to the API server at {self.host}: {e.reason}",
+                                 retryable=True)
+            return KubeError(text, status=status, retryable=status == 429 or status >= 500)
+        if isinstance(e, self._urllib3.exceptions.HTTPError | OSError):
+            return KubeError(f"{what}: API server {self.host} unreachable: {_short(e)}", retryable=True)
+        return KubeError(f"{what}: {e}")
+
+    def _json(self, call: Callable[..., Any], what: str, *args: Any, **kwargs: Any) -> Any:
+        """Call a generated client method, return the decoded JSON body."""
+        kwargs.setdefault("_request_timeout", self._timeout)
+        try:
+            resp = call(*args, _preload_content=False, **kwargs)
+            data = resp.data
+        except Exception as e:
+            raise self._wrap(e, what) from e
+        return json.loads(data) if data else {}
+
+    def _raw(self, method: str, path: str, what: str, *, query: Sequence[tuple[str, Any]] = (),
+             body: Any = None, content_type: str = "application/json") -> Any:
+        """A request with an exact JSON body (no client model in between)."""
+        headers = {"Accept": "application/json"}
+        if body is not None:
+            headers["Content-Type"] = content_type
+        try:
+            req = self._api.param_serialize(method=method, resource_path=path,
+                                            query_params=list(query) or None,
+                                            header_params=headers, body=body,
+                                            auth_settings=["BearerToken"])
+            resp = self._api.call_api(*req, _request_timeout=self._timeout)
+            data = resp.read()
+            if not 200 <= resp.status <= 299:
+                raise self._client.ApiException.from_response(http_resp=resp, body=None, data=None)
+        except Exception as e:
+            raise self._wrap(e, what) from e
+        return json.loads(data) if data else {}
+
+    # ------------------------------------------------------------------ nodes
+
+    def read_node(self, name: str) -> NodeFacts | None:
+        try:
+            obj = self._json(self._core.read_node, f"read node {name}", name)
+        except NotFound:
+            return None
+        return node_facts_from_dict(obj)
+
+    def list_nodes(self, label_selector: str | None = None) -> list[NodeFacts]:
+        obj = self._json(self._core.list_node, "list nodes", label_selector=label_selector)
+        return [node_facts_from_dict(i) for i in obj.get("items") or ()]
+
+    def patch_node(self, name: str, patch: Any, *, patch_type: PatchType = "merge",
+                   dry_run: bool = False) -> NodeFacts:
+        if patch_type not in _PATCH_CONTENT_TYPES:
+            raise KubeError(f"unknown patch type {patch_type!r} (merge, strategic or json)")
+        if patch_type == "json" and not isinstance(patch, list):
+            # The client would silently send a non-list as a strategic merge patch.
+            raise KubeError("a json patch is a list of operations")
+        obj = self._json(self._core.patch_node, f"patch node {name}", name, patch,
+                         dry_run="All" if dry_run else None,
+                         _content_type=_PATCH_CONTENT_TYPES[patch_type])
+        return node_facts_from_dict(obj)
+
+    def _list_node_with_rv(self, name: str) -> tuple[NodeFacts | None, str]:
+        """The node (or None) and the list's resourceVersion: where a watch starts."""
+        obj = self._json(self._core.list_node, f"read node {name}",
+                         field_selector=f"metadata.name={name}")
+        items = obj.get("items") or []
+        rv = (obj.get("metadata") or {}).get("resourceVersion", "")
+        return (node_facts_from_dict(items[0]) if items else None), rv
+
+    def wait_for_node(self, name: str, predicate: Callable[[NodeFacts | None], bool],
+                      timeout: float) -> tuple[bool, NodeFacts | None]:
+        """Watch one node until ``predicate`` holds or ``timeout`` seconds pass.
+
+        The watch streams in a helper thread; this thread waits on a queue with the exact
+        remaining time, so the deadline is honoured to the millisecond and a change is seen
+        as soon as the API server sends it. Expired watches (410 Gone) re-list and re-watch;
+        server-side stream ends re-watch from the last resourceVersion.
+        """
+        deadline = time.monotonic() + max(0.0, timeout)
+        node, rv = self._list_node_with_rv(name)
+        if predicate(node):
+            return True, node
+        watch = _NodeWatch(self, name, rv, deadline)
+        watch.start()
+        try:
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                try:
+                    item = watch.events.get(timeout=remaining)
+                except queue.Empty:
+                    break
+                if isinstance(item, BaseException):
+                    raise item
+                node = item.node
+                if predicate(node):
+                    return True, node
+        finally:
+            watch.stop()
+        if watch.failing is not None:
+            raise KubeError(f"watching node {name}: {watch.failing}", retryable=True)
+        return False, node
+
+    # ------------------------------------------------------------------ pods
+
+    def list_pods(self, *, node: str | None = None, label_selector: str | None = None,
+                  namespace: str | None = None) -> list[PodRef]:
+        field_selector = f"spec.nodeName={node}" if node else None
+        if namespace:
+            obj = self._json(self._core.list_namespaced_pod, f"list pods in {namespace}", namespace,
+                             label_selector=label_selector, field_selector=field_selector)
+        else:
+            obj = self._json(self._core.list_pod_for_all_namespaces, "list pods",
+                             label_selector=label_selector, field_selector=field_selector)
+        return [pod_ref_from_dict(i) for i in obj.get("items") or ()]
+
+    def evict_pod(self, pod: PodRef, *, dry_run: bool = False) -> None:
+        """Evict through the Eviction subresource (honours PodDisruptionBudgets: 429 is retryable).
+
+        ``policy/v1`` first; a server that does not know it (< 1.22) answers 400 "no kind
+        Eviction is registered for version policy/v1" or 404, and gets ``policy/v1beta1``.
+        The version that worked is remembered for the connector's life.
+        """
+        what = f"evict pod {pod.namespace}/{pod.name}"
+        path = f"/api/v1/namespaces/{_q(pod.namespace)}/pods/{_q(pod.name)}/eviction"
+        versions = [self._eviction_version] if self._eviction_version else list(_EVICTION_VERSIONS)
+        for i, version in enumerate(versions):
+            body: dict[str, Any] = {"apiVersion": version, "kind": "Eviction",
+                                    "metadata": {"name": pod.name, "namespace": pod.namespace}}
+            if dry_run:
+                body["deleteOptions"] = {"dryRun": ["All"]}
+            try:
+                self._raw("POST", path, what, body=body,
+                          query=[("dryRun", "All")] if dry_run else ())
+            except NotFound as e:
+                if "eviction" in str(e).lower() or "the server could not find" in str(e).lower():
+                    if i + 1 < len(versions):
+                        continue
+                return  # the pod is already gone: nothing to evict
+            except KubeError as e:
+                if e.status == 400 and version in str(e) and i + 1 < len(versions):
+                    continue  # the server lacks this Eviction version: try the older one
+                if e.status == 429:
+                    raise KubeError(f"{what}: refused by a disruption budget: {e}", status=429,
+                                    retryable=True) from e
+                raise
+            self._eviction_version = version
+            return
+
+    def delete_pod(self, pod: PodRef, *, dry_run: bool = False, grace_seconds: int | None = None) -> None:
+        body: dict[str, Any] = {}
+        if grace_seconds is not None:
+            body["gracePeriodSeconds"] = grace_seconds
+        if dry_run:
+            body["dryRun"] = ["All"]
+        try:
+            self._json(self._core.delete_namespaced_pod, f"delete pod {pod.namespace}/{pod.name}",
+                       pod.name, pod.namespace, body=body or None,
+                       dry_run="All" if dry_run else None, grace_period_seconds=grace_seconds)
+        except NotFound:
+            return  # already gone
+
+    # ------------------------------------------------------------------ any kind
+
+    def list_objects(self, api_version: str, kind_plural: str, *, namespace: str | None = None,
+                     label_selector: str | None = None) -> list[Mapping[str, Any]]:
+        """Core kinds (``v1``) through the core API path, group kinds through CustomObjectsApi."""
+        what = f"list {kind_plural}.{api_version}" + (f" in {namespace}" if namespace else "")
+        if "/" not in api_version:
+            prefix = f"/api/{_q(api_version)}"
+            path = (f"{prefix}/namespaces/{_q(namespace)}/{_q(kind_plural)}" if namespace
+                    else f"{prefix}/{_q(kind_plural)}")
+            obj = self._raw("GET", path, what,
+                            query=[("labelSelector", label_selector)] if label_selector else ())
+        else:
+            group, version = api_version.split("/", 1)
+            if namespace:
+                obj = self._json(self._custom.list_namespaced_custom_object, what, group, version,
+                                 namespace, kind_plural, label_selector=label_selector)
+            else:
+                obj = self._json(self._custom.list_cluster_custom_object, what, group, version,
+                                 kind_plural, label_selector=label_selector)
+        return [MappingProxyType(i) for i in obj.get("items") or ()]
+
+    # ------------------------------------------------------------------ leases
+
+    @staticmethod
+    def _lease_path(namespace: str, name: str | None = None) -> str:
+        base = f"/apis/coordination.k8s.io/v1/namespaces/{_q(namespace)}/leases"
+        return f"{base}/{_q(name)}" if name else base
+
+    def read_lease(self, namespace: str, name: str) -> LeaseRecord | None:
+        try:
+            obj = self._raw("GET", self._lease_path(namespace, name), f"read lease {namespace}/{name}")
+        except NotFound:
+            return None
+        return lease_record_from_dict(obj)
+
+    def create_lease(self, namespace: str, name: str, holder: str, duration_seconds: int) -> LeaseRecord:
+        now = format_microtime(time.time())
+        body = {
+            "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+            "metadata": {"name": name, "namespace": namespace},
+            "spec": {"holderIdentity": holder, "leaseDurationSeconds": int(duration_seconds),
+                     "acquireTime": now, "renewTime": now, "leaseTransitions": 0},
+        }
+        obj = self._raw("POST", self._lease_path(namespace), f"create lease {namespace}/{name}", body=body)
+        return lease_record_from_dict(obj)
+
+    def update_lease(self, lease: LeaseRecord, holder: str, duration_seconds: int,
+                     *, acquire: bool) -> LeaseRecord:
+        """PUT with the record's resourceVersion: a stale record gets ``Conflict`` (409)."""
+        what = f"update lease {lease.namespace}/{lease.name}"
+        now = time.time()
+        current = self._raw("GET", self._lease_path(lease.namespace, lease.name), what)
+        transitions = int((current.get("spec") or {}).get("leaseTransitions") or 0)
+        if acquire and holder != lease.holder:
+            transitions += 1
+        body = {
+            "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+            "metadata": {"name": lease.name, "namespace": lease.namespace,
+                         "resourceVersion": lease.resource_version},
+            "spec": {"holderIdentity": holder, "leaseDurationSeconds": int(duration_seconds),
+                     "acquireTime": format_microtime(now if acquire or not lease.acquire_time
+                                                     else lease.acquire_time),
+                     "renewTime": format_microtime(now), "leaseTransitions": transitions},
+        }
+        obj = self._raw("PUT", self._lease_path(lease.namespace, lease.name), what, body=body)
+        return lease_record_from_dict(obj)
+
+    def delete_lease(self, lease: LeaseRecord) -> None:
+        """Delete only the version we hold (precondition): a stale record gets ``Conflict``."""
+        body: dict[str, Any] = {"apiVersion": "v1", "kind": "DeleteOptions"}
+        if lease.resource_version:
+            body["preconditions"] = {"resourceVersion": lease.resource_version}
+        try:
+            self._raw("DELETE", self._lease_path(lease.namespace, lease.name),
+                      f"delete lease {lease.namespace}/{lease.name}", body=body)
+        except NotFound:
+            return
+
+    def close(self) -> None:
+        """Release the HTTP connection pool."""
+        try:
+            self._api.close()
+        except Exception:  # closing is best effort; nothing to report
+            pass
+
+
+# --------------------------------------------------------------------------- the watch helper
+
+
+class _Seen:
+    """One observation of the watched node (None: it does not exist)."""
+
+    __slots__ = ("node",)
+
+    def __init__(self, node: NodeFacts | None) -> None:
+        self.node = node
+
+
+class _NodeWatch:
+    """Streams one node's watch events into ``events`` until stopped.
+
+    Runs in a daemon thread. ``stop()`` shuts the socket down, which wakes the blocked read at
+    once. Connection errors are retried (with a short backoff) until the deadline; while they
+    last, ``failing`` holds the reason so the waiter can tell "API down" from "never true".
+    """
+
+    def __init__(self, conn: KubeConnector, name: str, resource_version: str, deadline: float) -> None:
+        self.conn = conn
+        self.name = name
+        self.rv = resource_version
+        self.deadline = deadline
+        self.events: queue.Queue[_Seen | BaseException] = queue.Queue()
+        self.failing: str | None = None
+        self._stopped = threading.Event()
+        self._resp: Any = None
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name=f"watch-node-{name}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        with self._lock:
+            resp = self._resp
+        if resp is not None:
+            _shutdown(resp)
+        self._thread.join(timeout=1.0)
+
+    def _open(self) -> Any:
+        remaining = max(1, math.ceil(self.deadline - time.monotonic()))
+        return self.conn._core.list_node(
+            field_selector=f"metadata.name={self.name}", resource_version=self.rv or None,
+            watch=True, allow_watch_bookmarks=True, timeout_seconds=remaining + 1,
+            _preload_content=False, _request_timeout=(self.conn._connect_timeout, remaining + 30))
+
+    def _relist(self) -> None:
+        node, self.rv = self.conn._list_node_with_rv(self.name)
+        self.events.put(_Seen(node))
+
+    def _run(self) -> None:
+        backoff = 0.1
+        while not self._stopped.is_set() and time.monotonic() < self.deadline:
+            try:
+                resp = self._open()
+                with self._lock:
+                    self._resp = resp
+                if self._stopped.is_set():
+                    _shutdown(resp)
+                    return
+                self.failing = None
+                backoff = 0.1
+                for line in _lines(resp):
+                    if self._stopped.is_set():
+                        return
+                    if not line:
+                        continue
+                    if self._handle(json.loads(line)) == "relist":
+                        self._relist()
+                        break
+            except Exception as e:
+                if self._stopped.is_set():
+                    return
+                err = self.conn._wrap(e, f"watch node {self.name}")
+                if isinstance(e, self.conn._client.ApiException) and e.status == 410:
+                    try:
+                        self._relist()
+                        continue
+                    except Exception as e2:
+                        err = self.conn._wrap(e2, f"watch node {self.name}")
+                if not err.retryable:
+                    self.events.put(err)
+                    return
+                self.failing = str(err)
+                self._stopped.wait(backoff)
+                backoff = min(backoff * 2, 2.0)
+            finally:
+                with self._lock:
+                    resp, self._resp = self._resp, None
+                if resp is not None:
+                    resp.release_conn()
+
+    def _handle(self, event: Mapping[str, Any]) -> str:
+        kind = event.get("type")
+        obj = event.get("object") or {}
+        if kind == "ERROR":
+            if obj.get("code") == 410:
+                return "relist"  # our resourceVersion expired: read again and re-watch
+            raise KubeError(f"watch node {self.name}: {obj.get('message', obj)}",
+                            status=obj.get("code"), retryable=True)
+        rv = (obj.get("metadata") or {}).get("resourceVersion")
+        if rv:
+            self.rv = rv
+        if kind == "BOOKMARK":
+            return ""
+        self.events.put(_Seen(None if kind == "DELETED" else node_facts_from_dict(obj)))
+        return ""
+
+
+def _lines(resp: Any) -> Iterator[str]:
+    """Newline-delimited JSON events, yielded as soon as each chunk arrives."""
+    buffer = b""
+    for chunk in resp.stream(amt=None, decode_content=False):
+        buffer += chunk
+        while b"\n" in buffer:
+            line, buffer = buffer.split(b"\n", 1)
+            yield line.decode("utf-8", "replace")
+
+
+def _shutdown(resp: Any) -> None:
+    """Wake a reader blocked on this response's socket (urllib3 >= 2.3), then close it."""
+    try:
+        resp.shutdown()
+    except Exception:  # already closed or an older urllib3
+        pass
+    try:
+        resp.close()
+    except Exception:
+        pass
+
+
+def _q(segment: str) -> str:
+    return quote(segment, safe="")
+
+
+def _short(e: BaseException) -> str:
+    reason = getattr(e, "reason", None)
+    return str(reason or e).splitlines()[0][:300]

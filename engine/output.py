@@ -1,0 +1,288 @@
+"""Rendering plans, run results, run history and live progress for people and machines.
+
+Text goes through ``rich`` on a terminal (colour unless ``NO_COLOR``) and falls back to plain
+lines when stdout is not a TTY. ``json`` prints one machine-readable document. ``markdown`` is
+for tickets and pull requests: a step table, the diffs, and a Mermaid diagram of step order.
+Nothing here decides anything or talks to outside systems.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TextIO
+
+if TYPE_CHECKING:
+    from engine.journal import EventRecord, RunRecord
+    from engine.model import Plan, RunResult
+
+DECISION_MARK = {"change": "~", "no-op": "=", "blocked": "!"}
+STATUS_STYLE = {"succeeded": "green", "skipped": "cyan", "failed": "red", "timed-out": "red",
+                "blocked": "yellow", "rolled-back": "magenta", "cancelled": "yellow"}
+
+
+def use_color(stream: TextIO = sys.stdout) -> bool:
+    return stream.isatty() and "NO_COLOR" not in os.environ
+
+
+def dump_json(doc: Any) -> str:
+    return json.dumps(doc, indent=2, default=str, sort_keys=False)
+
+
+# -- plans ----------------------------------------------------------------------------------
+
+
+def plan_text(plan: Plan) -> str:
+    lines = [f"Plan for {plan.runbook} {plan.version} on node {plan.node}  (digest {plan.digest[:12]})",
+             f"state: {plan.state.value}; created {plan.created_at}, expires {plan.expires_at}"]
+    if plan.probe_errors:
+        lines.append("probe errors (checks over them fail closed):")
+        lines += [f"  ! {e}" for e in plan.probe_errors]
+    if plan.preconditions:
+        lines.append("preconditions:")
+        for p in plan.preconditions:
+            mark = "-" if not p.applies else ("ok" if p.holds else ("??" if p.holds is None else "FAIL"))
+            detail = p.message if not p.passed and p.message else p.observed
+            lines.append(f"  [{mark:>4}] {p.id}: {detail}" if detail else f"  [{mark:>4}] {p.id}")
+    lines.append("steps:")
+    for i, s in enumerate(plan.steps, 1):
+        lines.append(f"  {i}. [{DECISION_MARK[s.kind]}] {s.id} ({s.action}): {s.summary}")
+        if s.why and s.kind == "change":
+            lines.append(f"       why: {_one_line(s.why)}")
+        if s.command:
+            lines.append(f"       command: {s.command}")
+        for c in s.changes:
+            lines.append(f"       change: {c.path}: {_val(c.before)} -> {_val(c.after)}")
+        for g in s.guards:
+            lines.append(f"       guard: {g.check} = {_holds(g.holds)} ({g.observed})")
+        for v in s.verify:
+            lines.append(f"       then verify: {v.check} (within {v.timeout_seconds:g}s)")
+        if s.preview:
+            lines.append("       preview:")
+            lines += [f"         {ln}" for ln in s.preview.rstrip().splitlines()]
+    if plan.state.value == "blocked":
+        lines.append("BLOCKED:")
+        lines += [f"  {r}" for r in plan.blocked_reasons]
+    elif plan.state.value == "nothing-to-do":
+        lines.append("Nothing to do: every step is a no-op.")
+    return "\n".join(lines)
+
+
+def plan_markdown(plan: Plan) -> str:
+    out = [f"# Plan: `{plan.runbook}` {plan.version} on `{plan.node}`", "",
+           f"- state: **{plan.state.value}**",
+           f"- digest: `{plan.digest}`",
+           f"- created: {plan.created_at}; expires: {plan.expires_at}",
+           f"- params: {', '.join(f'`{k}={v}`' for k, v in plan.params.items())}", ""]
+    if plan.preconditions:
+        out += ["## Preconditions", "", "| precondition | applies | holds | observed |", "|---|---|---|---|"]
+        for p in plan.preconditions:
+            out.append(f"| {p.id} | {'yes' if p.applies else 'no'} | {_holds(p.holds)} | "
+                       f"{_cell(p.message if not p.passed else p.observed)} |")
+        out.append("")
+    out += ["## Steps", "", "| # | step | action | decision | what happens | command |",
+            "|---|---|---|---|---|---|"]
+    for i, s in enumerate(plan.steps, 1):
+        out.append(f"| {i} | {s.id} | {s.action} | {s.kind} | {_cell(s.summary)} | `{_cell(s.command)}` |")
+    out += ["", "## Step order", "", "```mermaid", "graph TD"]
+    for s in plan.steps:
+        out.append(f'  {_mid(s.id)}["{s.id}: {s.kind}"]')
+    for i, s in enumerate(plan.steps):
+        if i:
+            out.append(f"  {_mid(plan.steps[i - 1].id)} --> {_mid(s.id)}")
+        for r in s.requires:
+            out.append(f"  {_mid(r)} -. requires .-> {_mid(s.id)}")
+    out += ["```", ""]
+    for s in plan.steps:
+        out += [f"### {s.id}", ""]
+        if s.why:
+            out += [_one_line(s.why), ""]
+        for c in s.changes:
+            out.append(f"- change `{c.path}`: `{_val(c.before)}` -> `{_val(c.after)}`")
+        for g in s.guards:
+            out.append(f"- guard `{g.check}`: {_holds(g.holds)} ({_cell(g.observed)})")
+        for v in s.verify:
+            out.append(f"- verify `{v.check}` within {v.timeout_seconds:g}s")
+        if s.preview:
+            out += ["", "```diff", s.preview.rstrip(), "```"]
+        out.append("")
+    if plan.state.value == "blocked":
+        out += ["## Blocked", ""] + [f"- {r}" for r in plan.blocked_reasons]
+    return "\n".join(out) + "\n"
+
+
+def plan_json(plan: Plan) -> dict[str, Any]:
+    return plan.model_dump(mode="json")
+
+
+def render_plans(plans: Sequence[Plan], output: str) -> str:
+    if output == "json":
+        docs = [plan_json(p) for p in plans]
+        return dump_json(docs[0] if len(docs) == 1 else {"plans": docs})
+    if output == "markdown":
+        return "\n".join(plan_markdown(p) for p in plans)
+    return "\n\n".join(plan_text(p) for p in plans)
+
+
+# -- results --------------------------------------------------------------------------------
+
+
+def result_text(result: RunResult, run_id: str | None = None) -> str:
+    head = f"run {run_id} " if run_id else ""
+    lines = [f"{head}{result.runbook} on {result.node}: {result.state.value} (exit {result.exit_code})"]
+    width = max((len(o.step) for o in result.outcomes), default=4)
+    for o in result.outcomes:
+        took = max(0.0, o.finished_at - o.started_at)
+        lines.append(f"  {o.step:<{width}}  {o.status.value:<11} {took:6.1f}s  {_one_line(o.reason)}")
+    if result.reason:
+        lines.append(f"reason: {result.reason}")
+    if result.report:
+        lines += ["", result.report.rstrip()]
+    return "\n".join(lines)
+
+
+def result_json(result: RunResult, run_id: str | None = None) -> dict[str, Any]:
+    doc = result.model_dump(mode="json")
+    if run_id:
+        doc = {"run_id": run_id, **doc}
+    return doc
+
+
+def print_result_table(result: RunResult, run_id: str | None, stream: TextIO = sys.stdout) -> None:
+    """The final summary table; rich on a terminal, plain text otherwise."""
+    if not use_color(stream):
+        print(result_text(result, run_id), file=stream)
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(file=stream)
+    table = Table(title=f"{result.runbook} on {result.node}: {result.state.value}", title_justify="left")
+    for col in ("step", "status", "time", "reason"):
+        table.add_column(col)
+    for o in result.outcomes:
+        style = STATUS_STYLE.get(o.status.value, "")
+        table.add_row(o.step, f"[{style}]{o.status.value}[/]", f"{max(0.0, o.finished_at - o.started_at):.1f}s",
+                      _one_line(o.reason))
+    console.print(table)
+    if result.reason:
+        console.print(f"reason: {result.reason}", markup=False)
+    if result.report:
+        console.print(result.report.rstrip(), markup=False)
+    if run_id:
+        console.print(f"run id: {run_id}  (runbook runs show {run_id})", markup=False)
+
+
+# -- history --------------------------------------------------------------------------------
+
+
+def runs_text(runs: Sequence[RunRecord]) -> str:
+    if not runs:
+        return "no runs recorded"
+    rows = [("ID", "RUNBOOK", "NODES", "STATE", "STARTED", "FINISHED", "PLAN")]
+    for r in runs:
+        s = r.summary()
+        rows.append((r.id, r.runbook, ",".join(r.nodes), r.state, s["started"] or "", s["finished"] or "",
+                     (r.plan_digest or "")[:12] if r.state == "waiting-approval" else ""))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows)
+
+
+def events_text(run: RunRecord, events: Sequence[EventRecord]) -> str:
+    lines = [f"run {run.id}: {run.runbook} {json.dumps(run.params)} state={run.state}"
+             + (f" plan={run.plan_digest}" if run.plan_digest else "")]
+    for e in events:
+        ts = time.strftime("%H:%M:%S", time.localtime(e.ts)) + f".{int(e.ts % 1 * 1000):03d}"
+        data = ", ".join(f"{k}={_short(v)}" for k, v in e.data.items())
+        lines.append(f"  {ts} #{e.seq:<3} {e.kind:<16} {e.step or '':<18} {data}")
+    return "\n".join(lines)
+
+
+# -- live view ------------------------------------------------------------------------------
+
+
+class LiveView:
+    """An EventSink printing progress: step, elapsed time, Ansible task lines, verify attempts.
+
+    Plain lines (one per event worth seeing) so it works on terminals, pipes and CI logs alike;
+    coloured when the stream is a terminal.
+    """
+
+    def __init__(self, stream: TextIO = sys.stderr) -> None:
+        self.stream = stream
+        self.color = use_color(stream)
+        self.t0 = time.monotonic()
+        self.step_t0 = self.t0
+
+    def _say(self, text: str, style: str | None = None) -> None:
+        elapsed = time.monotonic() - self.t0
+        if self.color and style:
+            text = f"\x1b[{style}m{text}\x1b[0m"
+        print(f"[{elapsed:6.1f}s] {text}", file=self.stream, flush=True)
+
+    def emit(self, kind: str, **data: Any) -> None:
+        step = data.get("step", "")
+        if kind == "step.start":
+            self.step_t0 = time.monotonic()
+            self._say(f"step {step}: start", "1")
+        elif kind == "guard.result" and not data.get("holds"):
+            self._say(f"  guard {data.get('check')}: {data.get('observed', '')}", "33")
+        elif kind == "action.intent":
+            self._say(f"  act: {data.get('summary') or data.get('command', '')}")
+        elif kind == "ansible.task":
+            self._say(f"    {data.get('host', '')}: {data.get('task', '')} [{data.get('status', '')}]", "2")
+        elif kind == "action.result":
+            self._say(f"  action {'ok' if data.get('ok', True) else 'FAILED'}: {_short(data.get('summary', ''))}")
+        elif kind == "verify.attempt":
+            ok = data.get("holds")
+            self._say(f"  verify {data.get('check')}: {'ok' if ok else 'waiting'} ({_short(data.get('observed', ''))})",
+                      "32" if ok else "2")
+        elif kind == "step.outcome":
+            took = time.monotonic() - self.step_t0
+            status = data.get("status", "")
+            self._say(f"step {step}: {status} in {took:.1f}s {_short(data.get('reason', ''))}",
+                      "32" if status in ("succeeded", "skipped") else "31")
+        elif kind in ("run.blocked", "run.failed", "approval.waiting", "lock.waiting"):
+            self._say(f"{kind}: {_short(data.get('reason', '') or data)}", "33")
+
+
+class Fanout:
+    """Send every event to several sinks (journal first: write-ahead, then the live view)."""
+
+    def __init__(self, *sinks: Any) -> None:
+        self.sinks = [s for s in sinks if s is not None]
+
+    def emit(self, kind: str, **data: Any) -> None:
+        for s in self.sinks:
+            s.emit(kind, **dict(data))
+
+
+# -- helpers --------------------------------------------------------------------------------
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _cell(text: str) -> str:
+    return _one_line(text).replace("|", "\\|")
+
+
+def _mid(step_id: str) -> str:
+    return "s_" + step_id.replace("-", "_")
+
+
+def _val(v: Any) -> str:
+    return "(absent)" if v is None else str(v)
+
+
+def _holds(h: bool | None) -> str:
+    return "yes" if h is True else ("no" if h is False else "unknown")
+
+
+def _short(v: Any, n: int = 160) -> str:
+    text = _one_line(v if isinstance(v, str) else json.dumps(v, default=str) if isinstance(v, Mapping | list) else str(v))
+    return text if len(text) <= n else text[: n - 1] + "…"
