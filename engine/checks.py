@@ -27,13 +27,14 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from engine.facts import Condition, Facts, HostFacts, NodeFacts, ServiceFacts, SwapDevice, Taint
+from engine.facts import Condition, Facts, FileFacts, HostFacts, NodeFacts, ServiceFacts, SwapDevice, Taint
 from engine.model import (
     AllCheck,
     AllocatableCheck,
     AnyCheck,
     CudaProcessesCheck,
     ExprCheck,
+    FileCheck,
     FstabActiveSwapCheck,
     GpuDriverCheck,
     JournalContainsCheck,
@@ -59,7 +60,7 @@ HOST = "host"
 NODE_CHECKS = (NodeExistsCheck, NodeReadyCheck, NodeLabelCheck, NodeTaintCheck, NodeConditionCheck,
                AllocatableCheck)
 HOST_CHECKS = (SwapActiveCheck, FstabActiveSwapCheck, ServiceCheck, JournalContainsCheck, GpuDriverCheck,
-               CudaProcessesCheck)
+               CudaProcessesCheck, FileCheck)
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,14 @@ class ObjectsQuery:
         return cls(spec.api_version, spec.plural_name, spec.namespace, spec.selector)
 
 
-Probe = str | ObjectsQuery  # NODE, HOST or an objects query
+@dataclass(frozen=True)
+class HostFile:
+    """A file the host probe must report on (passed to the facts playbook as ``runbook_files``)."""
+
+    path: str
+
+
+Probe = str | ObjectsQuery | HostFile  # NODE, HOST, an objects query, or a host file (implies HOST)
 
 
 @dataclass(frozen=True)
@@ -185,6 +193,7 @@ def bind(model: Any, params: Mapping[str, Any], facts: Facts | None = None) -> A
 def describe(check: Any) -> str:
     """A short human text: ``label nvidia.com/gpu.workload.config = container``."""
     c = check
+    s: Any  # the check's spec; its type depends on the branch
     if isinstance(c, NodeExistsCheck):
         return "node exists" if c.node_exists else "node does not exist"
     if isinstance(c, NodeReadyCheck):
@@ -230,6 +239,11 @@ def describe(check: Any) -> str:
         s = c.cuda_processes
         parts = ([f">= {s.min}"] if s.min is not None else []) + ([f"<= {s.max}"] if s.max is not None else [])
         return f"CUDA processes {' and '.join(parts)}"
+    if isinstance(c, FileCheck):
+        f = c.file
+        if f.contains is not None:
+            return f"file {f.path} contains {f.contains!r}"
+        return f"file {f.path} {'exists' if f.exists is not False else 'does not exist'}"
     if isinstance(c, ExprCheck):
         return f"expr {c.expr}"
     if isinstance(c, AllCheck):
@@ -239,6 +253,14 @@ def describe(check: Any) -> str:
     if isinstance(c, NotCheck):
         return f"not({describe(c.not_)})"
     return type(c).__name__
+
+
+def describe_bound(check: Any, params: Mapping[str, Any], facts: Facts | None = None) -> str:
+    """``describe`` with the check's templates rendered (``label k = container``), when they render."""
+    try:
+        return describe(bind(check, params, facts))
+    except Exception:  # a description never fails; the evaluation reports the error
+        return describe(check)
 
 
 # --------------------------------------------------------------------------------------------
@@ -277,7 +299,7 @@ def evaluate(check: Any, facts: Facts, params: Mapping[str, Any] | None = None) 
             return CheckResult(None, f"could not render check: {e}", {"error": str(e)})
     try:
         return _evaluate(check, facts, params)
-    except Exception as e:  # noqa: BLE001 - fail closed on anything unexpected in the facts
+    except Exception as e:  # fail closed on anything unexpected in the facts
         return CheckResult(None, f"could not evaluate {describe(check)}: {type(e).__name__}: {e}",
                            {"error": str(e)})
 
@@ -305,13 +327,13 @@ def _evaluate(c: Any, facts: Facts, params: Mapping[str, Any]) -> CheckResult:
 
 def _evaluate_combinator(c: AllCheck | AnyCheck | NotCheck, facts: Facts,
                          params: Mapping[str, Any]) -> CheckResult:
+    holds: bool | None
     if isinstance(c, NotCheck):
         r = evaluate(c.not_, facts, params)
         holds = None if r.holds is None else not r.holds
         return CheckResult(holds, f"not ({r.observed})", r.evidence, r.reads)
     parts = [evaluate(x, facts, params) for x in (c.all_ if isinstance(c, AllCheck) else c.any_)]
     values = [p.holds for p in parts]
-    holds: bool | None
     if isinstance(c, AllCheck):
         holds = False if False in values else (None if None in values else True)
     else:
@@ -335,10 +357,13 @@ def _evaluate_node(c: Any, facts: Facts) -> CheckResult:
     if not node.exists:
         return CheckResult(None, f"node {node.name} does not exist", {"error": "node does not exist"},
                            {"node.exists": False})
+    s: Any
     if isinstance(c, NodeReadyCheck):
         cond = node.condition("Ready")
-        detail = f"Ready={cond.status}" + (f" ({cond.reason})" if cond and cond.reason else "") if cond \
-            else "no Ready condition"
+        if cond is None:
+            detail = "no Ready condition"
+        else:
+            detail = f"Ready={cond.status}" + (f" ({cond.reason})" if cond.reason else "")
         return _result(node.ready == c.node_ready, detail, {"node.ready": node.ready})
     if isinstance(c, NodeLabelCheck):
         s = c.node_label
@@ -375,6 +400,7 @@ def _evaluate_host(c: Any, facts: Facts) -> CheckResult:
     host = facts.host
     if host is None:
         return _unknown("host facts", facts, HOST)
+    s: Any
     if isinstance(c, SwapActiveCheck):
         devices = ", ".join(d.name for d in host.swap_devices)
         observed = f"swap on: {devices}" if devices else "swap off"
@@ -410,6 +436,23 @@ def _evaluate_host(c: Any, facts: Facts) -> CheckResult:
         return _result(holds, f"{n} CUDA process{'es' if n != 1 else ''}",
                        {f"host.cuda_processes ({describe(c)})": holds},
                        processes=[f"{p.pid} {p.name}" for p in host.cuda_processes][:20])
+    if isinstance(c, FileCheck):
+        f = c.file
+        ff: FileFacts | None = host.files.get(f.path)
+        if ff is None:
+            return CheckResult(None, f"file {f.path} not gathered", {"error": "file not gathered"})
+        want_exists = f.exists if f.exists is not None else True
+        holds = ff.exists == want_exists
+        reads: dict[str, Any] = {f"host.files[{f.path}].exists": ff.exists}
+        if f.contains is not None:
+            found = ff.exists and f.contains in ff.content
+            holds = holds and found
+            reads[f"host.files[{f.path}] contains {f.contains!r}"] = found
+            observed = f"file {f.path} {'contains' if found else 'does not contain'} {f.contains!r}" \
+                if ff.exists else f"file {f.path} does not exist"
+        else:
+            observed = f"file {f.path} {'exists' if ff.exists else 'does not exist'}"
+        return _result(holds, observed, reads, sha256=ff.sha256)
     raise TypeError(f"not a host check: {c!r}")
 
 
@@ -437,10 +480,7 @@ def _evaluate_objects(c: ObjectsCheck, facts: Facts) -> CheckResult:
         md = o.get("metadata") or {}
         return f"{md.get('namespace', '')}/{md.get('name', '?')}".lstrip("/")
 
-    if s.field is None:
-        matching = list(objs)
-    else:
-        matching = [o for o in objs if field_value(o, s.field) == s.equals]
+    matching = list(objs) if s.field is None else [o for o in objs if field_value(o, s.field) == s.equals]
     n = len(matching)
     if s.count is not None:
         holds = n == s.count
@@ -494,6 +534,7 @@ def _set_condition(node: NodeFacts, type_: str, status: str) -> NodeFacts:
 
 
 def _establish_node(c: Any, node: NodeFacts) -> NodeFacts:
+    s: Any
     if isinstance(c, NodeReadyCheck):
         return _set_condition(node, "Ready", "True" if c.node_ready else "False")
     if isinstance(c, NodeConditionCheck):
@@ -549,6 +590,19 @@ def _establish_host(c: Any, host: HostFacts) -> HostFacts:
             return host
         first = replace(host.gpus[0], driver=c.gpu_driver)
         return replace(host, gpus=(first, *host.gpus[1:]))
+    if isinstance(c, FileCheck):
+        f = c.file
+        old_file = host.files.get(f.path)
+        if f.exists is False:
+            new = FileFacts(f.path, exists=False)
+        else:
+            content = old_file.content if old_file is not None and old_file.exists else ""
+            if f.contains is not None and f.contains not in content:
+                content = (content + ("\n" if content and not content.endswith("\n") else "") + f.contains)
+            new = FileFacts(f.path, exists=True, content=content)
+        if old_file == new:
+            return host
+        return replace(host, files={**host.files, f.path: new})
     if isinstance(c, CudaProcessesCheck):
         if c.cuda_processes.max is not None and len(host.cuda_processes) > c.cuda_processes.max:
             return replace(host, cuda_processes=host.cuda_processes[: c.cuda_processes.max])
@@ -580,6 +634,15 @@ def _collect_probes(c: Any, params: Mapping[str, Any], out: set[Probe]) -> None:
         _collect_probes(c.not_, params, out)
     elif isinstance(c, NODE_CHECKS):
         out.add(NODE)
+    elif isinstance(c, FileCheck):
+        out.add(HOST)
+        path = c.file.path
+        if is_template(path):
+            try:
+                path = bind(c, params).file.path
+            except Exception:
+                return
+        out.add(HostFile(path))
     elif isinstance(c, HOST_CHECKS):
         out.add(HOST)
     elif isinstance(c, ObjectsCheck):

@@ -84,6 +84,16 @@ class CudaProcess:
 
 
 @dataclass(frozen=True)
+class FileFacts:
+    """A file on the host that a runbook asked about (``runbook_files``), e.g. for ``file`` checks."""
+
+    path: str
+    exists: bool
+    content: str = ""  # text, at most the first 64 KiB
+    sha256: str = ""
+
+
+@dataclass(frozen=True)
 class HostFacts:
     """What the read-only node-facts playbook found on one node host."""
 
@@ -94,6 +104,7 @@ class HostFacts:
     services: Mapping[str, ServiceFacts] = field(default_factory=dict)
     gpus: tuple[GpuDevice, ...] = ()
     cuda_processes: tuple[CudaProcess, ...] = ()
+    files: Mapping[str, FileFacts] = field(default_factory=dict)  # path -> facts, for asked-for paths
 
     @property
     def swap_active(self) -> bool:

@@ -185,6 +185,25 @@ class CudaProcessesSpec(_Model):
         return self
 
 
+class FileSpec(_Model):
+    path: str = Field(min_length=2)  # absolute path on the node host
+    exists: bool | None = None  # defaults to true when 'contains' is not given
+    contains: str | None = None  # substring of the file's text (first 64 KiB)
+
+    @field_validator("path")
+    @classmethod
+    def _absolute(cls, v: str) -> str:
+        if not v.startswith("/") and not v.startswith("{{"):
+            raise ValueError(f"file path must be absolute, got {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> FileSpec:
+        if self.contains is not None and self.exists is False:
+            raise ValueError("file: 'contains' with 'exists: false' can never hold")
+        return self
+
+
 class NodeExistsCheck(_Model):
     KEY: ClassVar[str] = "node_exists"
     node_exists: bool
@@ -250,6 +269,11 @@ class CudaProcessesCheck(_Model):
     cuda_processes: CudaProcessesSpec
 
 
+class FileCheck(_Model):
+    KEY: ClassVar[str] = "file"
+    file: FileSpec
+
+
 class ExprCheck(_Model):
     KEY: ClassVar[str] = "expr"
     expr: str = Field(min_length=1)  # a Jinja2 expression (no braces), truthy = holds
@@ -273,7 +297,8 @@ class NotCheck(_Model):
 CHECK_TYPES: tuple[type[_Model], ...] = (
     NodeExistsCheck, NodeReadyCheck, NodeLabelCheck, NodeTaintCheck, NodeConditionCheck,
     AllocatableCheck, ObjectsCheck, SwapActiveCheck, FstabActiveSwapCheck, ServiceCheck,
-    JournalContainsCheck, GpuDriverCheck, CudaProcessesCheck, ExprCheck, AllCheck, AnyCheck, NotCheck,
+    JournalContainsCheck, GpuDriverCheck, CudaProcessesCheck, FileCheck, ExprCheck, AllCheck, AnyCheck,
+    NotCheck,
 )
 CHECK_KEYS: tuple[str, ...] = tuple(t.KEY for t in CHECK_TYPES)  # type: ignore[attr-defined]
 
@@ -291,6 +316,7 @@ Check = Annotated[
     | Annotated[JournalContainsCheck, Tag("journal_contains")]
     | Annotated[GpuDriverCheck, Tag("gpu_driver")]
     | Annotated[CudaProcessesCheck, Tag("cuda_processes")]
+    | Annotated[FileCheck, Tag("file")]
     | Annotated[ExprCheck, Tag("expr")]
     | Annotated[AllCheck, Tag("all")]
     | Annotated[AnyCheck, Tag("any")]
@@ -720,7 +746,7 @@ def canonical_json(data: Any) -> bytes:
 class Plan(_Model):
     """What a run will do to one node now: a reviewable, serialisable value with a digest."""
 
-    format: Literal["runbook-plan/v1"] = PLAN_FORMAT
+    format: Literal["runbook-plan/v1"] = "runbook-plan/v1"
     runbook: str
     version: str
     runbook_digest: str  # sha256 of the runbook file's bytes

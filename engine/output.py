@@ -284,5 +284,7 @@ def _holds(h: bool | None) -> str:
 
 
 def _short(v: Any, n: int = 160) -> str:
-    text = _one_line(v if isinstance(v, str) else json.dumps(v, default=str) if isinstance(v, Mapping | list) else str(v))
+    if not isinstance(v, str):
+        v = json.dumps(v, default=str) if isinstance(v, Mapping | list) else str(v)
+    text = _one_line(v)
     return text if len(text) <= n else text[: n - 1] + "…"

@@ -32,6 +32,14 @@ def is_node_name(value: str) -> bool:
     return all(len(part) <= 63 and _NODE_LABEL.match(part) for part in value.split("."))
 
 
+def validate_node_name(value: str) -> str:
+    """``value`` if it is a valid node name, else UsageError (before any probe or playbook sees it)."""
+    if not is_node_name(value):
+        raise UsageError(f"{value!r} is not a valid node name (RFC 1123: lowercase letters, digits, "
+                         "'-' and '.', at most 253 characters)")
+    return value
+
+
 def coerce_value(name: str, param: Param, value: Any) -> ParamValue:
     """One value (a CLI string or a typed value from YAML/JSON) -> the param's type, or ValueError."""
     kind = param.type

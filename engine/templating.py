@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
@@ -31,6 +30,7 @@ from engine.facts import Facts
 MAX_OUTPUT = 100_000
 _MAX_REPEAT = 100_000
 _MAX_EXPONENT = 1000
+_MAX_POWER_BITS = 100_000
 FACT_ROOTS = frozenset({"node_name", "node", "host", "objects", "errors"})
 
 
@@ -52,6 +52,9 @@ class _Sandbox(ImmutableSandboxedEnvironment):
         if operator == "**":
             if isinstance(right, int | float) and abs(right) > _MAX_EXPONENT:
                 raise jinja2.sandbox.SecurityError("exponent too large")
+            if isinstance(left, int) and isinstance(right, int) and abs(left) > 1 \
+                    and left.bit_length() * right > _MAX_POWER_BITS:
+                raise jinja2.sandbox.SecurityError("power too large")
             return left**right
         if operator == "*":
             for seq, n in ((left, right), (right, left)):
@@ -200,11 +203,6 @@ def context(params: Mapping[str, Any], facts: Facts | None = None) -> dict[str, 
 # --------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class TemplateProblem:
-    message: str
-
-
 def template_problems(source: str, *, params: Mapping[str, Any], expression: bool = False,
                       extra_names: frozenset[str] = frozenset()) -> list[str]:
     """Problems of one template (or bare expression): syntax, unknown names, unsafe attributes.
@@ -233,7 +231,7 @@ def template_problems(source: str, *, params: Mapping[str, Any], expression: boo
         if attr is not None and attr.startswith("_"):
             problems.append(f"template accesses private attribute {attr!r}")
             continue
-        target = node.node
+        target = getattr(node, "node", None)
         if isinstance(target, jnodes.Name) and attr is not None:
             if target.name == "params" and attr not in params:
                 problems.append(f"template refers to undeclared param {attr!r}")

@@ -10,18 +10,21 @@ server hang a run (connect timeout 5 s, no client-side connection retries).
 
 Notes on the client (kubernetes 37):
 
-* Responses are read as JSON (``_preload_content=False``): faster than the client's model
-  deserialisation and the same shape the watch stream delivers, so one converter serves both.
+* Requests go through the client's ``ApiClient`` (kubeconfig, auth, TLS, token refresh) on the
+  REST paths, and responses are read as JSON. The generated API classes are not used:
+  importing ``CoreV1Api`` alone costs ~0.6 s of pydantic set-up on every CLI start, and JSON is
+  the shape the watch stream delivers anyway, so one converter serves reads and watches.
 * Lease bodies are sent as raw JSON: the client's models serialise datetimes with
   ``isoformat()``, which drops the fraction when microseconds are 0; the apiserver requires a
   MicroTime with exactly six fractional digits and answers 400 otherwise.
 * Evictions are sent as raw JSON too, as ``policy/v1`` first and ``policy/v1beta1`` when the
   server does not know v1 (Kubernetes < 1.22, e.g. the lab's 1.20).
-* ``kubernetes`` costs ~0.3 s to import, so it is imported in the constructor, not at module load.
+* ``kubernetes`` costs ~0.2 s to import, so it is imported in the constructor, not at module load.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import queue
@@ -139,7 +142,8 @@ class KubeConnector:
 
     def __init__(self, kubeconfig: str | None = None, context: str | None = None,
                  in_cluster: bool = False, *, connect_timeout: float = 5.0,
-                 read_timeout: float = 30.0) -> None:
+                 read_timeout: float = 30.0, clock: Callable[[], float] = time.time) -> None:
+        """``clock`` (epoch seconds) stamps Lease times; tests inject one."""
         try:
             import urllib3
             from kubernetes import client, config
@@ -149,6 +153,7 @@ class KubeConnector:
         self._client = client
         self._urllib3 = urllib3
         self._timeout = (connect_timeout, read_timeout)
+        self._clock = clock
         self._connect_timeout = connect_timeout
         cfg = client.Configuration()
         try:
@@ -169,10 +174,7 @@ class KubeConnector:
             warnings.filterwarnings("ignore", category=urllib3.exceptions.InsecureRequestWarning)
         self.host: str = cfg.host
         self._api = client.ApiClient(cfg)
-        self._core = client.CoreV1Api(self._api)
-        self._custom = client.CustomObjectsApi(self._api)
         self._eviction_version: str | None = None  # learnt on first eviction
-        self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ plumbing
 
@@ -196,28 +198,24 @@ class KubeConnector:
             return KubeError(f"{what}: API server {self.host} unreachable: {_short(e)}", retryable=True)
         return KubeError(f"{what}: {e}")
 
-    def _json(self, call: Callable[..., Any], what: str, *args: Any, **kwargs: Any) -> Any:
-        """Call a generated client method, return the decoded JSON body."""
-        kwargs.setdefault("_request_timeout", self._timeout)
-        try:
-            resp = call(*args, _preload_content=False, **kwargs)
-            data = resp.data
-        except Exception as e:
-            raise self._wrap(e, what) from e
-        return json.loads(data) if data else {}
-
     def _raw(self, method: str, path: str, what: str, *, query: Sequence[tuple[str, Any]] = (),
-             body: Any = None, content_type: str = "application/json") -> Any:
-        """A request with an exact JSON body (no client model in between)."""
+             body: Any = None, content_type: str = "application/json",
+             timeout: tuple[float, float] | None = None, stream: bool = False) -> Any:
+        """One REST call with an exact JSON body; returns the decoded JSON body.
+
+        ``stream=True`` returns the open urllib3 response instead (for watches).
+        """
         headers = {"Accept": "application/json"}
         if body is not None:
             headers["Content-Type"] = content_type
+        params = [(k, v) for k, v in query if v is not None]
         try:
             req = self._api.param_serialize(method=method, resource_path=path,
-                                            query_params=list(query) or None,
-                                            header_params=headers, body=body,
-                                            auth_settings=["BearerToken"])
-            resp = self._api.call_api(*req, _request_timeout=self._timeout)
+                                            query_params=params or None, header_params=headers,
+                                            body=body, auth_settings=["BearerToken"])
+            resp = self._api.call_api(*req, _request_timeout=timeout or self._timeout)
+            if stream and 200 <= resp.status <= 299:
+                return resp.response
             data = resp.read()
             if not 200 <= resp.status <= 299:
                 raise self._client.ApiException.from_response(http_resp=resp, body=None, data=None)
@@ -229,13 +227,13 @@ class KubeConnector:
 
     def read_node(self, name: str) -> NodeFacts | None:
         try:
-            obj = self._json(self._core.read_node, f"read node {name}", name)
+            obj = self._raw("GET", f"/api/v1/nodes/{_q(name)}", f"read node {name}")
         except NotFound:
             return None
         return node_facts_from_dict(obj)
 
     def list_nodes(self, label_selector: str | None = None) -> list[NodeFacts]:
-        obj = self._json(self._core.list_node, "list nodes", label_selector=label_selector)
+        obj = self._raw("GET", "/api/v1/nodes", "list nodes", query=[("labelSelector", label_selector)])
         return [node_facts_from_dict(i) for i in obj.get("items") or ()]
 
     def patch_node(self, name: str, patch: Any, *, patch_type: PatchType = "merge",
@@ -245,15 +243,15 @@ class KubeConnector:
         if patch_type == "json" and not isinstance(patch, list):
             # The client would silently send a non-list as a strategic merge patch.
             raise KubeError("a json patch is a list of operations")
-        obj = self._json(self._core.patch_node, f"patch node {name}", name, patch,
-                         dry_run="All" if dry_run else None,
-                         _content_type=_PATCH_CONTENT_TYPES[patch_type])
+        obj = self._raw("PATCH", f"/api/v1/nodes/{_q(name)}", f"patch node {name}", body=patch,
+                        query=[("dryRun", "All" if dry_run else None)],
+                        content_type=_PATCH_CONTENT_TYPES[patch_type])
         return node_facts_from_dict(obj)
 
     def _list_node_with_rv(self, name: str) -> tuple[NodeFacts | None, str]:
         """The node (or None) and the list's resourceVersion: where a watch starts."""
-        obj = self._json(self._core.list_node, f"read node {name}",
-                         field_selector=f"metadata.name={name}")
+        obj = self._raw("GET", "/api/v1/nodes", f"read node {name}",
+                        query=[("fieldSelector", f"metadata.name={name}")])
         items = obj.get("items") or []
         rv = (obj.get("metadata") or {}).get("resourceVersion", "")
         return (node_facts_from_dict(items[0]) if items else None), rv
@@ -298,12 +296,9 @@ class KubeConnector:
     def list_pods(self, *, node: str | None = None, label_selector: str | None = None,
                   namespace: str | None = None) -> list[PodRef]:
         field_selector = f"spec.nodeName={node}" if node else None
-        if namespace:
-            obj = self._json(self._core.list_namespaced_pod, f"list pods in {namespace}", namespace,
-                             label_selector=label_selector, field_selector=field_selector)
-        else:
-            obj = self._json(self._core.list_pod_for_all_namespaces, "list pods",
-                             label_selector=label_selector, field_selector=field_selector)
+        path = f"/api/v1/namespaces/{_q(namespace)}/pods" if namespace else "/api/v1/pods"
+        obj = self._raw("GET", path, "list pods" + (f" in {namespace}" if namespace else ""),
+                        query=[("labelSelector", label_selector), ("fieldSelector", field_selector)])
         return [pod_ref_from_dict(i) for i in obj.get("items") or ()]
 
     def evict_pod(self, pod: PodRef, *, dry_run: bool = False) -> None:
@@ -325,9 +320,8 @@ class KubeConnector:
                 self._raw("POST", path, what, body=body,
                           query=[("dryRun", "All")] if dry_run else ())
             except NotFound as e:
-                if "eviction" in str(e).lower() or "the server could not find" in str(e).lower():
-                    if i + 1 < len(versions):
-                        continue
+                if "could not find the requested resource" in str(e) and i + 1 < len(versions):
+                    continue  # no such subresource version on this server
                 return  # the pod is already gone: nothing to evict
             except KubeError as e:
                 if e.status == 400 and version in str(e) and i + 1 < len(versions):
@@ -346,9 +340,10 @@ class KubeConnector:
         if dry_run:
             body["dryRun"] = ["All"]
         try:
-            self._json(self._core.delete_namespaced_pod, f"delete pod {pod.namespace}/{pod.name}",
-                       pod.name, pod.namespace, body=body or None,
-                       dry_run="All" if dry_run else None, grace_period_seconds=grace_seconds)
+            self._raw("DELETE", f"/api/v1/namespaces/{_q(pod.namespace)}/pods/{_q(pod.name)}",
+                      f"delete pod {pod.namespace}/{pod.name}", body=body or None,
+                      query=[("dryRun", "All" if dry_run else None),
+                             ("gracePeriodSeconds", grace_seconds)])
         except NotFound:
             return  # already gone
 
@@ -356,22 +351,14 @@ class KubeConnector:
 
     def list_objects(self, api_version: str, kind_plural: str, *, namespace: str | None = None,
                      label_selector: str | None = None) -> list[Mapping[str, Any]]:
-        """Core kinds (``v1``) through the core API path, group kinds through CustomObjectsApi."""
+        """Core kinds (``v1``) under ``/api/v1``, group kinds (custom resources included) under
+        ``/apis/<group>/<version>``; items as read-only plain mappings."""
         what = f"list {kind_plural}.{api_version}" + (f" in {namespace}" if namespace else "")
-        if "/" not in api_version:
-            prefix = f"/api/{_q(api_version)}"
-            path = (f"{prefix}/namespaces/{_q(namespace)}/{_q(kind_plural)}" if namespace
-                    else f"{prefix}/{_q(kind_plural)}")
-            obj = self._raw("GET", path, what,
-                            query=[("labelSelector", label_selector)] if label_selector else ())
-        else:
-            group, version = api_version.split("/", 1)
-            if namespace:
-                obj = self._json(self._custom.list_namespaced_custom_object, what, group, version,
-                                 namespace, kind_plural, label_selector=label_selector)
-            else:
-                obj = self._json(self._custom.list_cluster_custom_object, what, group, version,
-                                 kind_plural, label_selector=label_selector)
+        prefix = f"/api/{_q(api_version)}" if "/" not in api_version else (
+            "/apis/" + "/".join(_q(p) for p in api_version.split("/", 1)))
+        path = (f"{prefix}/namespaces/{_q(namespace)}/{_q(kind_plural)}" if namespace
+                else f"{prefix}/{_q(kind_plural)}")
+        obj = self._raw("GET", path, what, query=[("labelSelector", label_selector)])
         return [MappingProxyType(i) for i in obj.get("items") or ()]
 
     # ------------------------------------------------------------------ leases
@@ -389,7 +376,7 @@ class KubeConnector:
         return lease_record_from_dict(obj)
 
     def create_lease(self, namespace: str, name: str, holder: str, duration_seconds: int) -> LeaseRecord:
-        now = format_microtime(time.time())
+        now = format_microtime(self._clock())
         body = {
             "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
             "metadata": {"name": name, "namespace": namespace},
@@ -403,7 +390,7 @@ class KubeConnector:
                      *, acquire: bool) -> LeaseRecord:
         """PUT with the record's resourceVersion: a stale record gets ``Conflict`` (409)."""
         what = f"update lease {lease.namespace}/{lease.name}"
-        now = time.time()
+        now = self._clock()
         current = self._raw("GET", self._lease_path(lease.namespace, lease.name), what)
         transitions = int((current.get("spec") or {}).get("leaseTransitions") or 0)
         if acquire and holder != lease.holder:
@@ -433,10 +420,8 @@ class KubeConnector:
 
     def close(self) -> None:
         """Release the HTTP connection pool."""
-        try:
+        with contextlib.suppress(Exception):  # best effort; nothing to report
             self._api.close()
-        except Exception:  # closing is best effort; nothing to report
-            pass
 
 
 # --------------------------------------------------------------------------- the watch helper
@@ -484,10 +469,11 @@ class _NodeWatch:
 
     def _open(self) -> Any:
         remaining = max(1, math.ceil(self.deadline - time.monotonic()))
-        return self.conn._core.list_node(
-            field_selector=f"metadata.name={self.name}", resource_version=self.rv or None,
-            watch=True, allow_watch_bookmarks=True, timeout_seconds=remaining + 1,
-            _preload_content=False, _request_timeout=(self.conn._connect_timeout, remaining + 30))
+        query = [("fieldSelector", f"metadata.name={self.name}"), ("watch", "true"),
+                 ("allowWatchBookmarks", "true"), ("timeoutSeconds", remaining + 1),
+                 ("resourceVersion", self.rv or None)]
+        return self.conn._raw("GET", "/api/v1/nodes", f"watch node {self.name}", query=query,
+                              timeout=(self.conn._connect_timeout, remaining + 30.0), stream=True)
 
     def _relist(self) -> None:
         node, self.rv = self.conn._list_node_with_rv(self.name)
@@ -517,7 +503,7 @@ class _NodeWatch:
                 if self._stopped.is_set():
                     return
                 err = self.conn._wrap(e, f"watch node {self.name}")
-                if isinstance(e, self.conn._client.ApiException) and e.status == 410:
+                if err.status == 410:
                     try:
                         self._relist()
                         continue
@@ -564,14 +550,10 @@ def _lines(resp: Any) -> Iterator[str]:
 
 def _shutdown(resp: Any) -> None:
     """Wake a reader blocked on this response's socket (urllib3 >= 2.3), then close it."""
-    try:
+    with contextlib.suppress(Exception):  # already closed, or urllib3 < 2.3
         resp.shutdown()
-    except Exception:  # already closed or an older urllib3
-        pass
-    try:
+    with contextlib.suppress(Exception):
         resp.close()
-    except Exception:
-        pass
 
 
 def _q(segment: str) -> str:

@@ -39,6 +39,7 @@ from engine.lab.ports import free_port
 HOST = "127.0.0.1"
 STATE_FILE = "controlplane.json"
 COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler")
+STOP_GRACE_SECONDS = 3.0
 MUTATING_VERBS = frozenset({"create", "update", "patch", "delete", "deletecollection"})
 
 ADMIN_USER = "admin"
@@ -216,8 +217,8 @@ class ControlPlane:
             data = json.loads((state_dir / STATE_FILE).read_text())
         except (OSError, ValueError) as e:
             raise LabError(f"no control-plane state in {state_dir}: {e}") from e
-        plane = cls(state_dir, assets=data["assets"], settings=ControlPlaneSettings(
-            **{k: tuple(v) if isinstance(v, list) else v for k, v in data["settings"].items()}))
+        saved: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in data["settings"].items()}
+        plane = cls(state_dir, assets=data["assets"], settings=ControlPlaneSettings(**saved))
         plane.token = data["token"]
         plane.simulator_token = data["simulator_token"]
         plane.ports = dict(data["ports"])
@@ -333,6 +334,7 @@ class ControlPlane:
                 f"--default-not-ready-toleration-seconds={s.default_not_ready_toleration_seconds}",
                 f"--audit-policy-file={d / 'audit-policy.yaml'}", f"--audit-log-path={self.audit_log}",
                 "--audit-log-format=json", "--audit-log-maxsize=200", "--audit-log-maxbackup=1",
+                "--endpoint-reconciler-type=none",  # 127.0.0.1 is no valid endpoint: no reconciler noise
                 "--profiling=false", *s.extra_apiserver_args,
             ],
             "kube-controller-manager": [
@@ -377,8 +379,14 @@ class ControlPlane:
         if comp is None or comp.ref is None:
             return
         popen = comp.popen
-        procs.stop_processes([comp.ref], timeout=10.0,
-                             reap=(lambda _pid: popen.poll()) if popen is not None else None)
+
+        def reap(_pid: int) -> None:
+            if popen is not None:
+                popen.poll()
+
+        # kube-apiserver's graceful shutdown outlasts 10 s with watches open: a short grace, then SIGKILL
+        procs.stop_processes([comp.ref], timeout=STOP_GRACE_SECONDS,
+                             reap=reap)
         if popen is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 popen.wait(timeout=5)

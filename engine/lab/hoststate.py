@@ -26,10 +26,10 @@ namespace it is bind-mounted at ``/run/runbook-lab``). It holds:
                "containerd": {...}},
      "kubelet": {"fail_swap_on": true,
                  "fault": null | {"mode": "exit" | "no-heartbeat", "lines": ["..."], "until_unit_active": "containerd"}},
-     "gpus": [{"slot": "01:00.0", "vendor_device": "10de:2b85", "class": "VGA compatible controller [0300]",
+     "pci_devices": [{"slot": "01:00.0", "vendor_device": "10de:2b85", "class": "VGA compatible controller [0300]",
                "name": "GB202 [GeForce RTX 5090]", "subsystem": "NVIDIA Corporation Device [10de:2055]",
                "rev": "a1", "driver": "nvidia", "modules": ["nvidiafb", "nouveau", "nvidia_drm", "nvidia"],
-               "display": true}],
+               "display": true}, {"slot": "01:00.1", "class": "Audio device [0403]", ...}],
      "cuda_jobs": [{"pid": 4242, "name": "python3", "used_memory_mib": 20480}],
      "cuda_jobs_killed": 0}
 
@@ -127,14 +127,13 @@ class HostState:
     def initialise(self, state: State, journal: list[dict[str, Any]] | None = None) -> None:
         """(Re)create the folder's files from ``state``: used by ``lab up`` and ``lab reset``."""
         self.folder.mkdir(parents=True, exist_ok=True)
-        os.chmod(self.folder, 0o755)
         self.lock_path.touch()
         os.chmod(self.lock_path, 0o644)
         with self._locked(exclusive=True):
             state = dict(state, version=FORMAT_VERSION, seq=0)
             self._write(state)
-            lines = "".join(json.dumps(e) + "\n" for e in journal or [])
-            self.journal_path.write_text(lines)
+            lines = "".join(json.dumps(e) + "\n" for e in sorted(journal or [], key=lambda e: e["ts"]))
+            self.journal_path.write_text(lines)  # in place: same inode
             self.calls_path.write_text("")
         for path in (self.journal_path, self.calls_path):
             os.chmod(path, 0o644)
@@ -147,6 +146,14 @@ class HostState:
             fcntl.flock(f, fcntl.LOCK_EX)
             for msg in messages:
                 f.write(json.dumps({"ts": ts, "unit": unit, "ident": ident, "pid": pid, "msg": msg}) + "\n")
+
+    def append_entries(self, entries: list[dict[str, Any]]) -> None:
+        """Append journal entries (``{"ts", "unit", "ident", "pid", "msg"}``) in one locked write."""
+        if not entries:
+            return
+        with open(self.journal_path, "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            f.write("".join(json.dumps(e) + "\n" for e in entries))
 
     def journal(self, unit: str | None = None) -> list[dict[str, Any]]:
         entries = [json.loads(line) for line in self.journal_path.read_text().splitlines() if line]

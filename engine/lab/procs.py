@@ -89,7 +89,11 @@ def reap_child(pid: int) -> None:
 
 
 def die_with_parent() -> None:
-    """``preexec_fn``: the child gets SIGKILL when the process that started it dies (tests only)."""
+    """``preexec_fn``: the child gets SIGKILL when its parent dies (tests: nothing outlives a killed pytest).
+
+    Linux ties this to the parent *thread*: start such children from a thread that lives as long as
+    they should (the main thread), never from a short-lived worker thread.
+    """
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 

@@ -1,0 +1,244 @@
+"""The library functions the CLI and the server call: load -> prepare -> plan -> run.
+
+Connectors are passed in (the CLI and the server build them); this module never imports
+``kubernetes`` or ``ansible_runner``. Journals, locks, prompts and output belong to the caller:
+``run`` takes an ``EventSink`` (write-ahead journal first), a cancel event, and callbacks for
+approvals and re-run confirmations.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from engine import checks as chk
+from engine import loader, planning, probes
+from engine.connectors.base import KubeAPI, NodeAutomation
+from engine.errors import LoadError, Location, RunbookError, UsageError
+from engine.model import AnsibleAction, KubeAction, Plan, Runbook, RunResult
+from engine.params import resolve_params
+
+
+@dataclass(frozen=True)
+class LoadedRunbook:
+    runbook: Runbook
+    path: Path
+    digest: str  # sha256 of the file's bytes
+    playbooks_dir: Path
+
+    @property
+    def name(self) -> str:
+        return self.runbook.name
+
+
+@dataclass(frozen=True)
+class PreparedRun:
+    """A runbook with resolved, validated params for one node."""
+
+    loaded: LoadedRunbook
+    params: dict[str, Any]
+    node: str
+
+    @property
+    def runbook(self) -> Runbook:
+        return self.loaded.runbook
+
+
+def load(name_or_path: str | Path, runbooks_dir: Path | None = None, *,
+         playbooks_dir: Path | None = None) -> LoadedRunbook:
+    """A runbook by name (looked up in ``runbooks_dir``) or by path; LoadError lists every problem."""
+    path = loader.resolve_runbook_path(str(name_or_path), runbooks_dir)
+    pb = playbooks_dir if playbooks_dir is not None else loader.playbooks_dir_for(path.parent)
+    runbook, data = loader.read_runbook(path, playbooks_dir=pb)
+    return LoadedRunbook(runbook=runbook, path=path, digest=loader.file_digest(data), playbooks_dir=pb)
+
+
+def list_runbooks(runbooks_dir: Path | None = None) -> tuple[list[LoadedRunbook], list[tuple[Location, str]]]:
+    """Every runbook in the folder that loads, and the problems of those that do not."""
+    d = runbooks_dir if runbooks_dir is not None else loader.default_runbooks_dir()
+    ok: list[LoadedRunbook] = []
+    problems: list[tuple[Location, str]] = []
+    for path in loader.find_runbooks(d):
+        try:
+            ok.append(load(path))
+        except LoadError as e:
+            problems.extend(e.problems)
+    return ok, problems
+
+
+def prepare_run(loaded: LoadedRunbook, raw_params: Mapping[str, Any] | Iterable[str] = (), *,
+                node: str | None = None) -> PreparedRun:
+    """Resolve ``-p key=value`` (or a mapping) + ``--node`` into typed params for one node."""
+    params = resolve_params(loaded.runbook, raw_params, node=node)
+    key = loaded.runbook.node_param
+    if key is None or key not in params:
+        raise UsageError(f"runbook {loaded.name} needs a node: give --node or -p {key or 'node'}=NAME")
+    return PreparedRun(loaded=loaded, params=params, node=str(params[key]))
+
+
+def select_nodes(kube: KubeAPI, selector: str) -> list[str]:
+    """Names of the nodes matching a label selector, sorted (fleet runs)."""
+    return sorted(n.name for n in kube.list_nodes(label_selector=selector))
+
+
+def prepare_fleet(loaded: LoadedRunbook, raw_params: Mapping[str, Any] | Iterable[str], node_names: Sequence[str]
+                  ) -> list[PreparedRun]:
+    """One prepared run per node (the same params, the node param set to each node)."""
+    given = dict(raw_params) if isinstance(raw_params, Mapping) else None
+    items = list(raw_params) if given is None else []
+    out = []
+    for n in node_names:
+        out.append(prepare_run(loaded, given if given is not None else items, node=n))
+    if not out:
+        raise UsageError("the selector matches no node")
+    return out
+
+
+def _inventory_host(nodes: NodeAutomation | None, node: str) -> str:
+    if nodes is None:
+        return node
+    try:
+        return nodes.inventory_host(node)
+    except RunbookError:
+        return node
+
+
+def plan(prepared: PreparedRun, kube: KubeAPI | None, nodes: NodeAutomation | None, *,
+         now: datetime | None = None, ttl: float = planning.DEFAULT_TTL, preview: bool = True,
+         inventory_cmd_hint: str = "INVENTORY") -> Plan:
+    """Gather live facts (read-only), plan, and (``preview``) attach dry-run previews. Changes nothing."""
+    facts = probes.gather(prepared.runbook, prepared.params, prepared.node, kube, nodes)
+    p = planning.plan_run(prepared.runbook, prepared.params, facts, runbook_digest=prepared.loaded.digest,
+                          now=now or datetime.now(UTC), ttl=ttl,
+                          inventory_host=_inventory_host(nodes, prepared.node),
+                          inventory_cmd_hint=inventory_cmd_hint)
+    if preview:
+        p = preview_plan(p, prepared, kube, nodes, facts=facts)
+    return p
+
+
+def plan_fleet(prepared: Sequence[PreparedRun], kube: KubeAPI | None, nodes: NodeAutomation | None, *,
+               now: datetime | None = None, ttl: float = planning.DEFAULT_TTL, preview: bool = True,
+               inventory_cmd_hint: str = "INVENTORY") -> list[Plan]:
+    """Plans for many nodes: facts gathered together (one Ansible facts run for every host)."""
+    if not prepared:
+        return []
+    loaded = prepared[0].loaded
+    by_node = {p.node: p for p in prepared}
+    facts = probes.gather_many(loaded.runbook, {p.node: p.params for p in prepared}, kube, nodes)
+    plans = planning.plan_fleet(loaded.runbook, {p.node: p.params for p in prepared}, facts,
+                                runbook_digest=loaded.digest, now=now or datetime.now(UTC), ttl=ttl,
+                                inventory_hosts={p.node: _inventory_host(nodes, p.node) for p in prepared},
+                                inventory_cmd_hint=inventory_cmd_hint)
+    if preview:
+        plans = [preview_plan(pl, by_node[pl.node], kube, nodes, facts=facts[pl.node]) for pl in plans]
+    return plans
+
+
+def preview_plan(p: Plan, prepared: PreparedRun, kube: KubeAPI | None, nodes: NodeAutomation | None, *,
+                 facts: Any = None) -> Plan:
+    """Attach previews to changing steps: server-side dry-run for kube patches, ``--check --diff`` for
+    playbooks. Read-only by construction (dryRun=All, Ansible check mode)."""
+    from engine.actions import KubeEffect, kube_effect
+
+    previews: dict[str, str] = {}
+    for step in prepared.runbook.steps:
+        planned = p.step(step.id)
+        if planned.kind != "change":
+            continue
+        try:
+            action = chk.bind(step.action, prepared.params, facts)
+        except RunbookError as e:
+            previews[step.id] = f"preview unavailable: {e}"
+            continue
+        if isinstance(action, KubeAction) and kube is not None:
+            node = facts.node if facts is not None else None
+            if node is None or not node.exists:
+                continue
+            effect = kube_effect(action.kube, node)
+            if not isinstance(effect, KubeEffect) or effect.patch is None:
+                continue
+            try:
+                kube.patch_node(prepared.node, effect.patch, patch_type=effect.patch_type,  # type: ignore[arg-type]
+                                dry_run=True)
+                previews[step.id] = f"server dry-run accepted: {effect.summary}"
+            except RunbookError as e:
+                previews[step.id] = f"server dry-run REJECTED: {e}"
+        elif isinstance(action, AnsibleAction) and nodes is not None and action.ansible.preview:
+            spec = action.ansible
+            try:
+                result = nodes.run_playbook(prepared.loaded.playbooks_dir / spec.playbook, [prepared.node],
+                                            extravars=dict(spec.vars), become=spec.become,
+                                            timeout=_seconds(spec.timeout), check=True)
+            except RunbookError as e:
+                previews[step.id] = f"check mode unavailable: {e}"
+                continue
+            diffs = [d for ds in result.diffs.values() for d in ds]
+            if diffs:
+                previews[step.id] = "\n".join(diffs)
+            elif not result.ok:
+                previews[step.id] = f"check mode: {result.status} (rc {result.rc})"
+            else:
+                changed = any(result.changed.values())
+                previews[step.id] = "check mode: " + ("would change (no diff reported)" if changed else "no changes")
+    return planning.with_previews(p, previews) if previews else p
+
+
+def _seconds(duration: str) -> float:
+    from engine.model import parse_duration
+
+    return parse_duration(duration)
+
+
+def run(prepared: PreparedRun, the_plan: Plan, kube: KubeAPI | None, nodes: NodeAutomation | None, *,
+        events: Any, cancel: threading.Event | None = None, approve: Any = None, approved: bool = False,
+        confirm_rerun: Callable[[str, str], bool] | None = None,
+        completed_steps: set[str] | frozenset[str] = frozenset(), started_without_outcome: str | None = None,
+        clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
+        wall: Callable[[], float] = time.time, inventory_cmd_hint: str = "INVENTORY") -> RunResult:
+    """Execute a plan (see ``engine.execution.Executor.execute``)."""
+    from engine.execution import Executor
+
+    executor = Executor(kube, nodes, events=events, playbooks_dir=prepared.loaded.playbooks_dir, clock=clock,
+                        sleep=sleep, wall=wall, cancel=cancel, inventory_cmd_hint=inventory_cmd_hint)
+    return executor.execute(the_plan, prepared.runbook, prepared.params, completed_steps=completed_steps,
+                            started_without_outcome=started_without_outcome, confirm_rerun=confirm_rerun,
+                            approve=approve, approved=approved)
+
+
+def check_saved_plan(saved: Plan, loaded: LoadedRunbook, kube: KubeAPI | None, nodes: NodeAutomation | None, *,
+                     now: datetime | None = None) -> tuple[list[str], PreparedRun]:
+    """Re-gather the facts a saved plan depends on; the reasons it is stale ([] = apply it)."""
+    if saved.runbook != loaded.name:
+        return [f"the plan is for runbook {saved.runbook}, not {loaded.name}"], PreparedRun(loaded, {}, saved.node)
+    prepared = prepare_run(loaded, {k: v for k, v in saved.params.items()})
+    now = now or datetime.now(UTC)
+    facts = probes.gather(loaded.runbook, prepared.params, prepared.node, kube, nodes)
+    fresh = planning.plan_run(loaded.runbook, prepared.params, facts, runbook_digest=loaded.digest, now=now,
+                              inventory_host=saved.inventory_host or None)
+    return planning.saved_plan_problems(saved, runbook_digest=loaded.digest, now=now, fresh=fresh), prepared
+
+
+def save_plan(p: Plan, path: Path) -> None:
+    Path(path).write_text(p.model_dump_json(indent=2) + "\n", encoding="utf-8")
+
+
+def load_plan(path: Path) -> Plan:
+    """A saved plan file -> Plan; LoadError when it is not one."""
+    from pydantic import ValidationError
+
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        return Plan.model_validate(data)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise LoadError([(Location(str(path)), f"not a plan file: {e}")]) from None
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(x) for x in first["loc"])
+        raise LoadError([(Location(str(path), 1, None, where), f"not a valid plan: {first['msg']}")]) from None

@@ -1,0 +1,725 @@
+"""The Ansible connector: the engine's only importer of ``ansible_runner``.
+
+``AnsibleConnector`` implements ``engine.connectors.base.NodeAutomation``. One instance serves one
+runbook run (or one CLI invocation) and owns:
+
+* a private data dir (mode 0700) holding ``ANSIBLE_HOME``, ``ANSIBLE_LOCAL_TEMP``, the SSH
+  control-path dir and an empty ``ansible.cfg``: the user's own Ansible state and config are
+  never read or written, and SSH connections (``ControlPersist``) are reused across the steps of
+  the run. ``close()`` ends the control masters and removes the dir.
+* the become password, in memory only. It reaches ``ansible-playbook`` through its
+  ``--ask-become-pass`` prompt (ansible-runner's ``passwords=``, pexpect): never through the
+  environment, a command line or a file. ansible-runner copies the whole environment into
+  ``artifacts/<id>/command``, so ``RUNBOOK_BECOME_PASSWORD`` is blanked in the child's
+  environment and each run's artifacts folder is deleted as soon as the run ends.
+
+Every run streams task events live to ``on_event`` and ends with the host facts that
+``playbooks/tasks/facts.yml`` publishes (``set_stats`` ``runbook_facts``), parsed here into
+``engine.facts.HostFacts``. On timeout or cancel the whole process tree is killed:
+``ansible-playbook``'s workers and the ``ssh`` processes they start (ansible-runner alone leaves
+them running, ansible/ansible-runner#973). The tree is found by a marker variable in each
+process's environment, which every descendant inherits, even after it is re-parented.
+
+What it must not do: import ``kubernetes``, keep artifacts, or disable host key checking.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import contextlib
+import difflib
+import os
+import re
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+import uuid
+import weakref
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from engine.connectors.base import PlaybookResult, TaskEvent
+from engine.connectors.inventory import Inventory, load_inventory
+from engine.errors import HostError
+from engine.facts import CudaProcess, FileFacts, GpuDevice, HostFacts, ServiceFacts, SwapDevice
+
+FACTS_PLAYBOOK = "node-facts.yml"
+FACTS_FORMAT_VERSION = 1
+RUN_MARKER = "RUNBOOK_ANSIBLE_RUN"  # in the environment of every process of one run
+SECRET_ENV = ("RUNBOOK_BECOME_PASSWORD",)  # blanked in the child environment
+_BECOME_PROMPT = r"BECOME password[^:\n]*:\s*$"
+
+# ============================================================================ facts (pure)
+
+
+def decode_probes(lines: Iterable[str]) -> dict[str, tuple[int, str]]:
+    """``NAME RC BASE64`` lines (tasks/facts.yml) -> {name: (rc, stdout)}. Bad lines are skipped."""
+    probes: dict[str, tuple[int, str]] = {}
+    for line in lines:
+        parts = line.strip().split(" ")
+        if len(parts) not in (2, 3):
+            continue
+        name, rc_text = parts[0], parts[1]
+        try:
+            rc = int(rc_text)
+            text = base64.b64decode(parts[2] if len(parts) == 3 else "", validate=True)
+        except (ValueError, binascii.Error):
+            continue
+        probes[name] = (rc, text.decode("utf-8", "replace"))
+    return probes
+
+
+def _unescape_raw(value: str) -> str:
+    r"""util-linux ``--raw`` output escapes unsafe characters as ``\xNN``."""
+    return re.sub(r"\\x([0-9a-fA-F]{2})", lambda m: chr(int(m.group(1), 16)), value)
+
+
+def parse_swapon(text: str) -> tuple[SwapDevice, ...]:
+    """``swapon --show --noheadings --raw --bytes`` (NAME TYPE SIZE USED PRIO) -> devices."""
+    devices = []
+    for line in text.splitlines():
+        fields = line.split()
+        if not fields:
+            continue
+        size = int(fields[2]) if len(fields) > 2 and fields[2].isdigit() else 0
+        devices.append(SwapDevice(name=_unescape_raw(fields[0]),
+                                  type=fields[1] if len(fields) > 1 else "file", size_bytes=size))
+    return tuple(devices)
+
+
+def parse_proc_swaps(text: str) -> tuple[SwapDevice, ...]:
+    """``/proc/swaps`` (a header, then Filename Type Size(KiB) Used Priority) -> devices."""
+    devices = []
+    for line in text.splitlines()[1:]:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        # the kernel escapes spaces etc. in names as octal \040
+        name = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[0])
+        size = int(fields[2]) * 1024 if fields[2].isdigit() else 0
+        devices.append(SwapDevice(name=name, type=fields[1], size_bytes=size))
+    return tuple(devices)
+
+
+def fstab_active_swap(text: str) -> tuple[str, ...]:
+    """The active swap entries of an fstab: not comments, and the third field (type) is ``swap``.
+
+    Lines that merely mention swap (a comment, ``/data/swapfiles-backup`` on ext4) are not
+    entries of type swap. The same rule as the ``replace`` regexp in ``swap-off.yml``.
+    """
+    entries = []
+    for line in text.splitlines():
+        fields = line.split()
+        if len(fields) >= 3 and not fields[0].startswith("#") and fields[2] == "swap":
+            entries.append(line.strip())
+    return tuple(entries)
+
+
+_LSPCI_DEVICE = re.compile(
+    r"^(?P<slot>[0-9a-fA-F:.]+)\s+(?P<cls>.+?)\s+\[(?P<code>[0-9a-fA-F]{4})\]:\s+(?P<name>.*?)"
+    r"\s+\[(?P<vd>[0-9a-fA-F]{4}:[0-9a-fA-F]{4})\](?:\s+\(rev [^)]*\))?\s*$")
+_GPU_CLASSES = ("0300", "0302")  # VGA compatible controller, 3D controller
+
+
+def parse_lspci(text: str) -> tuple[GpuDevice, ...]:
+    """``lspci -nnk -d 10de:`` -> the NVIDIA display devices with their bound driver.
+
+    A device's ``Kernel driver in use:`` line names its driver (``nvidia``, ``vfio-pci``, ...);
+    none means "none". Other functions of the card (HDMI audio, USB-C) are not GPUs.
+    """
+    gpus: list[GpuDevice] = []
+    current: dict[str, str] | None = None
+
+    def flush() -> None:
+        if current is not None and current["code"] in _GPU_CLASSES:
+            gpus.append(GpuDevice(slot=current["slot"], vendor_device=current["vd"].lower(),
+                                  name=current["name"], driver=current.get("driver", "none")))
+
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        if not line[0].isspace():
+            flush()
+            m = _LSPCI_DEVICE.match(line.strip())
+            current = m.groupdict() if m else None
+            if current is not None:
+                current = {k: v for k, v in current.items() if k != "cls"}
+        elif current is not None and line.strip().startswith("Kernel driver in use:"):
+            current["driver"] = line.split(":", 1)[1].strip() or "none"
+    flush()
+    return tuple(gpus)
+
+
+def parse_cuda_processes(text: str) -> tuple[CudaProcess, ...]:
+    """``nvidia-smi --query-compute-apps=pid,process_name --format=csv,noheader`` -> processes."""
+    procs = []
+    for line in text.splitlines():
+        pid, _, name = line.partition(",")
+        if pid.strip().isdigit():
+            procs.append(CudaProcess(pid=int(pid.strip()), name=name.strip()))
+    return tuple(procs)
+
+
+def parse_unit_properties(text: str) -> list[dict[str, str]]:
+    """``systemctl show --property=...`` of several units: blocks of ``Key=Value``, blank-separated."""
+    blocks: list[dict[str, str]] = []
+    block: dict[str, str] = {}
+    for line in [*text.splitlines(), ""]:
+        if not line.strip():
+            if block:
+                blocks.append(block)
+                block = {}
+            continue
+        key, sep, value = line.partition("=")
+        if sep:
+            block[key.strip()] = value.strip()
+    return blocks
+
+
+def unhandled_swap_sources(devices: Sequence[SwapDevice],
+                           unit_properties: Sequence[Mapping[str, str]]) -> tuple[str, ...]:
+    """Swap that ``swap-off.yml`` cannot keep off; the same rule as its refusal.
+
+    * an active zram device (zram-generator or zramswap recreate it at boot);
+    * a ``.swap`` unit with a unit file (``FragmentPath``) that is not generated from
+      /etc/fstab (``SourcePath``): it would switch swap on again at boot. Units systemd makes
+      for fstab entries, or on the fly for active devices and their aliases, are ours to handle.
+    """
+    found = [f"zram device {d.name}" for d in devices if d.name.startswith("/dev/zram")]
+    for unit in unit_properties:
+        name = unit.get("Id", "")
+        if name.endswith(".swap") and unit.get("FragmentPath") and \
+                unit.get("SourcePath", "") != "/etc/fstab":
+            found.append(f"systemd unit {name} ({unit['FragmentPath']})")
+    return tuple(found)
+
+
+def parse_runbook_facts(host: str, facts: Mapping[str, Any]) -> HostFacts:
+    """The ``runbook_facts`` stat of tasks/facts.yml -> ``HostFacts`` (the parse boundary)."""
+    version = facts.get("version")
+    if version != FACTS_FORMAT_VERSION:
+        raise HostError(f"{host}: runbook_facts version {version!r} not understood "
+                        f"(expected {FACTS_FORMAT_VERSION}): playbooks and engine differ", host=host)
+    probes = decode_probes(facts.get("probes") or ())
+
+    def out(name: str, ok_rcs: tuple[int, ...] = (0,)) -> str | None:
+        rc, text = probes.get(name, (127, ""))
+        return text if rc in ok_rcs else None
+
+    swapon = out("swapon")
+    proc_swaps = out("proc_swaps")
+    if swapon is not None:
+        devices = parse_swapon(swapon)
+    elif proc_swaps is not None:
+        devices = parse_proc_swaps(proc_swaps)
+    else:
+        raise HostError(f"{host}: cannot read the swap state (swapon and /proc/swaps both failed)",
+                        host=host)
+    units = parse_unit_properties(out("swap_unit_props") or "")
+    services: dict[str, ServiceFacts] = {}
+    for name in facts.get("services") or ():
+        rc, state = probes.get(f"active:{name}", (127, ""))
+        first = state.strip().splitlines()[0].strip() if state.strip() else ""
+        # is-active exits 3 for activating/inactive/failed: the word is the answer, not the rc.
+        services[name] = ServiceFacts(name=name, state=first if rc != 127 and first else "unknown",
+                                      journal_tail=out(f"journal:{name}") or "")
+    files: dict[str, FileFacts] = {}
+    for i, path in enumerate(facts.get("files") or ()):
+        digest = out(f"sha256:{i}")
+        content = out(f"file:{i}")
+        exists = digest is not None and content is not None
+        files[str(path)] = FileFacts(path=str(path), exists=exists,
+                                     content=content or "" if exists else "",
+                                     sha256=(digest or "").split(" ")[0] if exists else "")
+    return HostFacts(
+        host=host,
+        swap_devices=devices,
+        fstab_active_swap=fstab_active_swap(out("fstab") or ""),
+        unhandled_swap_sources=unhandled_swap_sources(devices, units),
+        services=MappingProxyType(services),
+        gpus=parse_lspci(out("lspci") or ""),
+        cuda_processes=parse_cuda_processes(out("nvidia_smi") or ""),
+        files=MappingProxyType(files),
+    )
+
+
+# ============================================================================ events (pure)
+
+
+def unified_diffs(diff: Any) -> tuple[str, ...]:
+    """Ansible's diff result (a dict or a list of them) -> unified diff texts."""
+    items = diff if isinstance(diff, list) else [diff]
+    texts = []
+    for d in items:
+        if not isinstance(d, Mapping):
+            continue
+        if d.get("prepared"):
+            texts.append(str(d["prepared"]))
+            continue
+        before, after = d.get("before"), d.get("after")
+        if isinstance(before, str) and isinstance(after, str) and before != after:
+            texts.append("".join(difflib.unified_diff(
+                before.splitlines(keepends=True), after.splitlines(keepends=True),
+                fromfile=str(d.get("before_header", "before")),
+                tofile=str(d.get("after_header", "after")))))
+    return tuple(texts)
+
+
+_BECOME_WRONG = re.compile(r"incorrect (sudo|su|become) password|sorry, try again|"
+                           r"authentication failure|incorrect password", re.I)
+_BECOME_MISSING = re.compile(r"missing (sudo|su|become) password|a password is required", re.I)
+_BECOME_TIMEOUT = re.compile(r"waiting for privilege escalation prompt", re.I)
+
+
+def task_message(res: Mapping[str, Any]) -> str:
+    """One line for a task result: msg, else stderr, else stdout (shortened)."""
+    for key in ("msg", "stderr", "module_stderr", "stdout", "module_stdout"):
+        value = res.get(key)
+        if isinstance(value, str) and value.strip():
+            return " ".join(value.strip().split())[:500]
+    if isinstance(res.get("results"), list):  # a loop: the first failed item
+        for item in res["results"]:
+            if isinstance(item, Mapping) and item.get("failed"):
+                return task_message(item)
+    return ""
+
+
+def explain_failure(node: str, message: str) -> str:
+    """Name the cause of the failures people meet most (become password) in plain words."""
+    if _BECOME_WRONG.search(message):
+        return f"become password rejected on {node}: {message}"
+    if _BECOME_MISSING.search(message):
+        return f"become password needed on {node} and none was given: {message}"
+    if _BECOME_TIMEOUT.search(message):
+        return f"privilege escalation (sudo) did not answer on {node}: {message}"
+    return f"{node}: {message}" if message else f"{node}: task failed"
+
+
+# ============================================================================ the connector
+
+
+@dataclass
+class _RunState:
+    """Everything one playbook run collects from its event stream (runner thread writes)."""
+
+    node_of: Callable[[str], str]
+    on_event: Callable[[TaskEvent], None] | None
+    changed: dict[str, bool] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)
+    unreachable: dict[str, str] = field(default_factory=dict)
+    diffs: dict[str, list[str]] = field(default_factory=dict)
+    facts: dict[str, Mapping[str, Any]] = field(default_factory=dict)
+    tasks: list[TaskEvent] = field(default_factory=list)
+    output: list[str] = field(default_factory=list)  # ansible's own error lines (no host)
+    callback_error: BaseException | None = None
+
+    def handle(self, event: Mapping[str, Any]) -> bool:
+        kind = str(event.get("event", ""))
+        data = event.get("event_data") or {}
+        host = data.get("host")
+        if kind in ("verbose", "error") and not host:
+            text = str(event.get("stdout") or "").strip()
+            if text:
+                self.output.append(text)
+            return True
+        if not host:
+            return True
+        node = self.node_of(str(host))
+        res = data.get("res") or {}
+        if not isinstance(res, Mapping):
+            res = {}
+        if kind == "runner_on_file_diff":
+            self.diffs.setdefault(node, []).extend(unified_diffs(data.get("diff")))
+            return True
+        status = {"runner_on_ok": "ok", "runner_on_failed": "failed", "runner_on_skipped": "skipped",
+                  "runner_on_unreachable": "unreachable"}.get(kind)
+        if status is None:
+            return True
+        msg = task_message(res) if status in ("failed", "unreachable") else \
+            " ".join(str(res.get("msg") or "").split())[:500]
+        if status == "ok":
+            stats = res.get("ansible_stats")
+            if isinstance(stats, Mapping) and isinstance(stats.get("data"), Mapping) and \
+                    isinstance(stats["data"].get("runbook_facts"), Mapping):
+                self.facts[node] = stats["data"]["runbook_facts"]
+            if res.get("changed"):
+                status = "changed"
+                self.changed[node] = True
+        elif status == "failed":
+            if data.get("ignore_errors"):
+                status = "ignored"
+            else:
+                self.failed.setdefault(node, explain_failure(node, msg))
+        elif status == "unreachable":
+            self.unreachable.setdefault(node, f"{node} unreachable: {msg}" if msg else
+                                        f"{node} unreachable")
+        self.changed.setdefault(node, False)
+        task_event: TaskEvent = MappingProxyType({
+            "host": node, "inventory_host": str(host), "task": str(data.get("task", "")),
+            "status": status, "msg": msg})
+        self.tasks.append(task_event)
+        if self.on_event is not None:
+            try:
+                self.on_event(task_event)
+            except Exception as e:  # a broken display must not break the run; reported after
+                self.callback_error = self.callback_error or e
+        return True  # True: ansible-runner keeps the event (and computes stats)
+
+
+class AnsibleConnector:
+    """``NodeAutomation`` through ansible-runner. Use as a context manager or call ``close()``."""
+
+    def __init__(self, inventory: Path, playbooks_dir: Path, *, become_password: str | None = None,
+                 forks: int = 10, ssh_timeout: int = 10, control_persist: int = 300,
+                 facts_services: Sequence[str] | None = None, journal_lines: int | None = None,
+                 facts_become: bool | None = None, facts_timeout: float = 120.0) -> None:
+        self.inventory_path = Path(inventory).resolve()
+        self.playbooks_dir = Path(playbooks_dir).resolve()
+        self.inventory: Inventory = load_inventory(self.inventory_path)
+        self._become_password = become_password
+        self.forks = forks
+        self.ssh_timeout = ssh_timeout
+        self.control_persist = control_persist
+        # None: the playbook's default ([kubelet], 20 lines) or the inventory's variables
+        self.facts_services = tuple(facts_services) if facts_services is not None else None
+        self.journal_lines = journal_lines
+        self.facts_become = become_password is not None if facts_become is None else facts_become
+        self.facts_timeout = facts_timeout
+        self._cancel = threading.Event()
+        self._dir = Path(tempfile.mkdtemp(prefix="runbook-ansible-"))
+        os.chmod(self._dir, 0o700)
+        for sub in ("home", "tmp", "cp", "artifacts"):
+            (self._dir / sub).mkdir(mode=0o700)
+        (self._dir / "ansible.cfg").write_text(
+            "# written by runbook: isolates its runs from the user's ansible.cfg\n[defaults]\n")
+        self._finalizer = weakref.finalize(self, _cleanup, self._dir)
+
+    # ------------------------------------------------------------------ protocol
+
+    @property
+    def private_data_dir(self) -> Path:
+        return self._dir
+
+    def inventory_host(self, node: str) -> str:
+        return self.inventory.host_for_node(node)
+
+    def gather_facts(self, nodes: Sequence[str], *,
+                     files: Sequence[str] = ()) -> Mapping[str, HostFacts | Exception]:
+        """One read-only ``node-facts.yml`` run for all nodes; per node, facts or a ``HostError``
+        (``unreachable=True`` when SSH could not connect). ``files``: paths to report on."""
+        results: dict[str, HostFacts | Exception] = {}
+        known = []
+        for node in dict.fromkeys(nodes):
+            try:
+                self.inventory_host(node)
+                known.append(node)
+            except HostError as e:
+                results[node] = e
+        if not known:
+            return results
+        result = self._run_playbook(Path(FACTS_PLAYBOOK), known, become=self.facts_become,
+                                    timeout=self.facts_timeout, read_only=True,
+                                    extravars={"runbook_files": list(files)} if files else None)
+        for node in known:
+            facts = result.host_facts.get(node)
+            if facts is not None:
+                results[node] = facts
+            elif node in result.unreachable_hosts:
+                results[node] = HostError(result.unreachable_hosts[node], host=node, unreachable=True,
+                                          retryable=True)
+            elif node in result.failed_hosts:
+                results[node] = HostError(f"facts of {result.failed_hosts[node]}", host=node)
+            elif result.status in ("timeout", "canceled"):
+                results[node] = HostError(f"gathering facts of {node}: {result.status}", host=node,
+                                          retryable=result.status == "timeout")
+            else:
+                results[node] = HostError(f"gathering facts of {node}: the playbook returned none "
+                                          f"(status {result.status}, rc {result.rc})", host=node)
+        return results
+
+    def run_playbook(self, playbook: Path, nodes: Sequence[str], *,
+                     extravars: Mapping[str, Any] | None = None, become: bool = True,
+                     timeout: float = 300, check: bool = False,
+                     on_event: Callable[[TaskEvent], None] | None = None) -> PlaybookResult:
+        """Run ``playbook`` (relative to the playbooks dir) against the nodes' inventory hosts.
+
+        Returns the outcome as a value (``status`` successful/failed/timeout/canceled; failed and
+        unreachable hosts with a message each; per-node unified diffs in check mode; the host
+        facts the playbook published). Raises ``HostError`` only when Ansible could not start or
+        a node is not in the inventory. ``on_event`` is called from a worker thread.
+        """
+        return self._run_playbook(playbook, nodes, extravars=extravars, become=become,
+                                  timeout=timeout, check=check, on_event=on_event)
+
+    def _run_playbook(self, playbook: Path, nodes: Sequence[str], *,
+                      extravars: Mapping[str, Any] | None = None, become: bool = True,
+                      timeout: float = 300, check: bool = False,
+                      on_event: Callable[[TaskEvent], None] | None = None,
+                      read_only: bool = False) -> PlaybookResult:
+        if self._finalizer.alive is False:
+            raise HostError("the Ansible connector is closed")
+        path = playbook if playbook.is_absolute() else self.playbooks_dir / playbook
+        if not path.is_file():
+            raise HostError(f"playbook not found: {path}")
+        hosts = [self.inventory_host(n) for n in nodes]
+        if not hosts:
+            raise HostError("run_playbook: no nodes given")
+        if self._cancel.is_set():
+            return PlaybookResult(status="canceled", rc=254)
+        run_id = uuid.uuid4().hex
+        state = _RunState(node_of=self.inventory.node_for_host, on_event=on_event)
+        use_password = become and self._become_password is not None
+        cmdline = []
+        if check:
+            cmdline += ["--check", "--diff"]
+        if use_password:
+            cmdline.append("--ask-become-pass")
+        evars: dict[str, Any] = {}
+        if self.facts_services is not None:
+            evars["runbook_facts_services"] = list(self.facts_services)
+        if self.journal_lines is not None:
+            evars["runbook_facts_journal_lines"] = self.journal_lines
+        evars.update(extravars or {})
+        evars.update(target=",".join(hosts), runbook_become=become)
+        if not become:
+            evars["ansible_become"] = False
+        kwargs: dict[str, Any] = dict(
+            private_data_dir=str(self._dir),
+            project_dir=str(self.playbooks_dir),
+            artifact_dir=str(self._dir / "artifacts"),
+            ident=run_id,
+            playbook=str(path),
+            inventory=str(self.inventory_path),
+            limit=",".join(hosts),
+            forks=max(1, min(self.forks, len(hosts))),
+            extravars=evars,
+            cmdline=" ".join(cmdline) or None,
+            envvars=self._envvars(run_id, pipelining=read_only),
+            passwords={_BECOME_PROMPT: self._become_password} if use_password else None,
+            event_handler=state.handle,
+            cancel_callback=lambda: self._cancel.is_set(),
+            settings={"suppress_output_file": True},
+            suppress_env_files=True,  # else extravars/passwords would be written to env/
+            quiet=True,
+        )
+        outcome = self._run(kwargs, run_id, timeout)
+        facts: dict[str, HostFacts] = {}
+        for node, data in state.facts.items():
+            try:
+                facts[node] = parse_runbook_facts(str(data.get("host") or node), data)
+            except HostError as e:
+                state.failed.setdefault(node, str(e))
+        status, rc = outcome
+        if status == "failed" and not state.failed and not state.unreachable and state.output:
+            # Ansible stopped before any host ran (syntax error, bad inventory, ...)
+            for node in nodes:
+                state.failed[node] = f"{node}: ansible-playbook failed: {state.output[-1][:500]}"
+        if state.callback_error is not None:
+            state.output.append(f"on_event failed: {state.callback_error!r}")
+        return PlaybookResult(
+            status=status, rc=rc,
+            changed=MappingProxyType(dict(state.changed)),
+            failed_hosts=MappingProxyType(dict(state.failed)),
+            unreachable_hosts=MappingProxyType(dict(state.unreachable)),
+            diffs=MappingProxyType({k: tuple(v) for k, v in state.diffs.items() if v}),
+            host_facts=MappingProxyType(facts),
+            tasks=tuple(state.tasks),
+        )
+
+    def cancel(self) -> None:
+        """End every playbook this connector is running (thread-safe); later runs are refused."""
+        self._cancel.set()
+
+    def close(self) -> None:
+        """End the SSH control masters and remove the private data dir."""
+        self._finalizer()
+
+    def __enter__(self) -> AnsibleConnector:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ internals
+
+    def _envvars(self, run_id: str, *, pipelining: bool) -> dict[str, str]:
+        """The child's environment additions. Pipelining (one SSH round trip per task, ~25 %
+        faster) only for read-only runs: without it, a become task runs on a tty, so when a
+        timeout or cancel kills the control master the remote command gets SIGHUP and ends
+        instead of finishing unobserved."""
+        d = self._dir
+        env = {
+            "ANSIBLE_CONFIG": str(d / "ansible.cfg"),
+            "ANSIBLE_HOME": str(d / "home"),
+            "ANSIBLE_LOCAL_TEMP": str(d / "tmp"),
+            "ANSIBLE_SSH_CONTROL_PATH_DIR": str(d / "cp"),
+            "ANSIBLE_SSH_ARGS": f"-o ControlMaster=auto -o ControlPersist={self.control_persist}s",
+            "ANSIBLE_TIMEOUT": str(self.ssh_timeout),
+            # ansible-runner turns host key checking off unless told; the inventory decides
+            # (ansible_host_key_checking, ansible_ssh_common_args with a known_hosts file).
+            "ANSIBLE_HOST_KEY_CHECKING": "True",
+            "ANSIBLE_PYTHON_INTERPRETER": "auto_silent",
+            "ANSIBLE_RETRY_FILES_ENABLED": "False",
+            "ANSIBLE_NOCOLOR": "1",
+            "ANSIBLE_GATHERING": "explicit",
+            "ANSIBLE_PIPELINING": str(pipelining),
+            # the ansible-playbook installed with this Python, even outside an activated venv
+            "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+            RUN_MARKER: run_id,
+            "RUNBOOK_ANSIBLE_DIR": str(d),
+        }
+        for name in SECRET_ENV:
+            if name in os.environ:
+                env[name] = ""
+        return env
+
+    def _run(self, kwargs: dict[str, Any], run_id: str, timeout: float) -> tuple[str, int]:
+        """Run ansible-runner in a worker thread; on timeout/cancel/^C kill the process tree."""
+        import ansible_runner
+
+        box: dict[str, Any] = {}
+
+        def work() -> None:
+            try:
+                runner = ansible_runner.run(**kwargs)
+                box["status"], box["rc"] = runner.status, runner.rc
+            except BaseException as e:  # reported in the calling thread
+                box["error"] = e
+
+        deadline = time.monotonic() + timeout
+        worker = threading.Thread(target=work, name=f"ansible-{run_id[:8]}", daemon=True)
+        ended: str | None = None
+        try:
+            worker.start()
+            while worker.is_alive():
+                if self._cancel.is_set():
+                    ended = "canceled"
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    ended = "timeout"
+                    break
+                worker.join(min(remaining, 0.05))
+        except BaseException:
+            # KeyboardInterrupt while waiting: leave nothing running, then let it propagate.
+            kill_run(run_id, self._dir / "cp")
+            worker.join(10)
+            self._purge_artifacts(run_id)
+            raise
+        if ended is not None:
+            kill_run(run_id, self._dir / "cp")
+            worker.join(15)
+            _remove_stale_sockets(self._dir / "cp")
+        self._purge_artifacts(run_id)
+        if "error" in box:
+            err = box["error"]
+            raise HostError(f"ansible-runner could not run {kwargs['playbook']}: {err}") from err
+        if ended is not None:
+            return ended, 254
+        rc = box.get("rc")
+        return str(box.get("status", "failed")), int(rc) if isinstance(rc, int) else 254
+
+    def _purge_artifacts(self, run_id: str) -> None:
+        # artifacts/<id>/command and the status payload hold the full environment.
+        shutil.rmtree(self._dir / "artifacts" / run_id, ignore_errors=True)
+
+
+# ============================================================================ processes
+
+
+def _pids_with_env(entry: bytes, cmdline_part: bytes | None = None) -> list[int]:
+    """Processes (other than this one) whose environment holds ``entry`` (``NAME=value``), or
+    whose command line contains ``cmdline_part``.
+
+    The command line is needed for ssh control masters: their process title
+    (``ssh: <control path> [mux]``) overwrites the memory /proc shows as their environment.
+    """
+    me = os.getpid()
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == me:
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                env = f.read()
+            if entry in env.split(b"\0"):
+                found.append(int(name))
+                continue
+            if cmdline_part is not None:
+                with open(f"/proc/{name}/cmdline", "rb") as f:
+                    if cmdline_part in f.read():
+                        found.append(int(name))
+        except OSError:  # gone, or not ours
+            continue
+    return found
+
+
+def kill_processes_with_env(name: str, value: str, *, cmdline_part: str | None = None,
+                            first: signal.Signals = signal.SIGKILL, grace: float = 0.5,
+                            rounds: int = 100) -> int:
+    """Signal every process carrying ``name=value`` in its environment (or ``cmdline_part`` in
+    its command line) until none is left; returns how many.
+
+    ``first`` is sent once (SIGTERM lets ssh masters remove their sockets); whatever is still
+    there after ``grace`` seconds, and anything that appears meanwhile, gets SIGKILL.
+    """
+    entry = f"{name}={value}".encode()
+    part = cmdline_part.encode() if cmdline_part else None
+    seen: set[int] = set()
+    if first != signal.SIGKILL:
+        for pid in _pids_with_env(entry, part):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, first)
+                seen.add(pid)
+        end = time.monotonic() + grace
+        while seen and time.monotonic() < end and _pids_with_env(entry, part):
+            time.sleep(0.02)
+    for _ in range(rounds):
+        pids = _pids_with_env(entry, part)
+        if not pids:
+            break
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+                seen.add(pid)
+        time.sleep(0.02)  # a process that was forking when killed leaves a child: look again
+    return len(seen)
+
+
+def kill_run(run_id: str, control_dir: Path | None = None) -> int:
+    """End one run's whole tree: ansible-playbook, its workers and ssh clients; with
+    ``control_dir``, also the ssh control masters that live there."""
+    return kill_processes_with_env(RUN_MARKER, run_id,
+                                   cmdline_part=f"ssh: {control_dir}/" if control_dir else None)
+
+
+def _remove_stale_sockets(cp_dir: Path) -> None:
+    """Remove control sockets whose master is gone (killed), so the next run starts afresh."""
+    for path in cp_dir.iterdir() if cp_dir.is_dir() else ():
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.connect(str(path))
+        except OSError:
+            with contextlib.suppress(OSError):
+                path.unlink()
+        finally:
+            s.close()
+
+
+def _cleanup(private_dir: Path) -> None:
+    """Stop this connector's SSH control masters (and anything else it left), remove its dir.
+
+    Every process the connector starts carries the dir's path in its environment, so the
+    masters are found without guessing by name; SIGTERM lets them remove their sockets.
+    """
+    kill_processes_with_env("RUNBOOK_ANSIBLE_DIR", str(private_dir), first=signal.SIGTERM,
+                            cmdline_part=f"ssh: {private_dir / 'cp'}/")
+    shutil.rmtree(private_dir, ignore_errors=True)

@@ -1,0 +1,130 @@
+"""``runbook lab``: a click group over ``engine.lab.manager`` (thin: parse options, call, print).
+
+Attach it to the main command with ``main.add_command(lab_group)``. Every subcommand takes
+``--lab-dir`` (env ``RUNBOOK_LAB_DIR``; default ``${XDG_STATE_HOME:-~/.local/state}/runbook/lab``).
+Errors print as one line and exit with ``engine.errors`` exit codes.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import shlex
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+
+from engine.errors import RunbookError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _lab_dir_option(func: F) -> F:
+    @click.option("--lab-dir", envvar="RUNBOOK_LAB_DIR", type=click.Path(file_okay=False),
+                  help="The lab's folder (env RUNBOOK_LAB_DIR; default $XDG_STATE_HOME/runbook/lab).")
+    @functools.wraps(func)
+    def wrapper(*args: Any, lab_dir: str | None, **kwargs: Any) -> Any:
+        from engine.lab.manager import Lab
+
+        try:
+            return func(Lab(lab_dir), *args, **kwargs)
+        except RunbookError as e:
+            click.echo(f"runbook lab: {e}", err=True)
+            sys.exit(e.exit_code)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _say(message: str) -> None:
+    click.echo(message, err=True)
+
+
+@click.group("lab")
+def lab_group() -> None:
+    """The lab: a simulated GPU cluster reproducing the omen2 incident, on this machine."""
+
+
+@lab_group.command("up")
+@click.option("--scenario", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Scenario file (default: the packaged incident-omen2 scenario).")
+@click.option("--timeout", default=180.0, show_default=True, help="Seconds to wait for the scenario's state.")
+@_lab_dir_option
+def up_command(lab: Any, scenario: Path | None, timeout: float) -> None:
+    """Start control plane, node hosts and simulator; wait until the scenario's state is reached."""
+    summary = lab.up(scenario, timeout=timeout, progress=_say)
+    for line in summary["started"] or ["nothing new: the lab was already running"]:
+        click.echo(f"started {line}" if summary["started"] else line)
+    click.echo(f"lab ready in {summary['lab_dir']}: eval \"$(runbook lab env)\" to use it")
+
+
+@lab_group.command("env")
+@_lab_dir_option
+def env_command(lab: Any) -> None:
+    """Print shell exports: eval "$(runbook lab env)" makes runbook, kubectl and ansible target the lab."""
+    for key, value in lab.env().items():
+        click.echo(f"export {key}={shlex.quote(value)}")
+
+
+@lab_group.command("status")
+@click.option("-o", "--output", type=click.Choice(["text", "json"]), default="text", show_default=True)
+@_lab_dir_option
+def status_command(lab: Any, output: str) -> None:
+    """Per node: Ready, workload label, GPU driver, CUDA jobs running/killed; VM statuses."""
+    data = lab.status()
+    if output == "json":
+        click.echo(json.dumps(data, indent=2))
+        return
+    click.echo(f"lab {data['lab_dir']} ({'running' if data['running'] else 'NOT fully running'})")
+    click.echo(f"kubeconfig {data['kubeconfig']}\ninventory  {data['inventory']}")
+    click.echo(f"{'NODE':<14}{'READY':<7}{'KUBELET':<12}{'SWAP':<6}{'WORKLOAD':<16}{'DRIVER':<10}"
+               f"{'CUDA':<6}{'KILLED':<7}GPU ALLOCATABLE")
+    for n in data["nodes"]:
+        alloc = ", ".join(f"{k.removeprefix('nvidia.com/')}={v}" for k, v in n["gpu_allocatable"].items())
+        click.echo(f"{n['name']:<14}{'yes' if n['ready'] else 'no':<7}{n['kubelet']:<12}"
+                   f"{'on' if n['swap_active'] else 'off':<6}{n['workload'] or '-':<16}{n['gpu_driver']:<10}"
+                   f"{n['cuda_jobs_running']:<6}{n['cuda_jobs_killed']:<7}{alloc or '-'}")
+    for vm in data["vms"]:
+        click.echo(f"vm {vm['namespace']}/{vm['name']}: {vm['status']}")
+
+
+@lab_group.group("job")
+def job_group() -> None:
+    """Start or stop the host CUDA job on a node."""
+
+
+@job_group.command("start")
+@click.argument("node")
+@_lab_dir_option
+def job_start(lab: Any, node: str) -> None:
+    result = lab.job(node, "start")
+    click.echo(f"{node}: CUDA jobs {[j['pid'] for j in result['cuda_jobs']]}")
+
+
+@job_group.command("stop")
+@click.argument("node")
+@_lab_dir_option
+def job_stop(lab: Any, node: str) -> None:
+    lab.job(node, "stop")
+    click.echo(f"{node}: no CUDA job")
+
+
+@lab_group.command("reset")
+@click.option("--timeout", default=120.0, show_default=True)
+@_lab_dir_option
+def reset_command(lab: Any, timeout: float) -> None:
+    """Back to the scenario's initial state (host files and state, API objects, Leases, counters)."""
+    result = lab.reset(timeout=timeout, progress=_say)
+    click.echo(f"lab reset to its initial state in {result['seconds']} s")
+
+
+@lab_group.command("down")
+@_lab_dir_option
+def down_command(lab: Any) -> None:
+    """Stop every process the lab started (by PID) and remove its folder."""
+    result = lab.down()
+    for line in result["stopped"]:
+        click.echo(f"stopped {line}")
+    click.echo(f"removed {result['removed']}")

@@ -1,0 +1,447 @@
+"""``runbook lab``'s library: bring the lab up, describe it, change a host's CUDA jobs, reset it, tear it down.
+
+A lab lives in one folder (default ``${XDG_STATE_HOME:-~/.local/state}/runbook/lab``, or
+``$RUNBOOK_LAB_DIR``) holding ``lab.json`` (what runs: control plane, node hosts by PID and start time,
+the simulator), the control plane's state, the node hosts' workdir and inventory, each node's host
+state folder, and ``simulator.log``. Every function returns values; the CLI (``labcli``) prints them.
+
+Must not: stop a process other than by its recorded PID and start time, touch this machine's swap,
+fstab or services, or listen anywhere but loopback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from engine.lab import procs, sim_gpu, sim_seed
+from engine.lab.controlplane import ControlPlane, ControlPlaneSettings
+from engine.lab.errors import LabError
+from engine.lab.hoststate import HostState
+from engine.lab.nodehosts import NodeHost, NodeHostSet, NodeHostSpec, start_node_hosts
+from engine.lab.ports import free_loopback_block
+from engine.lab.scenario import Scenario, load_scenario, starts_ready
+from engine.lab.sim_kube import NODES, PODS, VMS, Kube
+
+LAB_FILE = "lab.json"
+SHIMS_DIR = Path(__file__).resolve().parent / "shims"
+PROC_FILES = {"/proc/swaps": "proc_swaps"}
+UNREACHABLE = "node.kubernetes.io/unreachable"
+Progress = Callable[[str], object]
+
+
+def default_lab_dir() -> Path:
+    if os.environ.get("RUNBOOK_LAB_DIR"):
+        return Path(os.environ["RUNBOOK_LAB_DIR"]).expanduser().resolve()
+    base = Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state")
+    return (base / "runbook" / "lab").resolve()
+
+
+def _quiet(_: str) -> None:
+    return None
+
+
+class Lab:
+    """One lab folder. ``up`` is idempotent; ``down`` leaves nothing behind."""
+
+    def __init__(self, lab_dir: Path | str | None = None) -> None:
+        self.dir = Path(lab_dir).resolve() if lab_dir else default_lab_dir()
+
+    # -- the record ---------------------------------------------------------------------------------
+    @property
+    def record_path(self) -> Path:
+        return self.dir / LAB_FILE
+
+    def record(self) -> dict[str, Any]:
+        try:
+            return json.loads(self.record_path.read_text())  # type: ignore[no-any-return]
+        except (OSError, ValueError) as e:
+            raise LabError(f"no lab in {self.dir} (run `runbook lab up`)") from e
+
+    def _save(self, record: dict[str, Any]) -> None:
+        tmp = self.record_path.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(record, f, indent=2)
+        tmp.replace(self.record_path)
+
+    def exists(self) -> bool:
+        return self.record_path.exists()
+
+    def running(self) -> bool:
+        """Every process the lab started is alive."""
+        if not self.exists():
+            return False
+        record = self.record()
+        refs = [procs.ProcessRef.from_json(h["process"]) for h in record["hosts"].values()]
+        refs.append(procs.ProcessRef.from_json(record["simulator"]))
+        return all(r.alive() for r in refs) and ControlPlane.from_state(record["controlplane_dir"]).is_running()
+
+    def scenario(self) -> Scenario:
+        return load_scenario(self.record()["scenario"])
+
+    def kube(self) -> Kube:
+        return Kube(self.record()["kubeconfig"])
+
+    # -- up -----------------------------------------------------------------------------------------
+    def up(self, scenario_path: Path | str | None = None, *, timeout: float = 180.0,
+           progress: Progress = _quiet) -> dict[str, Any]:
+        """Start control plane, node hosts and simulator; wait until the scenario's state is reached."""
+        if self.exists():
+            if self.running():
+                wanted = str(Path(scenario_path).resolve()) if scenario_path else None
+                if wanted and wanted != self.record()["scenario"]:
+                    raise LabError(f"a lab with scenario {self.record()['scenario']} runs in {self.dir}: "
+                                   "run `runbook lab down` first")
+                progress(f"lab already running in {self.dir}")
+                return self.summary(started=[])
+            progress("a previous lab is partly down: cleaning it up first")
+            self.down()
+        scenario_file = Path(scenario_path).resolve() if scenario_path else None
+        scenario = load_scenario(scenario_file)
+        if scenario_file is None:
+            from engine.lab.scenario import default_scenario_path
+
+            scenario_file = default_scenario_path()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        started: list[str] = []
+        record: dict[str, Any] = {"version": 1, "scenario": str(scenario_file), "hosts": {}, "nodes": {},
+                                  "simulator": {"pid": 0, "start_time": -1},
+                                  "controlplane_dir": str(self.dir / "controlplane")}
+        try:
+            with contextlib.suppress(ImportError):
+                from engine.lab.assets import ensure_assets
+
+                ensure_assets(progress)
+            settings = ControlPlaneSettings(**scenario.control_plane)
+            plane = ControlPlane(self.dir / "controlplane", settings=settings).start()
+            record.update(kubeconfig=str(plane.kubeconfig), simulator_kubeconfig=str(plane.simulator_kubeconfig),
+                          api_url=plane.url)
+            self._save(record)
+            started.append(f"control plane at {plane.url} (pids {sorted(plane.pids().values())})")
+            progress(started[-1])
+            self._start_hosts(scenario, record, progress, started)
+            kube = Kube(record["kubeconfig"])
+            sim_seed.seed_cluster(kube, scenario, self._addresses(record), self._host_states(record))
+            self._start_simulator(record)
+            started.append(f"simulator (pid {record['simulator']['pid']}, log {self.dir / 'simulator.log'})")
+            progress(started[-1])
+            self._wait_for_scenario(kube, scenario, timeout, progress)
+        except BaseException:
+            progress("start-up failed: stopping what was started")
+            with contextlib.suppress(Exception):
+                self.down()
+            raise
+        return self.summary(started=started)
+
+    def _start_hosts(self, scenario: Scenario, record: dict[str, Any], progress: Progress,
+                     started: list[str]) -> None:
+        password = secrets.token_urlsafe(12)
+        record["become_password"] = password
+        workdir = self.dir / "nodehosts"
+        ssh_nodes = [n for n in scenario.all_nodes if n.host.ssh]
+        specs = [NodeHostSpec(name=n.name, sudo=n.host.sudo, become_password=password,
+                              fstab=sim_seed.fstab_text(n)) for n in ssh_nodes]
+        for spec in specs:  # the state folders exist before the hosts bind-mount them
+            (workdir / "hosts" / spec.name / "state").mkdir(parents=True, exist_ok=True)
+        others = [n for n in scenario.all_nodes if not n.host.ssh]
+        fake = free_loopback_block(min(len(others), 254)) if others else []
+        for i, node in enumerate(others):
+            folder = self.dir / "nodes" / node.name
+            folder.mkdir(parents=True, exist_ok=True)
+            record["nodes"][node.name] = {"state_dir": str(folder), "address": fake[i % len(fake)], "ssh": False}
+        # initial state (proc_swaps included) before the hosts start: they bind-mount it
+        for node in ssh_nodes:
+            record["nodes"][node.name] = {"state_dir": str(workdir / "hosts" / node.name / "state"),
+                                          "address": "", "ssh": True}
+        self._initialise_hosts(scenario, record)
+        hostset = start_node_hosts(specs, workdir, shims_dir=SHIMS_DIR, proc_files=PROC_FILES) if specs else None
+        if hostset is not None:
+            record["inventory"] = str(hostset.inventory_path)
+            for host in hostset:
+                record["nodes"][host.name]["address"] = host.address
+                record["hosts"][host.name] = {
+                    "address": host.address, "password": host.password, "host_dir": str(host.host_dir),
+                    "layers_dir": str(host.layers_dir), "fstab": host.fstab, "sudo": host.spec.sudo,
+                    "process": host.ref.to_json() if host.ref else {"pid": 0, "start_time": -1},
+                    "mount_namespace": host.mount_namespace, "workdir": str(workdir)}
+            started.append(f"{len(hostset)} node hosts: " + ", ".join(f"{h.name}@{h.address}" for h in hostset)
+                           + f" (inventory {hostset.inventory_path})")
+            progress(started[-1])
+        self._save(record)
+
+    def _addresses(self, record: dict[str, Any]) -> dict[str, str]:
+        return {name: entry["address"] for name, entry in record["nodes"].items()}
+
+    def _host_states(self, record: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        return {name: HostState(entry["state_dir"]).read() for name, entry in record["nodes"].items()}
+
+    def _initialise_hosts(self, scenario: Scenario, record: dict[str, Any]) -> None:
+        now = time.time()
+        for node in scenario.all_nodes:
+            state, journal = sim_seed.host_state(node, scenario, now)
+            HostState(record["nodes"][node.name]["state_dir"]).initialise(state, journal)
+
+    def _start_simulator(self, record: dict[str, Any]) -> None:
+        config = {"scenario": record["scenario"], "kubeconfig": record["simulator_kubeconfig"],
+                  "nodes": record["nodes"]}
+        config_path = self.dir / "simulator.json"
+        config_path.write_text(json.dumps(config, indent=2))
+        with (self.dir / "simulator.log").open("ab") as log:
+            popen = subprocess.Popen([sys.executable, "-m", "engine.lab.simulator", str(config_path)],
+                                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                     cwd=self.dir, start_new_session=True, close_fds=True)
+        ref = procs.ProcessRef.of(popen.pid)
+        record["simulator"] = ref.to_json()
+        (self.dir / "simulator.pid").write_text(f"{popen.pid}\n")
+        self._save(record)
+
+    def _stop_simulator(self, record: dict[str, Any]) -> None:
+        ref = procs.ProcessRef.from_json(record["simulator"])
+        procs.stop_processes([ref], timeout=10.0, reap=procs.reap_child)
+
+    # -- waiting for the scenario -------------------------------------------------------------------------
+    def _wait_for_scenario(self, kube: Kube, scenario: Scenario, timeout: float, progress: Progress) -> None:
+        deadline = time.monotonic() + timeout
+        progress("waiting for the node lifecycle controller to mark the dead nodes NotReady")
+        _wait(lambda: _nodes_problem(kube, scenario), deadline, "the nodes' initial state")
+        sim_seed.seed_vms(kube, scenario)
+        progress("waiting for the VirtualMachines' phases")
+        _wait(lambda: _vms_problem(kube, scenario), deadline, "the VirtualMachines' initial phases")
+
+    # -- env, status, jobs -----------------------------------------------------------------------------
+    def env(self) -> dict[str, str]:
+        record = self.record()
+        out = {"KUBECONFIG": record["kubeconfig"], "KUBECACHEDIR": str(self.dir / "kube-cache"),
+               "RUNBOOK_LAB_DIR": str(self.dir)}
+        if record.get("inventory"):
+            out["RUNBOOK_INVENTORY"] = record["inventory"]
+        if record.get("become_password"):
+            out["RUNBOOK_BECOME_PASSWORD"] = record["become_password"]
+        return out
+
+    def summary(self, started: list[str]) -> dict[str, Any]:
+        record = self.record()
+        return {"lab_dir": str(self.dir), "kubeconfig": record["kubeconfig"], "inventory": record.get("inventory"),
+                "scenario": record["scenario"], "started": started, "api_url": record.get("api_url")}
+
+    def status(self) -> dict[str, Any]:
+        record = self.record()
+        scenario = self.scenario()
+        kube = self.kube()
+        try:
+            api_nodes = {n["metadata"]["name"]: n for n in kube.list(NODES)[0]}
+            vms = [] if not scenario.vms else kube.list(VMS)[0]
+        finally:
+            kube.close()
+        nodes = []
+        for node in scenario.all_nodes:
+            api = api_nodes.get(node.name, {})
+            host = HostState(record["nodes"][node.name]["state_dir"]).read()
+            displays = sim_gpu.displays(host)
+            conditions = {c["type"]: c for c in api.get("status", {}).get("conditions", [])}
+            nodes.append({
+                "name": node.name, "ready": conditions.get("Ready", {}).get("status") == "True",
+                "workload": (api.get("metadata", {}).get("labels") or {}).get(sim_gpu.WORKLOAD_LABEL),
+                "gpu_driver": displays[0]["driver"] if displays else "none",
+                "cuda_jobs_running": len(host.get("cuda_jobs", [])),
+                "cuda_jobs_killed": int(host.get("cuda_jobs_killed", 0)),
+                "kubelet": host["units"]["kubelet"]["active"], "swap_active": bool(host["swap"]["active"]),
+                "taints": [f"{t['key']}:{t['effect']}" for t in api.get("spec", {}).get("taints", [])],
+                "address": record["nodes"][node.name]["address"], "ssh": record["nodes"][node.name]["ssh"],
+                "gpu_allocatable": {k: v for k, v in api.get("status", {}).get("allocatable", {}).items()
+                                    if k.startswith("nvidia.com/")},
+            })
+        return {
+            "lab_dir": str(self.dir), "kubeconfig": record["kubeconfig"], "inventory": record.get("inventory"),
+            "scenario": record["scenario"], "running": self.running(),
+            "simulator": {"pid": record["simulator"]["pid"], "log": str(self.dir / "simulator.log")},
+            "nodes": nodes,
+            "vms": [{"namespace": vm["metadata"]["namespace"], "name": vm["metadata"]["name"],
+                     "status": vm.get("status", {}).get("printableStatus", "")} for vm in vms],
+        }
+
+    def job(self, node: str, action: str) -> dict[str, Any]:
+        """Start or stop the host CUDA job on ``node``; returns the node's jobs afterwards."""
+        record = self.record()
+        if node not in record["nodes"]:
+            raise LabError(f"no node {node!r} in this lab")
+        if action not in ("start", "stop"):
+            raise LabError(f"job action is start or stop, not {action!r}")
+        host = HostState(record["nodes"][node]["state_dir"])
+
+        def change(state: dict[str, Any]) -> None:
+            if action == "stop":
+                state["cuda_jobs"] = []
+                return
+            gpus = [d for d in sim_gpu.displays(state) if d.get("driver") == "nvidia"]
+            if not gpus:
+                drivers = [d.get("driver") for d in sim_gpu.displays(state)] or ["no GPU"]
+                raise LabError(f"{node}: no GPU on the nvidia driver ({', '.join(drivers)}): "
+                               "a CUDA job cannot start")
+            if not state.get("cuda_jobs"):
+                pid = int(state.get("next_pid", 3000))
+                state["next_pid"] = pid + 1
+                state["cuda_jobs"] = [{"pid": pid + 40000, "name": "python3", "used_memory_mib": 21504}]
+
+        host.update(change)
+        state = host.read()
+        return {"node": node, "cuda_jobs": state["cuda_jobs"], "cuda_jobs_killed": state["cuda_jobs_killed"]}
+
+    # -- reset, down ---------------------------------------------------------------------------------
+    def reset(self, *, timeout: float = 120.0, progress: Progress = _quiet) -> dict[str, Any]:
+        """Back to the scenario's initial state without restarting the control plane or the hosts."""
+        started = time.monotonic()
+        record = self.record()
+        if not self.running():
+            raise LabError(f"the lab in {self.dir} is not (fully) running: `runbook lab down` then `up`")
+        scenario = self.scenario()
+        self._stop_simulator(record)
+        kube = self.kube()
+        try:
+            sim_seed.wipe_cluster(kube, scenario)
+            self._initialise_hosts(scenario, record)
+            for name, host in record["hosts"].items():
+                self._write_host_file(host, "/etc/fstab", host["fstab"])
+            sim_seed.seed_cluster(kube, scenario, self._addresses(record), self._host_states(record))
+            self._start_simulator(record)
+            self._wait_for_scenario(kube, scenario, timeout, progress)
+        finally:
+            kube.close()
+        return {"seconds": round(time.monotonic() - started, 1)}
+
+    def _write_host_file(self, host: dict[str, Any], path: str, content: str) -> None:
+        pid = host["process"]["pid"]
+        result = subprocess.run(["nsenter", f"--target={pid}", "--mount", "--", "/bin/sh", "-c",
+                                 f"cat > {path}"], input=content, capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            raise LabError(f"could not restore {path} in host pid {pid}: {result.stderr.strip()}")
+
+    def down(self) -> dict[str, Any]:
+        """Stop the simulator, the node hosts and the control plane by PID; remove the lab folder."""
+        if not self.exists():
+            if self.dir.exists() and (self.dir / "controlplane" / "controlplane.json").exists():
+                ControlPlane.from_state(self.dir / "controlplane").stop()
+            shutil.rmtree(self.dir, ignore_errors=True)
+            return {"stopped": [], "removed": str(self.dir)}
+        record = self.record()
+        stopped: list[str] = []
+        if record["simulator"].get("pid"):
+            self._stop_simulator(record)
+            stopped.append(f"simulator {record['simulator']['pid']}")
+        hosts = [self._host_from_record(name, h) for name, h in record["hosts"].items()]
+        if hosts:
+            NodeHostSet(Path(next(iter(record["hosts"].values()))["workdir"]), hosts).stop()
+            stopped += [f"node host {h.name} {h.ref.pid if h.ref else '?'}" for h in hosts]
+        cp_dir = Path(record["controlplane_dir"])
+        if (cp_dir / "controlplane.json").exists():
+            plane = ControlPlane.from_state(cp_dir)
+            stopped += [f"{name} {pid}" for name, pid in plane.pids().items()]
+            plane.stop()
+        for host in record["hosts"].values():
+            if not Path(host["layers_dir"]).is_relative_to(self.dir):
+                shutil.rmtree(host["layers_dir"], ignore_errors=True)
+        shutil.rmtree(self.dir, ignore_errors=True)
+        return {"stopped": stopped, "removed": str(self.dir)}
+
+    @staticmethod
+    def _host_from_record(name: str, h: dict[str, Any]) -> NodeHost:
+        return NodeHost(spec=NodeHostSpec(name=name, address=h["address"], sudo=h["sudo"]),
+                        address=h["address"], password=h["password"], host_dir=Path(h["host_dir"]),
+                        layers_dir=Path(h["layers_dir"]), fstab=h["fstab"],
+                        ref=procs.ProcessRef.from_json(h["process"]), mount_namespace=h.get("mount_namespace"))
+
+
+# -- the scenario's state, as checks that say what is missing -----------------------------------------
+def _wait(problem: Callable[[], str | None], deadline: float, what: str) -> None:
+    last: str | None = "not checked yet"
+    while time.monotonic() < deadline:
+        try:
+            last = problem()
+        except Exception as e:  # the API server may be starting
+            last = f"{type(e).__name__}: {e}"
+        if last is None:
+            return
+        time.sleep(0.3)
+    raise LabError(f"timed out waiting for {what}: {last}")
+
+
+def _nodes_problem(kube: Kube, scenario: Scenario) -> str | None:
+    nodes = {n["metadata"]["name"]: n for n in kube.list(NODES)[0]}
+    for node in scenario.all_nodes:
+        api = nodes.get(node.name)
+        if api is None:
+            return f"node {node.name} does not exist"
+        ready = next((c for c in api.get("status", {}).get("conditions", []) if c["type"] == "Ready"), {})
+        taints = {(t["key"], t["effect"]) for t in api.get("spec", {}).get("taints", [])}
+        if starts_ready(node) and ready.get("status") != "True":
+            return f"node {node.name} is not Ready yet"
+        if not starts_ready(node) and (ready.get("status") == "True" or (UNREACHABLE, "NoExecute") not in taints):
+            return f"node {node.name} is not NotReady with the unreachable taint yet"
+    return None
+
+
+def _vms_problem(kube: Kube, scenario: Scenario) -> str | None:
+    vms = {(v["metadata"]["namespace"], v["metadata"]["name"]): v for v in kube.list(VMS)[0]}
+    for vm in scenario.vms:
+        status = vms.get((vm.namespace, vm.name), {}).get("status", {}).get("printableStatus")
+        if status != vm.expected_status:
+            return f"vm {vm.namespace}/{vm.name} is {status or 'without status'}, not {vm.expected_status}"
+    return None
+
+
+def operator_pod_statuses(kube: Kube, namespace: str = "gpu-operator") -> dict[str, str]:
+    """Pod name -> the STATUS column ``kubectl get pods`` prints (Running, Error, Terminating, ...)."""
+    out = {}
+    for pod in kube.list(PODS, namespace)[0]:
+        out[pod["metadata"]["name"]] = kubectl_status(pod)
+    return out
+
+
+def kubectl_status(pod: dict[str, Any]) -> str:
+    """kubectl's STATUS column for a pod (the cases the lab produces)."""
+    status = pod.get("status", {})
+    reason = status.get("reason") or status.get("phase", "Pending")
+    for cs in reversed(status.get("containerStatuses", [])):
+        state = cs.get("state", {})
+        if state.get("waiting", {}).get("reason"):
+            reason = state["waiting"]["reason"]
+        elif state.get("terminated", {}).get("reason"):
+            reason = state["terminated"]["reason"]
+    if pod["metadata"].get("deletionTimestamp") and status.get("reason") != "NodeLost":
+        reason = "Terminating"
+    return str(reason)
+
+
+# module-level conveniences (the CLI and tests call these)
+def up(scenario: Path | str | None = None, lab_dir: Path | str | None = None, **kw: Any) -> dict[str, Any]:
+    return Lab(lab_dir).up(scenario, **kw)
+
+
+def env(lab_dir: Path | str | None = None) -> dict[str, str]:
+    return Lab(lab_dir).env()
+
+
+def status(lab_dir: Path | str | None = None) -> dict[str, Any]:
+    return Lab(lab_dir).status()
+
+
+def job(node: str, action: str, lab_dir: Path | str | None = None) -> dict[str, Any]:
+    return Lab(lab_dir).job(node, action)
+
+
+def reset(lab_dir: Path | str | None = None, **kw: Any) -> dict[str, Any]:
+    return Lab(lab_dir).reset(**kw)
+
+
+def down(lab_dir: Path | str | None = None) -> dict[str, Any]:
+    return Lab(lab_dir).down()

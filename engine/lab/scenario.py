@@ -1,0 +1,394 @@
+"""Lab scenarios: YAML -> typed, frozen ``Scenario``, with located errors (``FILE:LINE: where: message``).
+
+A scenario describes the simulated cluster's initial state: nodes (zones, labels, GPUs, and each
+node's host: swap, fstab, kubelet faults, units, CUDA jobs), generated fleets of ordinary GPU nodes,
+the GPU Operator's and KubeVirt's configuration, the VirtualMachines, and the time compression.
+The format is documented in docs/lab.md; the default is ``scenarios/incident-omen2.yaml``.
+
+This module parses and derives (GPU model data, resource names, expanded node lists); it performs no
+I/O beyond reading the scenario file and knows nothing of Kubernetes clients or node hosts.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from engine.errors import LoadError, Location
+from engine.loader import compose_yaml
+
+DEFAULT_SCENARIO = "incident-omen2"
+API_VERSION = "runbook.lab/v1"
+WORKLOADS = ("container", "vm-passthrough", "vm-vgpu")
+_NAME = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP]i?)?B?\s*$", re.IGNORECASE)
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes from ``34359738368``, ``"32Gi"``, ``"32G"`` or ``"32GiB"`` (binary multiples)."""
+    if isinstance(value, int):
+        return value
+    match = _SIZE.match(str(value))
+    if not match:
+        raise ValueError(f"{value!r} is not a size (e.g. 32Gi, 512Mi, 1073741824)")
+    number, unit = float(match.group(1)), (match.group(2) or "").upper().rstrip("I")
+    return int(number * 1024 ** ("KMGTP".index(unit) + 1 if unit else 0))
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+# --- GPUs ----------------------------------------------------------------------------------------
+class GpuModel(_Model):
+    """What a GPU model looks like to lspci, GFD and the sandbox device plugin."""
+
+    name: str  # pci.ids device name, e.g. "GB202 [GeForce RTX 5090]"
+    product: str  # GFD nvidia.com/gpu.product
+    family: str  # GFD nvidia.com/gpu.family
+    memory_mib: int
+    subsystem: str = "NVIDIA Corporation Device [10de:0000]"
+    audio: str | None = None  # vendor:device of the HDMI audio function, None for none
+    audio_name: str = "Device"
+
+    @property
+    def resource_name(self) -> str:
+        """The sandbox device plugin's resource: ``nvidia.com/`` + the pci.ids name, upper-cased,
+        brackets dropped, spaces (and / .) turned into ``_``: ``nvidia.com/GB202_GEFORCE_RTX_5090``."""
+        cleaned = self.name.replace("[", "").replace("]", "")
+        return "nvidia.com/" + re.sub(r"[\s/.]+", "_", cleaned.strip()).upper()
+
+
+BUILTIN_GPU_MODELS: dict[str, GpuModel] = {
+    "10de:2b85": GpuModel(name="GB202 [GeForce RTX 5090]", product="NVIDIA-GeForce-RTX-5090",
+                          family="blackwell", memory_mib=32607,
+                          subsystem="NVIDIA Corporation Device [10de:2055]",
+                          audio="10de:22e8", audio_name="Device"),
+    "10de:2204": GpuModel(name="GA102 [GeForce RTX 3090]", product="NVIDIA-GeForce-RTX-3090",
+                          family="ampere", memory_mib=24576,
+                          subsystem="NVIDIA Corporation Device [10de:147d]",
+                          audio="10de:1aef", audio_name="GA102 High Definition Audio Controller"),
+}
+
+
+class Gpu(_Model):
+    model: str = Field(pattern=r"^[0-9a-f]{4}:[0-9a-f]{4}$")  # PCI vendor:device
+    slot: str = Field(default="01:00.0", pattern=r"^[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
+    driver: Literal["nvidia", "vfio-pci", "none"] = "nvidia"
+
+
+# --- node hosts ------------------------------------------------------------------------------------
+class SwapDevice(_Model):
+    size: int
+    type: Literal["file", "partition"] = "file"
+    used: int = 0
+    uuid: str | None = None
+    in_fstab: bool = True  # listed (active) in the host's /etc/fstab when ``fstab`` is generated
+    description: str | None = None  # systemd unit description (zram: "Compressed Swap on /dev/zram0")
+
+    @field_validator("size", "used", mode="before")
+    @classmethod
+    def _size(cls, value: Any) -> int:
+        return parse_size(value)
+
+
+class Swap(_Model):
+    devices: dict[str, SwapDevice] = {}
+    active: list[str] = []
+
+    @model_validator(mode="after")
+    def _known(self) -> Swap:
+        unknown = [a for a in self.active if a not in self.devices]
+        if unknown:
+            raise ValueError(f"active swap {unknown[0]!r} is not among swap.devices")
+        return self
+
+
+class KubeletFault(_Model):
+    """A kubelet failure other than swap: ``exit`` (crash loop, the lines each try) or
+    ``no-heartbeat`` (kubelet runs, ``active``, but cannot post status: e.g. an expired certificate)."""
+
+    mode: Literal["exit", "no-heartbeat"] = "exit"
+    lines: list[str] = Field(min_length=1)  # klog messages after the "E0710 15:39:51.123456 pid " header
+    until_unit_active: str | None = None  # the fault clears once this unit is active (containerd)
+
+
+class Kubelet(_Model):
+    fail_swap_on: bool = True
+    restart_counter: int = 0
+    stopped: bool = False  # someone ran systemctl stop kubelet
+    fault: KubeletFault | None = None
+
+
+class CudaJob(_Model):
+    name: str = "python3"
+    used_memory_mib: int = 20480
+
+
+class Host(_Model):
+    ssh: bool = True  # a real SSH node host (Ansible can reach it); False: the state folder only
+    sudo: Literal["password", "nopasswd"] = "password"
+    fstab: str | None = None  # None: generated from the swap devices with in_fstab
+    swap: Swap = Swap()
+    kubelet: Kubelet = Kubelet()
+    units: dict[str, Literal["active", "inactive", "failed"]] = {"containerd": "active"}
+    cuda_jobs: list[CudaJob] = []
+
+
+# --- nodes -----------------------------------------------------------------------------------------
+PodStatus = Literal["Running", "Error", "Terminating", "Pending", "Completed"]
+
+
+class Taint(_Model):
+    key: str
+    value: str = ""
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"]
+
+
+class Node(_Model):
+    name: str = Field(pattern=_NAME)
+    zone: str = "zone-a"
+    roles: list[str] = []
+    labels: dict[str, str] = {}
+    taints: list[Taint] = []
+    cpu: int = 16
+    memory: str = "64Gi"
+    max_pods: int = 110
+    gpus: list[Gpu] = []
+    host: Host = Host()
+    operator_pods: dict[str, PodStatus] = {}  # initial status of operand pods (default Running)
+
+    @field_validator("memory")
+    @classmethod
+    def _memory(cls, value: str) -> str:
+        parse_size(value)
+        return value
+
+    @property
+    def workload(self) -> str | None:
+        return self.labels.get("nvidia.com/gpu.workload.config")
+
+
+class Generate(_Model):
+    """Many ordinary GPU nodes for fleet benchmarks: ``{prefix}{index:03d}``, healthy, no SSH host."""
+
+    count: int = Field(ge=1, le=5000)
+    prefix: str = Field(default="gpu-", pattern=r"^[a-z0-9][-a-z0-9]*$")
+    start: int = 1
+    zones: list[str] = ["zone-a", "zone-b", "zone-c"]
+    gpus: list[Gpu] = [Gpu(model="10de:2204")]
+    labels: dict[str, str] = {"nvidia.com/gpu.workload.config": "container"}
+    cpu: int = 32
+    memory: str = "128Gi"
+    ssh: bool = False
+
+    def nodes(self) -> list[Node]:
+        return [Node(name=f"{self.prefix}{i:03d}", zone=self.zones[(i - self.start) % len(self.zones)],
+                     labels=dict(self.labels), cpu=self.cpu, memory=self.memory, gpus=list(self.gpus),
+                     host=Host(ssh=self.ssh))
+                for i in range(self.start, self.start + self.count)]
+
+
+# --- cluster software ------------------------------------------------------------------------------
+class GpuOperator(_Model):
+    namespace: str = "gpu-operator"
+    version: str = "v25.3.0"
+    sandbox_workloads: bool = True
+    default_workload: Literal["container", "vm-passthrough", "vm-vgpu"] = "container"
+    driver_enabled: bool = False
+    operand_pods: bool = True  # False: no pods, resources advertised as soon as kubelet runs (fleets)
+    operands: list[str] = ["gpu-feature-discovery", "device-plugin", "operator-validator",
+                           "sandbox-device-plugin", "sandbox-validator", "vfio-manager"]
+    controller_node: str | None = None  # where gpu-operator and NFD master/gc run (default: a healthy worker)
+
+
+class PermittedDevice(_Model):
+    selector: str = Field(pattern=r"^[0-9a-f]{4}:[0-9a-f]{4}$")
+    resource: str
+
+
+class KubeVirt(_Model):
+    namespace: str = "kubevirt"
+    version: str = "v1.7.0"
+    permitted_host_devices: list[PermittedDevice] = []
+    schedulable_false_after_seconds: float | None = None  # virt-controller relabel; None: never
+
+
+class Vm(_Model):
+    name: str = Field(pattern=_NAME)
+    namespace: str = Field(default="default", pattern=_NAME)
+    running: bool = True
+    paused: bool = False
+    cpu: str = "2"
+    memory: str = "4Gi"
+    host_devices: list[str] = []  # resource names, e.g. nvidia.com/GB202_GEFORCE_RTX_5090
+    unschedulable_days: int | None = None  # record "unschedulable since N days" (the incident's AGE)
+    expect: Literal["Running", "Paused", "Stopped", "ErrorUnschedulable", "Starting"] | None = None
+
+    @property
+    def expected_status(self) -> str:
+        if self.expect:
+            return self.expect
+        if not self.running:
+            return "Stopped"
+        return "Paused" if self.paused else ("ErrorUnschedulable" if self.host_devices else "Running")
+
+
+class Timing(_Model):
+    """The lab's compressed clock (seconds). Real values in comments."""
+
+    heartbeat_seconds: float = Field(default=2.0, gt=0)  # Lease renewal (10 s)
+    status_seconds: float = Field(default=20.0, gt=0)  # node status when nothing changed (5 min)
+    kubelet_restart_seconds: float = Field(default=2.0, gt=0)  # RestartSec (10 s)
+    kubelet_start_seconds: float = Field(default=1.0, ge=0)  # a started kubelet fails or is up after
+    operand_start_seconds: float = Field(default=1.0, ge=0)  # operand pods run after kubelet is up
+    gfd_relabel_seconds: float = Field(default=2.0, ge=0)  # GFD / NFD relabel period (60 s)
+    tick_seconds: float = Field(default=0.2, gt=0, le=5)  # the simulator's loop period
+
+
+class Scenario(_Model):
+    apiVersion: Literal["runbook.lab/v1"]  # noqa: N815 (the YAML key)
+    kind: Literal["Scenario"] = "Scenario"
+    name: str = Field(pattern=_NAME)
+    description: str = ""
+    timing: Timing = Timing()
+    control_plane: dict[str, Any] = {}  # ControlPlaneSettings overrides, e.g. node_monitor_grace_period
+    gpu_models: dict[str, GpuModel] = {}
+    gpu_operator: GpuOperator = GpuOperator()
+    kubevirt: KubeVirt = KubeVirt()
+    nodes: list[Node] = Field(min_length=1)
+    generate: list[Generate] = []
+    vms: list[Vm] = []
+
+    @property
+    def all_nodes(self) -> list[Node]:
+        return [*self.nodes, *(n for g in self.generate for n in g.nodes())]
+
+    def gpu_model(self, vendor_device: str) -> GpuModel:
+        return {**BUILTIN_GPU_MODELS, **self.gpu_models}[vendor_device]
+
+    def node(self, name: str) -> Node:
+        return next(n for n in self.all_nodes if n.name == name)
+
+
+# --- loading ---------------------------------------------------------------------------------------
+def _where(path: tuple[str | int, ...]) -> str:
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else ("." if out else "") + part
+    return out
+
+
+def _problems(e: ValidationError, data: Any, path: str, marks: Mapping[Any, tuple[int, int]],
+              key_marks: Mapping[Any, tuple[int, int]]) -> list[tuple[Location, str]]:
+    out = []
+    for err in e.errors():
+        loc: tuple[str | int, ...] = ()
+        cur = data
+        for part in err["loc"]:  # keep only the parts that exist in the data (drop union tags)
+            if isinstance(cur, Mapping) and part in cur or isinstance(cur, list) and isinstance(part, int):
+                cur = cur[part]
+                loc = (*loc, part)
+        probe = loc
+        while probe not in key_marks and probe not in marks and probe:
+            probe = probe[:-1]
+        line = (key_marks.get(probe) or marks.get(probe) or (1, 1))[0]
+        if err["type"] == "extra_forbidden":
+            message = f"unknown field {err['loc'][-1]!r}"
+        elif err["type"] == "missing":
+            message = f"missing required field {err['loc'][-1]!r}"
+        else:
+            message = str(err["msg"]).removeprefix("Value error, ")
+        out.append((Location(path, line, None, _where(loc)), message))
+    return out
+
+
+def _semantic_problems(sc: Scenario, data: Any, path: str,
+                       key_marks: Mapping[Any, tuple[int, int]]) -> list[tuple[Location, str]]:
+    def at(*where: str | int) -> Location:
+        probe = tuple(where)
+        while probe not in key_marks and probe:
+            probe = probe[:-1]
+        return Location(path, key_marks.get(probe, (1, 1))[0], None, _where(tuple(where)))
+
+    problems: list[tuple[Location, str]] = []
+    seen: set[str] = set()
+    for i, node in enumerate(sc.nodes):
+        if node.name in seen:
+            problems.append((at("nodes", i, "name"), f"duplicate node name {node.name!r}"))
+        seen.add(node.name)
+        for j, gpu in enumerate(node.gpus):
+            if gpu.model not in {**BUILTIN_GPU_MODELS, **sc.gpu_models}:
+                problems.append((at("nodes", i, "gpus", j, "model"),
+                                 f"unknown GPU model {gpu.model!r}: add it under gpu_models"))
+        workload = node.workload
+        if workload is not None and workload not in WORKLOADS:
+            problems.append((at("nodes", i, "labels"), f"workload label {workload!r} is not one of "
+                             f"{', '.join(WORKLOADS)}"))
+        fault = node.host.kubelet.fault
+        if fault and fault.until_unit_active and fault.until_unit_active not in node.host.units:
+            problems.append((at("nodes", i, "host", "kubelet", "fault", "until_unit_active"),
+                             f"unit {fault.until_unit_active!r} is not among host.units"))
+    for g, gen in enumerate(sc.generate):
+        for node in gen.nodes():
+            if node.name in seen:
+                problems.append((at("generate", g, "prefix"), f"generated node {node.name!r} clashes "
+                                 "with another node"))
+                break
+            seen.add(node.name)
+    if sc.gpu_operator.controller_node and sc.gpu_operator.controller_node not in seen:
+        problems.append((at("gpu_operator", "controller_node"),
+                         f"no node named {sc.gpu_operator.controller_node!r}"))
+    vm_names: set[tuple[str, str]] = set()
+    for i, vm in enumerate(sc.vms):
+        if (vm.namespace, vm.name) in vm_names:
+            problems.append((at("vms", i, "name"), f"duplicate VM {vm.namespace}/{vm.name}"))
+        vm_names.add((vm.namespace, vm.name))
+    if not any(starts_ready(n) for n in sc.all_nodes):
+        problems.append((at("nodes"), "every node starts NotReady: the node lifecycle controller then "
+                         "stops tainting (master disruption mode); keep one healthy node"))
+    return problems
+
+
+def starts_ready(node: Node) -> bool:
+    """Whether the node's kubelet runs (and the node is Ready) in the scenario's initial state."""
+    host = node.host
+    fault = host.kubelet.fault
+    fault_holds = fault is not None and not (
+        fault.until_unit_active and host.units.get(fault.until_unit_active) == "active")
+    swap_blocks = host.kubelet.fail_swap_on and bool(host.swap.active)
+    return not (host.kubelet.stopped or swap_blocks or fault_holds)
+
+
+def parse_scenario(data: bytes, path: str) -> Scenario:
+    """Bytes of a scenario file -> Scenario, or LoadError naming file, line and field of each problem."""
+    value, marks, key_marks = compose_yaml(data, path)
+    if not isinstance(value, dict):
+        raise LoadError([(Location(path), "a scenario is a mapping (apiVersion, name, nodes, ...)")])
+    try:
+        scenario = Scenario.model_validate(value)
+    except ValidationError as e:
+        raise LoadError(_problems(e, value, path, marks, key_marks)) from None
+    problems = _semantic_problems(scenario, value, path, key_marks)
+    if problems:
+        raise LoadError(problems)
+    return scenario
+
+
+def default_scenario_path() -> Path:
+    return Path(str(resources.files("engine.lab") / "scenarios" / f"{DEFAULT_SCENARIO}.yaml"))
+
+
+def load_scenario(path: Path | str | None = None) -> Scenario:
+    """Load a scenario file (default: the packaged incident-omen2 scenario)."""
+    file = Path(path) if path is not None else default_scenario_path()
+    try:
+        data = file.read_bytes()
+    except OSError as e:
+        raise LoadError([(Location(str(file)), f"cannot read scenario: {e.strerror}")]) from None
+    return parse_scenario(data, str(file))

@@ -1,0 +1,68 @@
+"""Shared by the runbook lab's shims: the host state folder's format and locking.
+
+Installed inside each node host at /usr/local/lib/runbook-lab/_labstate.py (the shims add that folder,
+or their own when run from the source tree, to ``sys.path``). Keep in step with
+``engine/lab/hoststate.py``: the shims cannot import the engine (it is not installed in the hosts).
+Standard library only.
+"""
+import fcntl
+import json
+import os
+import time
+
+STATE_DIR = os.environ.get("RUNBOOK_LAB_HOST_STATE", "/run/runbook-lab")
+FSTAB = os.environ.get("RUNBOOK_LAB_FSTAB", "/etc/fstab")
+
+
+def state_file(name):
+    return os.path.join(STATE_DIR, name)
+
+
+def load_state():
+    with open(state_file("state.json")) as f:  # replaced by rename: a plain read is consistent
+        return json.load(f)
+
+
+def update_state(change):
+    """Apply change(state) under the exclusive lock, write state.json and /proc/swaps back."""
+    with open(state_file("state.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        with open(state_file("state.json")) as f:
+            state = json.load(f)
+        result = change(state)
+        state["seq"] = int(state.get("seq", 0)) + 1
+        tmp = state_file("state.tmp")
+        with open(tmp, "w") as f:
+            json.dump(state, f, indent=1, sort_keys=True)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, state_file("state.json"))
+        write_proc_swaps(state)
+    return result
+
+
+def write_proc_swaps(state):
+    lines = ["Filename\t\t\t\tType\t\tSize\t\tUsed\t\tPriority"]
+    devices = state.get("swap", {}).get("devices", {})
+    for index, name in enumerate(state.get("swap", {}).get("active", [])):
+        dev = devices.get(name, {})
+        size_kib = max(int(dev.get("size", 0)) // 1024 - 4, 0)
+        used_kib = int(dev.get("used", 0)) // 1024
+        lines.append(f"{name:<40}{dev.get('type', 'file')}\t\t{size_kib}\t{used_kib}\t\t{-2 - index}")
+    path = state_file("proc_swaps")
+    with open(path, "r+" if os.path.exists(path) else "w") as f:  # in place: /proc/swaps is a bind mount
+        f.seek(0)
+        f.write("\n".join(lines) + "\n")
+        f.truncate()
+
+
+def append_journal(unit, ident, pid, messages):
+    with open(state_file("journal.jsonl"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        for msg in messages:
+            f.write(json.dumps({"ts": time.time(), "unit": unit, "ident": ident, "pid": pid, "msg": msg}) + "\n")
+
+
+def log_call(cmd, argv, rc):
+    with open(state_file("calls.jsonl"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.write(json.dumps({"ts": time.time(), "cmd": cmd, "argv": argv, "uid": os.geteuid(), "rc": rc}) + "\n")

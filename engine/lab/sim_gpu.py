@@ -1,0 +1,199 @@
+"""NFD, GPU Feature Discovery and the NVIDIA GPU Operator, as gpu-node-facts.md describes them.
+
+* NFD: ``feature.node.kubernetes.io/pci-10de.present`` on nodes with NVIDIA PCI devices, set once
+  nfd-worker has run there. It outlives a kubelet outage (nfd-master keeps the last NodeFeature), so
+  the operator keeps reconciling NotReady nodes.
+* GFD: ``nvidia.com/gpu.product|count|memory|family`` while the gpu-feature-discovery pod runs (and
+  the GPU is on the ``nvidia`` driver); removed when kubelet is down (the pod stops and deletes its
+  features file).
+* Operator: the workload label ``nvidia.com/gpu.workload.config`` (only honoured with sandbox
+  workloads enabled; default workload otherwise) selects the ``nvidia.com/gpu.deploy.*`` labels,
+  on NotReady nodes too, and the operand pods (one per node, like a DaemonSet). ``vm-passthrough``:
+  vfio-manager binds every NVIDIA display function to ``vfio-pci`` (host CUDA jobs die) and the
+  sandbox device plugin advertises ``nvidia.com/<PCI NAME>``; ``container``: the device plugin
+  advertises ``nvidia.com/gpu`` for GPUs on ``nvidia``; a GPU left on ``vfio-pci`` loses its driver
+  (vfio-manager's preStop unbinds and does not rebind).
+
+Pure decisions over API dicts and host-state dicts; the simulator does the calls.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from engine.lab.scenario import WORKLOADS, GpuOperator, Scenario
+
+WORKLOAD_LABEL = "nvidia.com/gpu.workload.config"
+PRESENT_LABEL = "nvidia.com/gpu.present"
+DEPLOY_PREFIX = "nvidia.com/gpu.deploy."
+NFD_LABELS = ("feature.node.kubernetes.io/pci-10de.present", "feature.node.kubernetes.io/pci-0300_10de.present")
+GFD_LABELS = ("nvidia.com/gpu.product", "nvidia.com/gpu.count", "nvidia.com/gpu.memory", "nvidia.com/gpu.family")
+OPERAND_LABEL = "runbook.lab/operand"
+MANAGED_LABEL = "runbook.lab/managed"
+
+WORKLOAD_OPERANDS: dict[str, tuple[str, ...]] = {
+    "container": ("driver", "gpu-feature-discovery", "container-toolkit", "device-plugin", "dcgm",
+                  "dcgm-exporter", "node-status-exporter", "operator-validator"),
+    "vm-passthrough": ("sandbox-device-plugin", "sandbox-validator", "vfio-manager", "kata-manager",
+                       "cc-manager"),
+    "vm-vgpu": ("sandbox-device-plugin", "vgpu-manager", "vgpu-device-manager", "sandbox-validator",
+                "cc-manager"),
+}
+POD_PREFIX = {
+    "driver": "nvidia-driver-daemonset", "gpu-feature-discovery": "gpu-feature-discovery",
+    "container-toolkit": "nvidia-container-toolkit-daemonset", "device-plugin": "nvidia-device-plugin-daemonset",
+    "dcgm": "nvidia-dcgm", "dcgm-exporter": "nvidia-dcgm-exporter",
+    "node-status-exporter": "nvidia-node-status-exporter", "operator-validator": "nvidia-operator-validator",
+    "sandbox-device-plugin": "nvidia-sandbox-device-plugin-daemonset",
+    "sandbox-validator": "nvidia-sandbox-validator", "vfio-manager": "nvidia-vfio-manager",
+    "kata-manager": "nvidia-kata-manager", "cc-manager": "nvidia-cc-manager",
+    "vgpu-manager": "nvidia-vgpu-manager-daemonset", "vgpu-device-manager": "nvidia-vgpu-device-manager",
+    "cuda-validator": "nvidia-cuda-validator",  # a one-shot pod the operator-validator creates
+    "nfd-worker": "gpu-operator-node-feature-discovery-worker",
+}
+ONE_SHOT = frozenset({"cuda-validator"})
+DAEMONSET_TOLERATIONS = [
+    {"key": "node.kubernetes.io/not-ready", "operator": "Exists", "effect": "NoExecute"},
+    {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute"},
+    {"key": "node.kubernetes.io/disk-pressure", "operator": "Exists", "effect": "NoSchedule"},
+    {"key": "node.kubernetes.io/memory-pressure", "operator": "Exists", "effect": "NoSchedule"},
+    {"key": "node.kubernetes.io/pid-pressure", "operator": "Exists", "effect": "NoSchedule"},
+    {"key": "node.kubernetes.io/unschedulable", "operator": "Exists", "effect": "NoSchedule"},
+    {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+    {"key": "node-role.kubernetes.io/control-plane", "operator": "Exists", "effect": "NoSchedule"},
+]
+
+
+def workload_of(labels: dict[str, str], operator: GpuOperator) -> str:
+    """The workload the operator applies: the label when sandbox workloads are on and it is valid."""
+    value = labels.get(WORKLOAD_LABEL)
+    if operator.sandbox_workloads and value in WORKLOADS:
+        return value
+    return operator.default_workload if operator.sandbox_workloads else "container"
+
+
+def desired_operands(workload: str, operator: GpuOperator) -> list[str]:
+    """Operands that have a DaemonSet (enabled in the ClusterPolicy) and whose deploy label is set."""
+    enabled = set(operator.operands) | ({"driver"} if operator.driver_enabled else set())
+    return [op for op in WORKLOAD_OPERANDS[workload] if op in enabled]
+
+
+def displays(host: dict[str, Any]) -> list[dict[str, Any]]:
+    return [d for d in host.get("pci_devices", []) if d.get("display")]
+
+
+def label_changes(labels: dict[str, str], host: dict[str, Any] | None, scenario: Scenario,
+                  gfd_running: bool) -> dict[str, str | None]:
+    """The label patch NFD + GFD + the operator want on one node (None removes a label)."""
+    operator = scenario.gpu_operator
+    want: dict[str, str | None] = {}
+    present = labels.get(NFD_LABELS[0]) == "true"
+    if present:
+        want[PRESENT_LABEL] = "true"
+        workload = workload_of(labels, operator)
+        deploy = {DEPLOY_PREFIX + op for op in WORKLOAD_OPERANDS[workload]}
+        for key in [k for k in labels if k.startswith(DEPLOY_PREFIX)] + sorted(deploy):
+            want[key] = "true" if key in deploy else None
+    else:
+        if PRESENT_LABEL in labels:
+            want[PRESENT_LABEL] = "false"
+        for key in labels:
+            if key.startswith(DEPLOY_PREFIX):
+                want[key] = None
+    nvidia = [d for d in displays(host or {}) if d.get("driver") == "nvidia"]
+    if gfd_running and nvidia:
+        model = scenario.gpu_model(nvidia[0]["vendor_device"])
+        want.update({"nvidia.com/gpu.product": model.product, "nvidia.com/gpu.count": str(len(nvidia)),
+                     "nvidia.com/gpu.memory": str(model.memory_mib), "nvidia.com/gpu.family": model.family})
+    else:
+        want.update({key: None for key in GFD_LABELS})
+    return {k: v for k, v in want.items() if labels.get(k) != v}
+
+
+def nfd_labels(host: dict[str, Any]) -> dict[str, str]:
+    """What nfd-worker reports for a host's PCI devices."""
+    return {key: "true" for key in NFD_LABELS} if displays(host) else {}
+
+
+def advertised(host: dict[str, Any], scenario: Scenario, workload: str,
+               running: set[str]) -> dict[str, int]:
+    """Extended resources the running device plugins report for this host."""
+    out: dict[str, int] = {}
+    gpus = displays(host)
+    if workload == "container" and "device-plugin" in running:
+        out["nvidia.com/gpu"] = sum(1 for d in gpus if d.get("driver") == "nvidia")
+    if workload in ("vm-passthrough", "vm-vgpu") and "sandbox-device-plugin" in running:
+        for d in gpus:
+            name = scenario.gpu_model(d["vendor_device"]).resource_name
+            out[name] = out.get(name, 0) + (1 if d.get("driver") == "vfio-pci" else 0)
+    return out
+
+
+def gpu_resource_names(scenario: Scenario) -> set[str]:
+    names = {"nvidia.com/gpu"}
+    for node in scenario.all_nodes:
+        names.update(scenario.gpu_model(g.model).resource_name for g in node.gpus)
+    return names
+
+
+def driver_effects(host: dict[str, Any], workload: str, vfio_manager_running: bool) -> tuple[bool, int]:
+    """Apply vfio-manager's effect to ``host`` (in place). Returns (changed, CUDA jobs killed)."""
+    changed, killed = False, 0
+    for dev in displays(host):
+        if workload == "vm-passthrough" and vfio_manager_running and dev.get("driver") != "vfio-pci":
+            dev["driver"] = "vfio-pci"  # vfio-manage.sh bind --all
+            changed = True
+        elif workload != "vm-passthrough" and dev.get("driver") == "vfio-pci":
+            dev["driver"] = "none"  # vfio-manager's preStop unbound it; nothing rebinds to nvidia
+            changed = True
+    if changed and any(d.get("driver") != "nvidia" for d in displays(host)) and host.get("cuda_jobs"):
+        killed = len(host["cuda_jobs"])  # their GPU vanished from the nvidia driver under them
+        host["cuda_jobs"] = []
+        host["cuda_jobs_killed"] = int(host.get("cuda_jobs_killed", 0)) + killed
+    return changed, killed
+
+
+# -- pod manifests ------------------------------------------------------------------------------------
+def stable_suffix(*parts: str, length: int = 5) -> str:
+    """A pod-name suffix like the API server's, stable for the same inputs (same names after reset)."""
+    alphabet = "bcdfghjklmnpqrstvwxz2456789"
+    digest = int(hashlib.sha256("/".join(parts).encode()).hexdigest(), 16)
+    return "".join(alphabet[(digest >> (5 * i)) % len(alphabet)] for i in range(length))
+
+
+def operand_pod(operator: GpuOperator, node: str, operand: str, name: str | None = None) -> dict[str, Any]:
+    prefix = POD_PREFIX[operand]
+    one_shot = operand in ONE_SHOT
+    meta: dict[str, Any] = {"namespace": operator.namespace,
+                            "labels": {"app": prefix, OPERAND_LABEL: operand, MANAGED_LABEL: "true",
+                                       "app.kubernetes.io/part-of": "gpu-operator"}}
+    if one_shot:
+        meta["labels"]["runbook.lab/completes"] = "true"
+    if name:
+        meta["name"] = name
+    else:
+        meta["generateName"] = prefix + "-"
+    image = f"nvcr.io/nvidia/gpu-operator-{operand}:{operator.version}"
+    return {
+        "apiVersion": "v1", "kind": "Pod", "metadata": meta,
+        "spec": {
+            "nodeName": node, "restartPolicy": "Never" if one_shot else "Always",
+            "tolerations": DAEMONSET_TOLERATIONS, "priorityClassName": "system-node-critical",
+            "terminationGracePeriodSeconds": 30,
+            "containers": [{"name": operand, "image": image}],
+        },
+    }
+
+
+def cluster_pod(operator: GpuOperator, node: str, prefix: str, component: str) -> dict[str, Any]:
+    """gpu-operator and NFD master/gc: Deployment pods on an ordinary node."""
+    return {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"namespace": operator.namespace,
+                     "name": f"{prefix}-{stable_suffix(prefix, length=10)}-{stable_suffix(prefix, node)}",
+                     "labels": {"app": prefix, OPERAND_LABEL: component, MANAGED_LABEL: "true",
+                                "app.kubernetes.io/part-of": "gpu-operator"}},
+        "spec": {"nodeName": node, "restartPolicy": "Always", "terminationGracePeriodSeconds": 30,
+                 "containers": [{"name": component, "image": f"nvcr.io/nvidia/{component}:{operator.version}"}]},
+    }

@@ -1,0 +1,94 @@
+"""Pod statuses as a kubelet writes them, and what the simulated kubelet does with the pods of its node.
+
+A running kubelet (as KWOK does) force-deletes its node's terminating pods (grace 0: no container
+runtime to wait for), starts pending pods, and restarts crashed ones (restartPolicy Always). Pods
+labelled ``runbook.lab/completes=true`` (one-shot validators) run to ``Completed``. A kubelet that is
+down does nothing: its pods keep their last status, and deleting them never finishes. Pure.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from engine.lab.sim_kube import parse_time, rfc3339
+
+COMPLETES_LABEL = "runbook.lab/completes"
+Obj = dict[str, Any]
+
+
+def _container_id(pod: Obj, container: str, ts: float) -> str:
+    seed = f"{pod['metadata'].get('uid', pod['metadata'].get('name'))}/{container}/{int(ts)}"
+    return "containerd://" + hashlib.sha256(seed.encode()).hexdigest()
+
+
+def _conditions(now_text: str, ready: bool, scheduled_at: str, containers: list[str]) -> list[Obj]:
+    flag = "True" if ready else "False"
+    out = [{"type": "Initialized", "status": "True", "lastProbeTime": None, "lastTransitionTime": scheduled_at},
+           {"type": "Ready", "status": flag, "lastProbeTime": None, "lastTransitionTime": now_text},
+           {"type": "ContainersReady", "status": flag, "lastProbeTime": None, "lastTransitionTime": now_text},
+           {"type": "PodScheduled", "status": "True", "lastProbeTime": None, "lastTransitionTime": scheduled_at}]
+    if not ready:
+        for c in out[1:3]:
+            c["reason"] = "ContainersNotReady"
+            c["message"] = f"containers with unready status: [{' '.join(containers)}]"
+    return out
+
+
+def pod_status(pod: Obj, status: str, host_ip: str, now: float, restarts: int = 0) -> Obj:
+    """A status subresource body for ``status``: Running, Error, Completed or Pending."""
+    now_text = rfc3339(now)
+    start = pod.get("status", {}).get("startTime") or now_text
+    containers = [c["name"] for c in pod["spec"]["containers"]]
+    statuses = []
+    for name in containers:
+        image = next(c.get("image", "") for c in pod["spec"]["containers"] if c["name"] == name)
+        cs: Obj = {"name": name, "image": image, "imageID": f"{image.split(':')[0]}@sha256:{'0' * 64}",
+                   "containerID": _container_id(pod, name, now), "restartCount": restarts,
+                   "ready": status == "Running", "started": status == "Running"}
+        if status == "Running":
+            cs["state"] = {"running": {"startedAt": now_text}}
+        elif status in ("Error", "Completed"):
+            code, reason = (1, "Error") if status == "Error" else (0, "Completed")
+            cs["state"] = {"terminated": {"exitCode": code, "reason": reason, "startedAt": start,
+                                          "finishedAt": now_text, "containerID": cs["containerID"]}}
+        else:
+            cs["state"] = {"waiting": {"reason": "ContainerCreating"}}
+        statuses.append(cs)
+    phase = {"Running": "Running", "Error": "Running", "Completed": "Succeeded", "Pending": "Pending"}[status]
+    if status == "Error" and pod["spec"].get("restartPolicy") == "Never":
+        phase = "Failed"
+    body: Obj = {"phase": phase, "hostIP": host_ip, "podIP": host_ip if status == "Running" else None,
+                 "startTime": start, "containerStatuses": statuses, "qosClass": "BestEffort",
+                 "conditions": _conditions(now_text, status == "Running", start, containers)}
+    if status == "Running":
+        body["podIPs"] = [{"ip": host_ip}]
+    return body
+
+
+def is_running(pod: Obj) -> bool:
+    status = pod.get("status", {})
+    return status.get("phase") == "Running" and all(
+        cs.get("ready") and "running" in cs.get("state", {}) for cs in status.get("containerStatuses", [{}]))
+
+
+def running_since(pod: Obj) -> float | None:
+    """When the pod's (first) container started running, or None when it does not run."""
+    if not is_running(pod) or pod.get("metadata", {}).get("deletionTimestamp"):
+        return None
+    statuses = pod.get("status", {}).get("containerStatuses") or [{}]
+    return parse_time(statuses[0].get("state", {}).get("running", {}).get("startedAt"))
+
+
+def kubelet_action(pod: Obj) -> str | None:
+    """What a running kubelet does with a pod of its node: "delete", "run", "complete" or None."""
+    meta, status = pod["metadata"], pod.get("status", {})
+    if meta.get("deletionTimestamp"):
+        return "delete"
+    phase = status.get("phase", "Pending")
+    completes = meta.get("labels", {}).get(COMPLETES_LABEL) == "true"
+    if completes:
+        return "complete" if phase in ("Pending", "Running") else None
+    if phase in ("Succeeded", "Failed"):
+        return None
+    return None if is_running(pod) else "run"

@@ -1,0 +1,397 @@
+"""The lab's simulator daemon: plays kubelets, NFD/GFD, the GPU Operator and KubeVirt for a scenario.
+
+Started by ``lab up`` as ``python -m engine.lab.simulator LAB_JSON`` (a background process with its
+PID in the lab folder, logging to ``simulator.log``). Each tick (and on every watch event) it:
+
+1. advances each host's kubelet unit (``sim_kubelet.step`` under the host state's lock);
+2. for each node whose kubelet runs: renews its Lease, posts its status (with the device plugins'
+   resources), force-deletes its terminating pods and starts its pending ones (``sim_pods``);
+3. reconciles NFD/GFD labels, the operator's deploy labels and operand pods, and vfio-manager's
+   effect on the host's GPU driver and CUDA jobs (``sim_gpu``), NotReady nodes included;
+4. reconciles VirtualMachines: VMI, virt-launcher pod, VMI and VM status (``sim_kubevirt``).
+
+It never marks a node NotReady or taints it: the real node lifecycle controller does, once the
+heartbeats stop. It never schedules a pod: the real kube-scheduler does. Must not touch anything but
+the lab's API server and the lab's host state folders.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine.lab import sim_gpu, sim_kubelet, sim_kubevirt, sim_nodes, sim_pods
+from engine.lab.hoststate import HostState
+from engine.lab.scenario import Node, Scenario, load_scenario
+from engine.lab.sim_kube import LEASES, NODES, PODS, VMIS, VMS, Informer, Kube, Obj, rfc3339
+
+log = logging.getLogger("runbook.lab.simulator")
+CREATE_GRACE = 5.0  # seconds an object we created may take to show up in the watch cache
+
+
+@dataclass
+class NodeRuntime:
+    """What the simulator remembers about one node between ticks (nothing it cannot re-derive)."""
+
+    spec: Node
+    host: HostState
+    address: str
+    state: dict[str, Any] = field(default_factory=dict)
+    mtime: int = -1
+    last_lease: float = 0.0
+    last_status: float = 0.0
+    status_key: str = ""
+
+
+class Simulator:
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.scenario: Scenario = load_scenario(config["scenario"])
+        self.kube = Kube(config["kubeconfig"])
+        self.nodes: dict[str, NodeRuntime] = {}
+        for node in self.scenario.all_nodes:
+            entry = config["nodes"][node.name]
+            self.nodes[node.name] = NodeRuntime(node, HostState(entry["state_dir"]), entry["address"])
+        self.wake = threading.Event()
+        self.stopping = threading.Event()
+        self.informers = {res.plural: Informer(self.kube, res, self.wake) for res in (NODES, PODS, VMS, VMIS)}
+        self.created: dict[tuple[str, ...], float] = {}
+        self.gpu_names = sim_gpu.gpu_resource_names(self.scenario)
+        self.last_trim = 0.0
+
+    # -- the loop -----------------------------------------------------------------------------------
+    def run(self) -> None:
+        for informer in self.informers.values():
+            informer.start()
+        for informer in self.informers.values():
+            informer.synced.wait(timeout=30)
+        log.info("simulating %d nodes, %d VMs", len(self.nodes), len(self.scenario.vms))
+        tick = self.scenario.timing.tick_seconds
+        while not self.stopping.is_set():
+            self.wake.wait(tick)
+            self.wake.clear()
+            try:
+                self.tick(time.time())
+            except Exception:
+                log.exception("tick failed; retrying")
+                self.stopping.wait(0.5)
+        for informer in self.informers.values():
+            informer.stop()
+
+    def stop(self, *_: Any) -> None:
+        self.stopping.set()
+        self.wake.set()
+
+    def tick(self, now: float) -> None:
+        timing = self.scenario.timing
+        pods_by_node: dict[str, list[Obj]] = {}
+        for pod in self.informers["pods"].snapshot():
+            pods_by_node.setdefault(pod["spec"].get("nodeName") or "", []).append(pod)
+        for rt in self.nodes.values():
+            self._kubelet_unit(rt, now)
+            api_node = self.informers["nodes"].get(rt.spec.name)
+            pods = pods_by_node.get(rt.spec.name, [])
+            healthy = bool(rt.state.get("kubelet", {}).get("healthy"))
+            up_for = now - float(rt.state.get("kubelet", {}).get("healthy_since", now))
+            running = self._running_operands(rt, pods, healthy, up_for, now)
+            if healthy:
+                if api_node is None:
+                    api_node = self._register(rt, now)
+                self._heartbeat(rt, api_node, running, now)
+                if up_for >= timing.operand_start_seconds or not self.scenario.gpu_operator.operand_pods:
+                    self._kubelet_pods(rt, pods, now)
+                else:
+                    self._kubelet_pods(rt, [p for p in pods if p["metadata"].get("deletionTimestamp")], now)
+            if api_node is not None and rt.spec.gpus:
+                self._gpu(rt, api_node, pods, running, healthy, now)
+            if api_node is not None:
+                self._nfd_worker(rt, pods, now)
+        self._kubevirt(now)
+        if now - self.last_trim > 60:
+            self.last_trim = now
+            for rt in self.nodes.values():
+                rt.host.trim_journal()
+
+    # -- kubelet -----------------------------------------------------------------------------------
+    def _kubelet_unit(self, rt: NodeRuntime, now: float) -> None:
+        mtime = rt.host.mtime_ns()
+        if mtime != rt.mtime:
+            rt.state, rt.mtime = rt.host.read(), mtime
+        timing = self.scenario.timing
+        if not sim_kubelet.due(rt.state, now, timing.kubelet_start_seconds):
+            return
+        entries: list[Obj] = []
+
+        def change(state: dict[str, Any]) -> None:
+            entries.extend(sim_kubelet.step(state, now, timing.kubelet_start_seconds,
+                                            timing.kubelet_restart_seconds))
+
+        rt.host.update(change)
+        rt.host.append_entries(entries)
+        rt.state, rt.mtime = rt.host.read(), rt.host.mtime_ns()
+        kubelet = rt.state["kubelet"]
+        if any("command failed" in e["msg"] or "Main process exited" in e["msg"] for e in entries):
+            log.debug("%s: kubelet exited (restart counter %s)", rt.spec.name,
+                      rt.state["units"]["kubelet"].get("restarts"))
+        elif kubelet.get("healthy"):
+            log.info("%s: kubelet is up", rt.spec.name)
+
+    def _register(self, rt: NodeRuntime, now: float) -> Obj:
+        """A running kubelet whose Node is gone registers it again."""
+        manifest = sim_nodes.node_manifest(rt.spec, rt.address, {}, now)
+        created = self.kube.create(NODES, manifest, exist_ok=True) or self.kube.get(NODES, rt.spec.name) or manifest
+        log.info("%s: registered the node", rt.spec.name)
+        return created
+
+    def _heartbeat(self, rt: NodeRuntime, api_node: Obj, running: set[str], now: float) -> None:
+        timing = self.scenario.timing
+        name = rt.spec.name
+        if now - rt.last_lease >= timing.heartbeat_seconds:
+            body = sim_nodes.lease_body(name, now, api_node["metadata"].get("uid"))
+            if self.kube.patch(LEASES, name, {"spec": body["spec"]}, sim_nodes.LEASE_NAMESPACE) is None:
+                self.kube.create(LEASES, body, sim_nodes.LEASE_NAMESPACE, exist_ok=True)
+            rt.last_lease = now
+        extended = self._advertised(rt, api_node, running)
+        previous = api_node.get("status", {})
+        status = sim_nodes.ready_status(rt.spec, rt.address, extended, previous, now)
+        key = json.dumps([status["capacity"], [c["status"] for c in status["conditions"]]], sort_keys=True)
+        ready = next((c for c in previous.get("conditions", []) if c["type"] == "Ready"), {})
+        if key != rt.status_key or ready.get("status") != "True" or now - rt.last_status >= timing.status_seconds:
+            self.kube.patch(NODES, name, {"status": status}, sub="status")
+            if key != rt.status_key:
+                log.info("%s: status posted (Ready=True, %s)", name,
+                         {k: v for k, v in status["allocatable"].items() if k.startswith("nvidia.com/")})
+            rt.status_key, rt.last_status = key, now
+
+    def _kubelet_pods(self, rt: NodeRuntime, pods: list[Obj], now: float) -> None:
+        for pod in pods:
+            action = sim_pods.kubelet_action(pod)
+            if action is None:
+                continue
+            meta = pod["metadata"]
+            if action == "delete":
+                self.kube.delete(PODS, meta["name"], meta["namespace"], grace=0)
+                continue
+            key = ("status", meta["namespace"], meta["name"], pod["metadata"].get("resourceVersion", ""))
+            if key in self.created:
+                continue
+            self.created[key] = now
+            restarts = sum(cs.get("restartCount", 0) for cs in pod.get("status", {}).get("containerStatuses", []))
+            was_error = any("terminated" in cs.get("state", {})
+                            for cs in pod.get("status", {}).get("containerStatuses", []))
+            status = "Completed" if action == "complete" else "Running"
+            body = sim_pods.pod_status(pod, status, rt.address, now, restarts + (1 if was_error else 0))
+            self.kube.patch(PODS, meta["name"], {"status": body}, meta["namespace"], sub="status")
+
+    # -- NFD, GFD, GPU Operator ----------------------------------------------------------------------
+    def _operand_pods(self, pods: list[Obj]) -> dict[str, list[Obj]]:
+        out: dict[str, list[Obj]] = {}
+        for pod in pods:
+            if pod["metadata"].get("namespace") != self.scenario.gpu_operator.namespace:
+                continue
+            operand = pod["metadata"].get("labels", {}).get(sim_gpu.OPERAND_LABEL)
+            if operand:
+                out.setdefault(operand, []).append(pod)
+        return out
+
+    def _running_operands(self, rt: NodeRuntime, pods: list[Obj], healthy: bool, up_for: float,
+                          now: float) -> set[str]:
+        """Operands running on the node now, with how long: {"device-plugin", "gfd-labelled", ...}."""
+        if not healthy:
+            return set()
+        op = self.scenario.gpu_operator
+        if not op.operand_pods:
+            if up_for < self.scenario.timing.operand_start_seconds:
+                return set()
+            workload = sim_gpu.workload_of(self._labels(rt), op)
+            names = set(sim_gpu.desired_operands(workload, op))
+            if up_for >= self.scenario.timing.operand_start_seconds + self.scenario.timing.gfd_relabel_seconds:
+                names.add("gfd-labelled")
+            return names
+        running: set[str] = set()
+        for operand, items in self._operand_pods(pods).items():
+            for pod in items:
+                since = sim_pods.running_since(pod)
+                if since is None:
+                    continue
+                running.add(operand)
+                if operand == "gpu-feature-discovery" and now - since >= self.scenario.timing.gfd_relabel_seconds:
+                    running.add("gfd-labelled")
+        return running
+
+    def _labels(self, rt: NodeRuntime) -> dict[str, str]:
+        node = self.informers["nodes"].get(rt.spec.name) or {}
+        return dict(node.get("metadata", {}).get("labels") or {})
+
+    def _advertised(self, rt: NodeRuntime, api_node: Obj, running: set[str]) -> dict[str, int]:
+        if not rt.spec.gpus:
+            return {}
+        labels = api_node["metadata"].get("labels") or {}
+        workload = sim_gpu.workload_of(labels, self.scenario.gpu_operator)
+        return sim_gpu.advertised(rt.state, self.scenario, workload, running)
+
+    def _gpu(self, rt: NodeRuntime, api_node: Obj, pods: list[Obj], running: set[str], healthy: bool,
+             now: float) -> None:
+        op = self.scenario.gpu_operator
+        name = rt.spec.name
+        labels = dict(api_node["metadata"].get("labels") or {})
+        patch: dict[str, str | None] = {}
+        if healthy:  # nfd-worker runs: it (re)reports the PCI devices
+            patch.update({k: v for k, v in sim_gpu.nfd_labels(rt.state).items() if labels.get(k) != v})
+        labels.update({k: v for k, v in patch.items() if v is not None})
+        patch.update(sim_gpu.label_changes(labels, rt.state, self.scenario, "gfd-labelled" in running))
+        if patch:
+            self.kube.patch(NODES, name, {"metadata": {"labels": patch}})
+            log.info("%s: labels %s", name, patch)
+            labels.update({k: v for k, v in patch.items() if v is not None})
+            for key in [k for k, v in patch.items() if v is None]:
+                labels.pop(key, None)
+        workload = sim_gpu.workload_of(labels, op)
+        if op.operand_pods and labels.get(sim_gpu.PRESENT_LABEL) == "true":
+            self._reconcile_operands(name, workload, pods, now)
+        if healthy:
+            self._driver_effects(rt, workload, "vfio-manager" in running)
+
+    def _reconcile_operands(self, node: str, workload: str, pods: list[Obj], now: float) -> None:
+        """The operand DaemonSets' controller for one node: one pod per desired operand, others deleted."""
+        op = self.scenario.gpu_operator
+        desired = set(sim_gpu.desired_operands(workload, op))
+        existing = self._operand_pods(pods)
+        for operand in sorted(desired):
+            if existing.get(operand):
+                continue  # a terminating pod blocks a new one, like the DaemonSet controller
+            self._create_once((node, operand), sim_gpu.operand_pod(op, node, operand), op.namespace, now)
+        for operand, items in existing.items():
+            if operand in desired or operand in sim_gpu.ONE_SHOT or operand == "nfd-worker":
+                continue
+            if operand not in sim_gpu.POD_PREFIX or operand not in _all_operands():
+                continue
+            for pod in items:
+                if not pod["metadata"].get("deletionTimestamp"):
+                    self.kube.delete(PODS, pod["metadata"]["name"], op.namespace)
+                    log.info("%s: deleting operand pod %s (workload %s)", node, pod["metadata"]["name"], workload)
+
+    def _nfd_worker(self, rt: NodeRuntime, pods: list[Obj], now: float) -> None:
+        op = self.scenario.gpu_operator
+        if op.operand_pods and not self._operand_pods(pods).get("nfd-worker"):
+            self._create_once((rt.spec.name, "nfd-worker"), sim_gpu.operand_pod(op, rt.spec.name, "nfd-worker"),
+                              op.namespace, now)
+
+    def _create_once(self, key: tuple[str, ...], manifest: Obj, namespace: str, now: float) -> None:
+        if now - self.created.get(key, 0.0) < CREATE_GRACE:
+            return
+        self.created[key] = now
+        pod = self.kube.create(PODS, manifest, namespace)
+        log.info("created pod %s/%s", namespace, (pod or {}).get("metadata", {}).get("name"))
+
+    def _driver_effects(self, rt: NodeRuntime, workload: str, vfio_running: bool) -> None:
+        probe = json.loads(json.dumps(rt.state))
+        changed, _ = sim_gpu.driver_effects(probe, workload, vfio_running)
+        if not changed:
+            return
+        result: dict[str, Any] = {}
+
+        def change(state: dict[str, Any]) -> None:
+            result["changed"], result["killed"] = sim_gpu.driver_effects(state, workload, vfio_running)
+
+        rt.host.update(change)
+        rt.state, rt.mtime = rt.host.read(), rt.host.mtime_ns()
+        drivers = [d["driver"] for d in sim_gpu.displays(rt.state)]
+        log.info("%s: GPU driver now %s; CUDA jobs killed: %s", rt.spec.name, drivers, result.get("killed"))
+        if result.get("killed"):
+            rt.host.append_entries([{"ts": time.time(), "unit": "kernel", "ident": "kernel", "pid": 0,
+                                     "msg": f"NVRM: GPU 0000:{d['slot']}: rebound to vfio-pci, "
+                                            f"{result['killed']} CUDA process(es) lost the device"}
+                                    for d in sim_gpu.displays(rt.state)])
+
+    # -- KubeVirt ----------------------------------------------------------------------------------------
+    def _kubevirt(self, now: float) -> None:
+        kv = self.scenario.kubevirt
+        vmis = {Informer.key(v): v for v in self.informers["virtualmachineinstances"].snapshot()}
+        launchers: dict[str, list[Obj]] = {}
+        for pod in self.informers["pods"].snapshot():
+            uid = pod["metadata"].get("labels", {}).get("kubevirt.io/created-by")
+            if uid:
+                launchers.setdefault(uid, []).append(pod)
+        for vm in self.informers["virtualmachines"].snapshot():
+            meta = vm["metadata"]
+            key = Informer.key(vm)
+            vmi = vmis.get(key)
+            if sim_kubevirt.should_run(vm) and vmi is None:
+                self._create_vmi(vm, now)
+            elif not sim_kubevirt.should_run(vm) and vmi is not None:
+                if not vmi["metadata"].get("deletionTimestamp"):
+                    self.kube.delete(VMIS, meta["name"], meta["namespace"], grace=0)
+                for pod in launchers.get(vmi["metadata"]["uid"], []):
+                    self.kube.delete(PODS, pod["metadata"]["name"], meta["namespace"])
+                vmi = None
+            if vmi is not None:
+                vmi = self._reconcile_vmi(vm, vmi, launchers.get(vmi["metadata"]["uid"], []), kv, now)
+            status = sim_kubevirt.vm_status(vm, vmi)
+            if _differs(vm.get("status", {}), status):
+                self.kube.patch(VMS, meta["name"], {"status": status}, meta["namespace"], sub="status")
+                if vm.get("status", {}).get("printableStatus") != status["printableStatus"]:
+                    log.info("vm %s: %s", key, status["printableStatus"])
+
+    def _create_vmi(self, vm: Obj, now: float) -> None:
+        meta = vm["metadata"]
+        key = ("vmi", meta["namespace"], meta["name"])
+        if now - self.created.get(key, 0.0) < CREATE_GRACE:
+            return
+        self.created[key] = now
+        self.kube.create(VMIS, sim_kubevirt.vmi_manifest(vm), meta["namespace"], exist_ok=True)
+
+    def _reconcile_vmi(self, vm: Obj, vmi: Obj, pods: list[Obj], kv: Any, now: float) -> Obj:
+        meta = vmi["metadata"]
+        live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+        pod = live[0] if live else None
+        if pod is not None and pod.get("status", {}).get("phase") in ("Failed", "Succeeded"):
+            self.kube.delete(PODS, pod["metadata"]["name"], meta["namespace"])
+            self.kube.delete(VMIS, meta["name"], meta["namespace"], grace=0)  # runStrategy Always: a new one
+            return vmi
+        if pod is None:
+            self._create_once(("launcher", meta["uid"]), sim_kubevirt.launcher_pod(vmi, kv), meta["namespace"], now)
+        annotations = vm["metadata"].get("annotations") or {}
+        status = sim_kubevirt.vmi_status(pod, annotations.get(sim_kubevirt.PAUSED_ANNOTATION) == "true",
+                                         annotations.get(sim_kubevirt.UNSCHEDULABLE_SINCE), rfc3339(now),
+                                         vmi.get("status"))
+        if _differs(vmi.get("status", {}), status):
+            self.kube.patch(VMIS, meta["name"], {"status": status}, meta["namespace"], sub="status")
+            vmi = {**vmi, "status": {**vmi.get("status", {}), **status}}
+        return vmi
+
+
+def _all_operands() -> set[str]:
+    return {op for ops in sim_gpu.WORKLOAD_OPERANDS.values() for op in ops}
+
+
+def _differs(current: Obj, desired: Obj) -> bool:
+    return any(current.get(k) != v for k, v in desired.items())
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m engine.lab.simulator LAB_JSON", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("kubernetes").setLevel(logging.WARNING)
+    logging.getLogger("urllib3").setLevel(logging.WARNING)
+    config = json.loads(Path(args[0]).read_text())
+    sim = Simulator(config)
+    signal.signal(signal.SIGTERM, sim.stop)
+    signal.signal(signal.SIGINT, sim.stop)
+    sim.run()
+    log.info("stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,570 @@
+"""YAML -> ``Runbook``, with every problem located as ``PATH:LINE[:COL]: where: message``.
+
+The one boundary where runbook text becomes typed objects. We compose the YAML node tree with
+PyYAML's safe composer and build plain Python values ourselves, so that we can
+
+* record the line of every key and value (to locate pydantic's errors),
+* refuse duplicate keys, merge keys, more than one document, and any tag outside the YAML core
+  schema (``!!python/object``, custom ``!tags``),
+* bound alias expansion and nesting (a small file must not expand into a huge structure).
+
+Then pydantic validates the structure, and ``_semantic_problems`` checks what a schema cannot:
+unique step ids, ``requires`` naming earlier steps only, a verify on every mutating step, templates
+that parse and use only declared params / known facts, playbooks that exist, ``name`` = file stem.
+All problems are collected and raised together as one ``LoadError``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from engine.errors import LoadError, Location
+from engine.model import ACTION_KEYS, CHECK_KEYS, KUBE_VERBS, Runbook
+
+MAX_BYTES = 1 << 20  # 1 MiB: a runbook is a page or two
+MAX_NODES = 20_000  # values built, counting every alias expansion
+MAX_DEPTH = 40
+RUNBOOK_SUFFIXES = (".yaml", ".yml")
+
+_TAG = "tag:yaml.org,2002:"
+_ALLOWED_TAGS = {_TAG + t for t in ("str", "int", "float", "bool", "null", "seq", "map", "timestamp")}
+
+Path_ = tuple[str | int, ...]
+Mark = tuple[int, int]  # 1-based line, 1-based column
+
+
+# --------------------------------------------------------------------------------------------
+# Where runbooks and playbooks live
+# --------------------------------------------------------------------------------------------
+
+
+def packaged_data_dir() -> Path:
+    """``engine/data``: the runbooks and playbooks installed with the package."""
+    return Path(__file__).resolve().parent / "data"
+
+
+def default_runbooks_dir() -> Path:
+    """``./runbooks`` when present, else the runbooks installed with the package."""
+    local = Path("runbooks")
+    if local.is_dir():
+        return local
+    return packaged_data_dir() / "runbooks"
+
+
+def playbooks_dir_for(runbooks_dir: Path) -> Path:
+    """The playbooks folder that goes with a runbooks folder: its sibling ``playbooks/``, else the
+    packaged playbooks (so a user's own runbook can use the standard playbooks)."""
+    sibling = Path(runbooks_dir).resolve().parent / "playbooks"
+    if sibling.is_dir():
+        return sibling
+    packaged = packaged_data_dir() / "playbooks"
+    return packaged if packaged.is_dir() else sibling
+
+
+def find_runbooks(directory: Path) -> list[Path]:
+    """The runbook files (``*.yaml``, ``*.yml``) directly in ``directory``, sorted."""
+    d = Path(directory)
+    if not d.is_dir():
+        return []
+    return sorted(p for p in d.iterdir() if p.suffix in RUNBOOK_SUFFIXES and p.is_file()
+                  and not p.name.startswith("."))
+
+
+def resolve_runbook_path(name_or_path: str, runbooks_dir: Path | None = None) -> Path:
+    """A path as given, or ``NAME`` looked up as ``<runbooks_dir>/NAME.yaml|.yml``."""
+    p = Path(name_or_path)
+    if p.suffix in RUNBOOK_SUFFIXES or os.sep in name_or_path or "/" in name_or_path:
+        if p.is_file():
+            return p
+        raise LoadError([(Location(str(p)), "no such runbook file")])
+    d = runbooks_dir if runbooks_dir is not None else default_runbooks_dir()
+    for suffix in RUNBOOK_SUFFIXES:
+        candidate = Path(d) / f"{name_or_path}{suffix}"
+        if candidate.is_file():
+            return candidate
+    known = [f.stem for f in find_runbooks(Path(d))]
+    near = difflib.get_close_matches(name_or_path, known, n=1)
+    hint = f" (did you mean {near[0]}?)" if near else (f" (known: {', '.join(known)})" if known else "")
+    raise LoadError([(Location(str(Path(d) / f"{name_or_path}.yaml")), f"no runbook named {name_or_path!r} in "
+                      f"{d}{hint}")])
+
+
+# --------------------------------------------------------------------------------------------
+# Safe YAML
+# --------------------------------------------------------------------------------------------
+
+
+class _SafeComposer(yaml.SafeLoader):
+    """The safe loader, used only up to the node tree (we construct values ourselves)."""
+
+
+_CONSTRUCTOR = yaml.constructor.SafeConstructor()
+
+
+class _Problems:
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.items: list[tuple[Location, str]] = []
+
+    def add(self, line: int, message: str, *, column: int | None = None, where: str = "") -> None:
+        self.items.append((Location(self.path, max(1, line), column, where), message))
+
+
+class _Builder:
+    """Node tree -> plain values, recording marks; refuses what a runbook must not contain."""
+
+    def __init__(self, problems: _Problems) -> None:
+        self.problems = problems
+        self.marks: dict[Path_, Mark] = {}
+        self.key_marks: dict[Path_, Mark] = {}
+        self.count = 0
+        self.too_big = False
+
+    def build(self, node: yaml.Node, path: Path_ = (), depth: int = 0) -> Any:
+        if self.too_big:
+            return None
+        self.count += 1
+        if self.count > MAX_NODES or depth > MAX_DEPTH:
+            self.too_big = True
+            what = "nested too deeply" if depth > MAX_DEPTH else \
+                f"expands to more than {MAX_NODES} values (alias bomb?)"
+            self.problems.add(node.start_mark.line + 1, f"document {what}", where=_where(path))
+            return None
+        mark = (node.start_mark.line + 1, node.start_mark.column + 1)
+        self.marks.setdefault(path, mark)
+        if node.tag not in _ALLOWED_TAGS:
+            self.problems.add(mark[0], f"tag {node.tag.replace(_TAG, '!!')} is not allowed "
+                              "(only plain YAML: no language-specific or custom tags)", where=_where(path))
+            return None
+        if isinstance(node, yaml.MappingNode):
+            return self._mapping(node, path, depth)
+        if isinstance(node, yaml.SequenceNode):
+            return [self.build(child, (*path, i), depth + 1) for i, child in enumerate(node.value)]
+        assert isinstance(node, yaml.ScalarNode)
+        return self._scalar(node)
+
+    def _mapping(self, node: yaml.MappingNode, path: Path_, depth: int) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key_node, value_node in node.value:
+            line = key_node.start_mark.line + 1
+            if key_node.tag == _TAG + "merge":
+                self.problems.add(line, "merge keys (<<) are not supported", where=_where(path))
+                continue
+            if not isinstance(key_node, yaml.ScalarNode):
+                self.problems.add(line, "a mapping key must be a plain scalar", where=_where(path))
+                continue
+            if key_node.tag not in _ALLOWED_TAGS:
+                self.problems.add(line, f"tag {key_node.tag.replace(_TAG, '!!')} is not allowed",
+                                  where=_where(path))
+                continue
+            key = str(key_node.value)  # keys are names: `on:` stays "on", not True
+            if key in out:
+                first = self.key_marks.get((*path, key), (0, 0))[0]
+                self.problems.add(line, f"duplicate key {key!r} (first at line {first})", where=_where(path))
+                continue
+            self.key_marks[(*path, key)] = (line, key_node.start_mark.column + 1)
+            out[key] = self.build(value_node, (*path, key), depth + 1)
+        return out
+
+    def _scalar(self, node: yaml.ScalarNode) -> Any:
+        if node.tag == _TAG + "str" or node.tag == _TAG + "timestamp":
+            return str(node.value)  # timestamps stay text: no datetime objects in the model
+        constructor = _CONSTRUCTOR
+        if node.tag == _TAG + "int":
+            return constructor.construct_yaml_int(node)
+        if node.tag == _TAG + "float":
+            return constructor.construct_yaml_float(node)
+        if node.tag == _TAG + "bool":
+            return constructor.construct_yaml_bool(node)
+        return None  # null
+
+
+def compose_yaml(data: bytes, path: str) -> tuple[Any, dict[Path_, Mark], dict[Path_, Mark]]:
+    """Bytes -> (plain value, value marks, key marks), or LoadError with every problem found."""
+    problems = _Problems(path)
+    if not data.strip():
+        raise LoadError([(Location(path), "empty file")])
+    if len(data) > MAX_BYTES:
+        raise LoadError([(Location(path), f"file too large ({len(data)} bytes; limit {MAX_BYTES})")])
+    if b"\x00" in data:
+        raise LoadError([(Location(path), "binary file (contains NUL bytes), expected YAML text")])
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise LoadError([(Location(path), f"not UTF-8 text (invalid byte at offset {e.start})")]) from None
+    try:
+        loader = _SafeComposer(text)
+        try:
+            root = loader.get_single_node()
+        finally:
+            loader.dispose()
+    except yaml.composer.ComposerError as e:
+        mark = e.problem_mark or e.context_mark
+        msg = "more than one YAML document (a runbook file holds exactly one)" \
+            if "single document" in str(e.context or "") else f"invalid YAML: {e.problem or e}"
+        raise LoadError([(Location(path, (mark.line + 1) if mark else 1,
+                                   (mark.column + 1) if mark else None), msg)]) from None
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        msg = f"invalid YAML: {e.problem or e.context or 'syntax error'}"
+        if e.context and e.problem:
+            msg = f"invalid YAML: {e.problem} ({e.context})"
+        raise LoadError([(Location(path, (mark.line + 1) if mark else 1,
+                                   (mark.column + 1) if mark else None), msg)]) from None
+    except yaml.reader.ReaderError as e:
+        line = text.count("\n", 0, max(0, e.position)) + 1
+        raise LoadError([(Location(path, line), f"invalid YAML: {e.reason} "
+                          f"(character {e.character!r} is not allowed)")]) from None
+    except yaml.YAMLError as e:
+        raise LoadError([(Location(path), f"invalid YAML: {e}")]) from None
+    except RecursionError:
+        raise LoadError([(Location(path), "invalid YAML: nested too deeply")]) from None
+    if root is None:
+        raise LoadError([(Location(path), "empty document")])
+    builder = _Builder(problems)
+    try:
+        value = builder.build(root)
+    except RecursionError:
+        problems.add(1, "document nested too deeply")
+        value = None
+    if problems.items:
+        raise LoadError(_sorted(problems.items))
+    return value, builder.marks, builder.key_marks
+
+
+# --------------------------------------------------------------------------------------------
+# Locating pydantic errors
+# --------------------------------------------------------------------------------------------
+
+
+def _where(path: Iterable[str | int]) -> str:
+    out = ""
+    for part in path:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + part
+    return out if len(out) <= 100 else out[:97] + "..."
+
+
+def _data_path(data: Any, loc: Iterable[str | int]) -> Path_:
+    """Map a pydantic loc onto the data, dropping union tags and class names that are not keys."""
+    out: list[str | int] = []
+    cur = data
+    for part in loc:
+        in_mapping = isinstance(cur, Mapping) and isinstance(part, str) and part in cur
+        in_list = isinstance(cur, list) and isinstance(part, int) and 0 <= part < len(cur)
+        if in_mapping or in_list:
+            cur = cur[part]
+            out.append(part)
+        # else: a discriminator tag or a union member's name: not in the data
+    return tuple(out)
+
+
+def _line_of(path: Path_, marks: Mapping[Path_, Mark], key_marks: Mapping[Path_, Mark]) -> Mark:
+    p = path
+    while True:
+        if p in key_marks:
+            return key_marks[p]
+        if p in marks:
+            return marks[p]
+        if not p:
+            return (1, 1)
+        p = p[:-1]
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _noun(expected: str, path: Path_) -> str:
+    if "node_ready" in expected:
+        return "check"
+    if "'label'" in expected:
+        return "kube action"
+    if "'ansible'" in expected:
+        return "action"
+    names = [p for p in path if isinstance(p, str)]
+    last = names[-1] if names else ""
+    if last in ("action", "rollback"):
+        return "action"
+    if last == "kube":
+        return "kube action"
+    if last == "on_failure":
+        return "on_failure"
+    return "check"
+
+
+_NOUN_KEYS = {"check": CHECK_KEYS, "action": ACTION_KEYS, "kube action": KUBE_VERBS}
+
+
+def _message(err: Mapping[str, Any], path: Path_) -> str:
+    kind = err["type"]
+    ctx = err.get("ctx") or {}
+    inp = err.get("input")
+    loc = err["loc"]
+    if kind == "missing":
+        return f"missing required field {loc[-1]!r}"
+    if kind == "extra_forbidden":
+        return f"unknown field {loc[-1]!r}"
+    if kind == "union_tag_invalid":
+        noun = _noun(str(ctx.get("expected_tags", "")), path)
+        tag = str(ctx.get("tag"))
+        near = difflib.get_close_matches(tag, _NOUN_KEYS.get(noun, ()), n=1)
+        hint = f" (did you mean {near[0]!r}?)" if near else \
+            f" (one of: {', '.join(_NOUN_KEYS.get(noun, ()))})"
+        return f"unknown {noun} {tag!r}{hint}"
+    if kind == "union_tag_not_found":
+        noun = _noun("", path)
+        if noun == "on_failure":
+            return "on_failure is 'stop' or {rollback: [actions]}"
+        if isinstance(inp, Mapping):
+            if not inp:
+                return f"empty {noun}: expected exactly one key like {{{_NOUN_KEYS.get(noun, ('...',))[0]}: ...}}"
+            return f"a {noun} has exactly one key, found {len(inp)}: {', '.join(map(str, inp))}"
+        return f"expected a {noun} (a mapping with one key), got {_short(inp)}"
+    if kind == "literal_error":
+        return f"expected {ctx.get('expected')}, got {_short(inp)}"
+    if kind == "string_pattern_mismatch":
+        field = next((p for p in reversed(loc) if isinstance(p, str)), "")
+        if field in ("name", "id"):
+            return (f"{_short(inp)} is not a valid {field}: lowercase letters, digits and '-' "
+                    "(RFC 1123), starting and ending with a letter or digit")
+        return f"{_short(inp)} does not match {ctx.get('pattern')}"
+    if kind == "value_error":
+        msg = str(err.get("msg", ""))
+        return msg.removeprefix("Value error, ")
+    if kind == "assertion_error":
+        return str(err.get("msg", "")).removeprefix("Assertion failed, ")
+    msg = str(err.get("msg", "invalid value"))
+    if msg.startswith("Input should be "):
+        msg = "expected " + msg.removeprefix("Input should be ")
+    elif msg:
+        msg = msg[0].lower() + msg[1:]
+    return f"{msg}, got {_short(inp)}"
+
+
+def _pydantic_problems(e: ValidationError, data: Any, path: str, marks: Mapping[Path_, Mark],
+                       key_marks: Mapping[Path_, Mark]) -> list[tuple[Location, str]]:
+    grouped: dict[tuple[int, str], list[str]] = {}
+    errors = e.errors()
+    paths = [_data_path(data, tuple(err["loc"])) for err in errors]
+    for err, dpath in zip(errors, paths, strict=True):
+        kind = err["type"]
+        if kind == "too_short" and any(len(p) > len(dpath) and p[:len(dpath)] == dpath for p in paths):
+            continue  # "steps: at least 1 item" only because an item failed: the item's error says it
+        where = _where(dpath[:-1] if kind == "extra_forbidden" else dpath)
+        line, _ = _line_of(dpath, marks, key_marks)
+        if kind == "union_tag_invalid":
+            tag = (err.get("ctx") or {}).get("tag")
+            if tag is not None and (*dpath, str(tag)) in key_marks:
+                line = key_marks[(*dpath, str(tag))][0]
+        msg = _message(err, dpath)
+        bucket = grouped.setdefault((line, where), [])
+        if msg not in bucket:
+            bucket.append(msg)
+    out: list[tuple[Location, str]] = []
+    for (line, where), msgs in grouped.items():
+        typed = [m for m in msgs if m.startswith("expected ")]
+        if len(typed) > 1:  # one value failing every member of a union: say it once
+            got = typed[0].rsplit(", got ", 1)[-1]
+            alts = " or ".join(m.removeprefix("expected ").rsplit(", got ", 1)[0] for m in typed)
+            msgs = [m for m in msgs if m not in typed] + [f"expected {alts}, got {got}"]
+        for m in msgs:
+            out.append((Location(path, line, None, where), m))
+    return out
+
+
+def _sorted(problems: list[tuple[Location, str]]) -> list[tuple[Location, str]]:
+    return sorted(problems, key=lambda p: (p[0].path, p[0].line, p[0].column or 0))
+
+
+# --------------------------------------------------------------------------------------------
+# Semantic validation
+# --------------------------------------------------------------------------------------------
+
+_NOT_TEMPLATED_TOP = {"apiVersion", "name", "version", "description", "params", "triggers"}
+
+
+def _walk_strings(value: Any, path: Path_) -> Iterable[tuple[Path_, str]]:
+    if isinstance(value, str):
+        yield path, value
+    elif isinstance(value, Mapping):
+        for k, v in value.items():
+            if not path and k in _NOT_TEMPLATED_TOP:
+                continue
+            yield from _walk_strings(v, (*path, k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _walk_strings(v, (*path, i))
+
+
+def _semantic_problems(rb: Runbook, data: Mapping[str, Any], *, stem: str | None,
+                       playbooks_dir: Path | None) -> list[tuple[Path_, str]]:
+    from engine import checks as chk
+    from engine.model import AnsibleAction as _Ansible
+    from engine.model import KubeAction
+    from engine.templating import template_problems
+
+    out: list[tuple[Path_, str]] = []
+    if stem is not None and rb.name != stem:
+        out.append((("name",), f"name {rb.name!r} must equal the file name {stem!r}"))
+
+    ids: dict[str, int] = {}
+    for i, pre in enumerate(rb.preconditions):
+        if pre.id in ids:
+            out.append((("preconditions", i, "id"), f"duplicate precondition id {pre.id!r}"))
+        ids[pre.id] = i
+    index: dict[str, int] = {}
+    for i, step in enumerate(rb.steps):
+        if step.id in index:
+            out.append((("steps", i, "id"), f"duplicate step id {step.id!r} (first is steps[{index[step.id]}])"))
+        else:
+            index[step.id] = i
+    for i, step in enumerate(rb.steps):
+        for j, req in enumerate(step.requires):
+            where: Path_ = ("steps", i, "requires", j)
+            if req == step.id:
+                out.append((where, f"step {step.id!r} requires itself"))
+            elif req not in index:
+                near = difflib.get_close_matches(req, list(index), n=1)
+                hint = f" (did you mean {near[0]!r}?)" if near else ""
+                out.append((where, f"step {step.id!r} requires unknown step {req!r}{hint}"))
+            elif index[req] > i:
+                out.append((where, f"step {step.id!r} requires {req!r}, which runs after it "
+                                   "(steps run in order: a requirement must come earlier; cycle or order violation)"))
+        if step.mutating and not step.verify:
+            out.append((("steps", i), f"step {step.id!r} changes something but has no verify "
+                                      "(every kube/ansible step must say how success is checked)"))
+
+    # Templates: syntax, only declared params and known facts, no private attributes.
+    for spath, text in _walk_strings(data, ()):
+        if spath and spath[-1] == "expr":
+            for p in template_problems(text, params=rb.params, expression=True):
+                out.append((spath, p))
+        elif "{{" in text or "{%" in text:
+            for p in template_problems(text, params=rb.params):
+                out.append((spath, p))
+
+    # Playbooks exist.
+    if playbooks_dir is not None:
+        for i, step in enumerate(rb.steps):
+            actions: list[tuple[Path_, Any]] = [(("steps", i, "action", "ansible", "playbook"), step.action)]
+            actions += [(("steps", i, "on_failure", "rollback", k, "ansible", "playbook"), a)
+                        for k, a in enumerate(step.rollback_actions)]
+            for apath, action in actions:
+                if isinstance(action, _Ansible):
+                    pb = playbooks_dir / action.ansible.playbook
+                    if not pb.is_file():
+                        out.append((apath, f"playbook {action.ansible.playbook!r} not found in {playbooks_dir}"))
+
+    # Node-targeting work needs a node param.
+    if rb.node_param is None:
+        targets = any(isinstance(s.action, KubeAction | _Ansible) for s in rb.steps)
+        all_checks = [c for s in rb.steps for c in (*s.guards, *s.skip_if, *(v.check for v in s.verify))]
+        all_checks += [c for p in rb.preconditions for c in (p.check, *([p.when] if p.when else []))]
+        needs = chk.required_probes(all_checks)
+        if targets or chk.NODE in needs or chk.HOST in needs:
+            out.append((("params",) if "params" in data else (),
+                        "this runbook acts on a node: declare a param of type node (usually 'node')"))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Entry points
+# --------------------------------------------------------------------------------------------
+
+
+def parse_runbook(data: bytes, path: str, *, stem: str | None = None,
+                  playbooks_dir: Path | None = None) -> Runbook:
+    """Bytes of a runbook file -> Runbook, or LoadError listing every problem (``PATH:LINE: ...``)."""
+    value, marks, key_marks = compose_yaml(data, path)
+    if not isinstance(value, dict):
+        raise LoadError([(Location(path), f"a runbook is a mapping (apiVersion, name, steps, ...), "
+                                          f"got {type(value).__name__}")])
+    try:
+        runbook = Runbook.model_validate(value)
+    except ValidationError as e:
+        raise LoadError(_sorted(_pydantic_problems(e, value, path, marks, key_marks))) from None
+    except RecursionError:
+        raise LoadError([(Location(path), "document nested too deeply")]) from None
+    problems = _semantic_problems(runbook, value, stem=stem, playbooks_dir=playbooks_dir)
+    if problems:
+        located = [(Location(path, _line_of(p, marks, key_marks)[0], None, _where(p)), m) for p, m in problems]
+        raise LoadError(_sorted(located))
+    return runbook
+
+
+def file_digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def read_runbook(path: Path, *, playbooks_dir: Path | None = None) -> tuple[Runbook, bytes]:
+    """Read and parse one runbook file; returns the runbook and the exact bytes (for the digest)."""
+    p = Path(path)
+    try:
+        data = p.read_bytes()
+    except IsADirectoryError:
+        raise LoadError([(Location(str(p)), "is a directory, not a runbook file")]) from None
+    except OSError as e:
+        raise LoadError([(Location(str(p)), f"cannot read: {e.strerror or e}")]) from None
+    pb = playbooks_dir if playbooks_dir is not None else playbooks_dir_for(p.parent)
+    return parse_runbook(data, str(p), stem=p.stem, playbooks_dir=pb), data
+
+
+def load_runbook(path: Path, *, playbooks_dir: Path | None = None) -> Runbook:
+    """Load and validate one runbook file. ``LoadError`` lists every problem found."""
+    return read_runbook(path, playbooks_dir=playbooks_dir)[0]
+
+
+def validate_paths(paths: Iterable[Path]) -> tuple[list[Path], list[tuple[Location, str]]]:
+    """Validate files and directories (each runbook in them). Returns (valid files, problems)."""
+    ok: list[Path] = []
+    problems: list[tuple[Location, str]] = []
+    for p in paths:
+        files = find_runbooks(Path(p)) if Path(p).is_dir() else [Path(p)]
+        if Path(p).is_dir() and not files:
+            problems.append((Location(str(p)), "no runbook files (*.yaml) in this directory"))
+        for f in files:
+            try:
+                load_runbook(f)
+                ok.append(f)
+            except LoadError as e:
+                problems.extend(e.problems)
+    return ok, problems
+
+
+def runbook_json_schema() -> dict[str, Any]:
+    """JSON Schema of the runbook format (for yaml-language-server and other editors)."""
+    schema = Runbook.model_json_schema(by_alias=True, mode="validation")
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        **schema,
+        "title": "runbook/v1",
+        "description": "A guarded remediation runbook (apiVersion runbook/v1). See docs/design.md.",
+    }
+
+
+__all__ = [
+    "compose_yaml",
+    "default_runbooks_dir",
+    "file_digest",
+    "find_runbooks",
+    "load_runbook",
+    "packaged_data_dir",
+    "parse_runbook",
+    "playbooks_dir_for",
+    "read_runbook",
+    "resolve_runbook_path",
+    "runbook_json_schema",
+    "validate_paths",
+]

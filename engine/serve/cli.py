@@ -1,0 +1,169 @@
+"""``runbook serve``: run the webhook server; ``runbook serve breaker-reset``: close a breaker.
+
+Thin: options -> ``load_config`` -> ``create_app`` -> uvicorn. The run machinery comes from
+``engine.app.create_run_starter(settings, config)`` (the ``RunStarter`` of ``engine.serve.starter``);
+the cluster view reads through ``Settings.kube()``. Options shared with the other commands are
+declared here again rather than imported from ``engine.cli``, which imports this module.
+"""
+
+from __future__ import annotations
+
+import importlib
+import ipaddress
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from engine.errors import ExitCode, RunbookError, UsageError
+from engine.serve.config import ServeConfig, load_config, split_listen
+from engine.serve.starter import RunStarter
+from engine.settings import Settings
+
+
+def load_run_starter(settings: Settings, config: ServeConfig) -> RunStarter:
+    """The engine's ``RunStarter`` (``engine.app.create_run_starter``)."""
+    try:
+        factory = importlib.import_module("engine.app").create_run_starter
+    except (ImportError, AttributeError) as e:
+        raise UsageError("this build has no run starter: engine.app.create_run_starter is missing") from e
+    starter: RunStarter = factory(settings, config)
+    return starter
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def build_app(settings: Settings, config_file: Path | None, listen: str | None) -> tuple[Any, ServeConfig]:
+    """The configured ASGI app and its configuration (nothing listens yet)."""
+    from engine.serve.app import create_app
+    from engine.serve.cluster import KubeClusterView
+
+    config = load_config(config_file, overrides={"listen": listen} if listen else None)
+    if config.breaker.state_file is None:
+        journal = settings.journal
+        if journal is None:
+            from engine.journal import default_journal_path
+
+            journal = default_journal_path()
+        state = Path(journal).parent / "serve-breaker.json"
+        config = config.model_copy(update={"breaker": config.breaker.model_copy(update={"state_file": state})})
+    host, _ = split_listen(config.listen)
+    if not _is_loopback(host) and not config.webhook_token:
+        raise UsageError(f"refusing to listen on {host} without RUNBOOK_WEBHOOK_TOKEN: anyone could start runs")
+    starter = load_run_starter(settings, config)
+    cluster = KubeClusterView(settings.kube, config.exclusions, ttl=config.cluster_cache_ttl)
+    return create_app(config, starter, cluster=cluster), config
+
+
+def serve(settings: Settings, config_file: Path | None, listen: str | None) -> int:
+    """Load the configuration, build the app and serve until SIGINT/SIGTERM."""
+    import uvicorn
+
+    app, config = build_app(settings, config_file, listen)
+    host, port = split_listen(config.listen)
+    logging.basicConfig(level=logging.DEBUG if settings.debug else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    uvicorn.run(app, host=host, port=port, log_level="debug" if settings.debug else "info",
+                lifespan="on", timeout_graceful_shutdown=int(config.shutdown_grace) + 5)
+    return 0
+
+
+def _settings(kubeconfig: str | None, kube_context: str | None, inventory: str | None,
+              runbooks_dir: str | None, journal: str | None, become_password_file: str | None,
+              debug: bool) -> Settings:
+    return Settings(
+        kubeconfig=kubeconfig, context=kube_context,
+        inventory=Path(inventory) if inventory else None,
+        runbooks_dir=Path(runbooks_dir) if runbooks_dir else None,
+        journal=Path(journal) if journal else None,
+        become_password_file=Path(become_password_file) if become_password_file else None,
+        debug=debug)
+
+
+def _fail(e: RunbookError, debug: bool) -> None:
+    if debug:
+        raise e
+    for line in str(e).splitlines() or [type(e).__name__]:
+        click.echo(line, err=True)
+    sys.exit(e.exit_code)
+
+
+@click.group("serve", invoke_without_command=True)
+@click.option("--listen", default=None, metavar="HOST:PORT",
+              help="Address to listen on (default from the config, else 127.0.0.1:8080).")
+@click.option("--config", "config_file", type=click.Path(dir_okay=False, exists=True),
+              envvar="RUNBOOK_SERVE_CONFIG", help="Serve configuration YAML (env RUNBOOK_SERVE_CONFIG).")
+@click.option("--kubeconfig", envvar="KUBECONFIG", type=click.Path(dir_okay=False), help="Kubeconfig file.")
+@click.option("--context", "kube_context", help="Kubeconfig context to use.")
+@click.option("--inventory", "-i", envvar="RUNBOOK_INVENTORY", type=click.Path(),
+              help="Ansible inventory for node hosts (env RUNBOOK_INVENTORY).")
+@click.option("--runbooks-dir", envvar="RUNBOOK_RUNBOOKS_DIR", type=click.Path(file_okay=False),
+              help="Where runbooks (and their triggers) live.")
+@click.option("--journal", envvar="RUNBOOK_JOURNAL", type=click.Path(dir_okay=False),
+              help="SQLite journal of runs (env RUNBOOK_JOURNAL).")
+@click.option("--become-password-file", type=click.Path(exists=True, dir_okay=False),
+              help="File holding the sudo password for node hosts (or env RUNBOOK_BECOME_PASSWORD).")
+@click.option("--debug", is_flag=True, help="Show tracebacks and debug logs.")
+@click.pass_context
+def serve_command(ctx: click.Context, listen: str | None, config_file: str | None, **opts: Any) -> None:
+    """Receive Alertmanager and PagerDuty webhooks and start runbooks inside strict guards.
+
+    \b
+    Secrets come from the environment: RUNBOOK_WEBHOOK_TOKEN (Bearer token for
+    /hooks/alertmanager, approvals and breaker resets), RUNBOOK_PAGERDUTY_SECRET.
+    See docs/serve.md for the configuration file, guards and breaker.
+    """
+    ctx.ensure_object(dict)
+    ctx.obj["config_file"] = Path(config_file) if config_file else None
+    ctx.obj["listen"] = listen
+    if ctx.invoked_subcommand is not None:
+        return
+    settings = _settings(debug=opts["debug"], **{k: v for k, v in opts.items() if k != "debug"})
+    try:
+        code = serve(settings, ctx.obj["config_file"], listen)
+    except RunbookError as e:
+        _fail(e, opts["debug"])
+        return
+    sys.exit(code)
+
+
+@serve_command.command("breaker-reset")
+@click.option("--node", help="Close the breaker of this node (after a failed automatic run).")
+@click.option("--runbook", help="Clear this runbook's automatic-run window.")
+@click.option("--url", help="Server base URL (default: http://<listen>).")
+@click.pass_context
+def breaker_reset(ctx: click.Context, node: str | None, runbook: str | None, url: str | None) -> None:
+    """Close breakers on a running server (all of them when neither --node nor --runbook is given)."""
+    import httpx
+
+    try:
+        config = load_config(ctx.obj.get("config_file"),
+                             overrides={"listen": ctx.obj["listen"]} if ctx.obj.get("listen") else None)
+    except RunbookError as e:
+        _fail(e, False)
+        return
+    host, port = split_listen(config.listen)
+    base = url or f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"
+    headers = {"Authorization": f"Bearer {config.webhook_token}"} if config.webhook_token else {}
+    body = {k: v for k, v in (("node", node), ("runbook", runbook)) if v}
+    try:
+        resp = httpx.post(base.rstrip("/") + "/breaker/reset", json=body, headers=headers, timeout=10)
+    except httpx.HTTPError as e:
+        click.echo(f"cannot reach {base}: {e}", err=True)
+        sys.exit(ExitCode.FAILED)
+    if resp.status_code != 200:
+        click.echo(f"{base}: HTTP {resp.status_code}: {resp.text.strip()}", err=True)
+        sys.exit(ExitCode.FAILED)
+    done = resp.json().get("reset") or []
+    click.echo("reset: " + (", ".join(done) if done else "nothing was open"))
+    sys.exit(os.EX_OK)

@@ -1,0 +1,443 @@
+"""From a verified page to a run, through the guards: the server's decisions in one place.
+
+For every firing alert (or incident) and every trigger it matches, in this order:
+
+1. **dedup** (``Guards.reserve``): same fingerprint/incident recently, or the node busy or cooling
+   down -> ``duplicate``;
+2. **cluster snapshot** (``ClusterView``): unreadable -> ``blocked`` (fail closed: exclusions cannot
+   be verified); node excluded by label or named by kured's lock -> ``blocked``;
+3. **mode**: the trigger's mode, restricted by the configuration (``force_mode``, ``mode_overrides``);
+   an ``auto`` run that trips the **breaker** becomes ``approve`` with the breaker's warnings;
+4. **approval budget** for approve-mode runs, then a place in the **worker pool**;
+5. ``RunStarter.submit`` (fast) -> ``started`` with the run id; execution goes to the worker pool.
+
+Outcomes of runs come back through ``_finish``: notifications, metrics, and the node breaker for a
+failed automatic run. This module holds no HTTP and no parsing; it must never block on a run.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from datetime import datetime
+from typing import Any, Literal
+
+from engine.errors import RunbookError
+from engine.serve.alertmanager import WebhookPayload
+from engine.serve.cluster import ClusterSnapshot, ClusterUnavailable, ClusterView
+from engine.serve.config import ServeConfig
+from engine.serve.guards import Guards, Reservation
+from engine.serve.metrics import ServeMetrics
+from engine.serve.notify import Notification, Notifier
+from engine.serve.pagerduty import Incident
+from engine.serve.starter import WEBHOOK_SOURCES, Mode, RunOutcome, RunRequest, RunStarter
+from engine.serve.triggers import Candidate, Matches, TriggerIndex
+from engine.serve.worker import WorkerPool
+
+log = logging.getLogger(__name__)
+Outcome = Literal["started", "duplicate", "blocked", "rejected", "ignored"]
+_ACTIVE = ("pending", "waiting-approval", "running")
+_FINAL = ("succeeded", "failed", "blocked", "cancelled", "interrupted")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What became of one (alert, trigger) pair; the webhook answer lists these."""
+
+    outcome: Outcome
+    reason: str
+    runbook: str | None = None
+    node: str | None = None
+    run_id: str | None = None
+    mode: Mode | None = None
+    warnings: tuple[str, ...] = ()
+    alert: str = ""
+    transient: bool = False  # blocked for a passing reason: a re-sent page is considered again
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"outcome": self.outcome, "reason": self.reason}
+        for key in ("runbook", "node", "run_id", "mode", "alert"):
+            value = getattr(self, key)
+            if value:
+                out[key] = value
+        if self.warnings:
+            out["warnings"] = list(self.warnings)
+        return out
+
+
+@dataclass
+class _RunMeta:
+    runbook: str
+    node: str | None
+    mode: Mode
+    warnings: tuple[str, ...] = ()
+    reason: str = ""
+    approved: bool = False
+    state: str = "pending"
+    plan_digest: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class NotFound(Exception):
+    """No run with that id (HTTP 404)."""
+
+
+def _epoch(iso: Any) -> float | None:
+    if not isinstance(iso, str) or not iso:
+        return None
+    try:
+        return datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+def node_of(summary: Mapping[str, Any]) -> str | None:
+    nodes = summary.get("nodes") or ()
+    if nodes:
+        return str(nodes[0])
+    node = (summary.get("params") or {}).get("node")
+    return node if isinstance(node, str) else None
+
+
+class Dispatcher:
+    def __init__(self, config: ServeConfig, starter: RunStarter, cluster: ClusterView, *,
+                 index: TriggerIndex, guards: Guards, worker: WorkerPool, notifier: Notifier,
+                 metrics: ServeMetrics, clock: Callable[[], float] = time.time) -> None:
+        self.config = config
+        self.starter = starter
+        self.cluster = cluster
+        self.index = index
+        self.guards = guards
+        self.worker = worker
+        self.notifier = notifier
+        self.metrics = metrics
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._runs: dict[str, _RunMeta] = {}  # runs this server owns and has not seen end
+        self._known_breaker_keys: set[tuple[str, str]] = set()
+        self._last_cluster: ClusterSnapshot | None = None
+        self._stop = threading.Event()
+        self._sweeper: threading.Thread | None = None
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def start(self, *, sweep_interval: float = 30.0) -> None:
+        """Claim what a previous server left, rebuild dedup/breaker windows from the journal, start
+        queued runs, and start the sweeper that notices approvals timing out."""
+        queue_ids = list(self.starter.recover())
+        now = self._clock()
+        for s in self.starter.runs(limit=500):
+            if s.get("source") not in WEBHOOK_SOURCES:
+                continue
+            run_id, state, node = str(s["id"]), str(s.get("state")), node_of(s)
+            mode: Mode = "approve" if s.get("approval_required") else "auto"
+            started = _epoch(s.get("started")) or now
+            if mode == "auto":
+                self.guards.note_auto_start(str(s.get("runbook")), started)
+            if state in _ACTIVE or run_id in queue_ids:
+                with self._lock:
+                    self._runs[run_id] = _RunMeta(str(s.get("runbook")), node, mode, state=state,
+                                                  approved=bool(s.get("approved_by")),
+                                                  plan_digest=s.get("plan_digest"))
+                self.guards.track_active(node, run_id, approve=mode == "approve")
+            elif state in _FINAL:
+                self.guards.track_ended(node, run_id, _epoch(s.get("finished")) or started)
+        for run_id in queue_ids:
+            if not self.worker.submit(functools.partial(self._execute, run_id), reserved=False):
+                log.warning("worker pool full at start: run %s stays pending until the next start", run_id)
+        if sweep_interval > 0:
+            self._sweeper = threading.Thread(target=self._sweep_loop, args=(sweep_interval,),
+                                             name="runbook-serve-sweeper", daemon=True)
+            self._sweeper.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.worker.shutdown(self.config.shutdown_grace)
+        self.notifier.flush(timeout=2.0)
+        self.notifier.close(timeout=2.0)
+
+    def _sweep_loop(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            try:
+                self.reconcile()
+            except Exception:
+                log.exception("reconcile failed")
+
+    def reconcile(self) -> None:
+        """Runs waiting for approval may time out or be cancelled elsewhere: notice their end."""
+        with self._lock:
+            waiting = [(rid, m) for rid, m in self._runs.items() if m.state == "waiting-approval"]
+        for run_id, meta in waiting:
+            try:
+                state = str(self.starter.run(run_id).get("state"))
+            except RunbookError:
+                state = "cancelled"
+            if state in _FINAL:
+                self._finish(run_id, meta, RunOutcome(run_id, state, reason="ended while waiting for approval"))
+
+    # -- pages --------------------------------------------------------------------------------
+
+    def handle_alerts(self, payload: WebhookPayload) -> list[Decision]:
+        decisions: list[Decision] = []
+        for alert in payload.alerts:
+            label = alert.describe()
+            if not alert.firing:
+                decisions.append(Decision("ignored", "resolved alerts never start runs", alert=label))
+                continue
+            decisions += self._decide(self.index.for_alert(alert), label)
+        return decisions
+
+    def handle_incident(self, incident: Incident) -> list[Decision]:
+        return self._decide(self.index.for_incident(incident), f"incident {incident.id}")
+
+    def quick_alerts(self, payload: WebhookPayload) -> list[Decision] | None:
+        """The answer when nothing can start (resolved, unmatched, duplicates), computed without
+        I/O so the event loop may call it; None when some candidate needs the full path.
+
+        Why: an alert storm is mostly re-sends of what already started; answering those inline
+        keeps them out of the thread pool, where they would queue behind real work."""
+        decisions: list[Decision] = []
+        for alert in payload.alerts:
+            label = alert.describe()
+            if not alert.firing:
+                decisions.append(Decision("ignored", "resolved alerts never start runs", alert=label))
+                continue
+            quick = self._quick(self.index.for_alert(alert), label)
+            if quick is None:
+                return None
+            decisions += quick
+        return decisions
+
+    def quick_incident(self, incident: Incident) -> list[Decision] | None:
+        """``quick_alerts`` for a PagerDuty incident."""
+        return self._quick(self.index.for_incident(incident), f"incident {incident.id}")
+
+    def _quick(self, matches: Matches, label: str) -> list[Decision] | None:
+        out = [Decision("rejected", r.reason, runbook=r.runbook, alert=label) for r in matches.refusals]
+        if not matches.candidates and not matches.refusals:
+            out.append(Decision("ignored", "no runbook trigger matches", alert=label))
+        for c in matches.candidates:
+            reason = self.guards.peek(f"{c.runbook}|{c.dedup_key}", c.node)
+            if reason is None:
+                return None
+            out.append(Decision("duplicate", reason, runbook=c.runbook, node=c.node, alert=label))
+        return out
+
+    def _decide(self, matches: Matches, label: str) -> list[Decision]:
+        out = [Decision("rejected", r.reason, runbook=r.runbook, alert=label) for r in matches.refusals]
+        if not matches.candidates and not matches.refusals:
+            out.append(Decision("ignored", "no runbook trigger matches", alert=label))
+        for c in matches.candidates:
+            try:
+                d = self._consider(c)
+            except Exception as e:  # Why: one broken candidate must not lose the others' answers
+                log.exception("deciding on %s failed", c.reason)
+                d = Decision("rejected", f"internal error: {type(e).__name__}", runbook=c.runbook, node=c.node)
+            out.append(replace(d, alert=label))
+        return out
+
+    def _blocked(self, c: Candidate, kind: str, reason: str, mode: Mode | None = None, *,
+                 transient: bool = False) -> Decision:
+        self.metrics.runs_blocked.labels(runbook=c.runbook, reason=kind).inc()
+        self.notifier.notify(Notification("blocked", c.runbook, node=c.node, mode=mode,
+                                          reason=f"{reason} (page: {c.reason})"))
+        return Decision("blocked", reason, runbook=c.runbook, node=c.node, mode=mode, transient=transient)
+
+    def _consider(self, c: Candidate) -> Decision:
+        mode = self.config.mode_for(c.runbook, c.mode)
+        claim = self.guards.reserve(f"{c.runbook}|{c.dedup_key}", c.node)
+        if isinstance(claim, str):
+            return Decision("duplicate", claim, runbook=c.runbook, node=c.node)
+        try:
+            decision = self._guarded(c, mode, claim)
+        except BaseException:
+            self.guards.release(claim)
+            raise
+        if decision.outcome != "started":
+            # Why: a page refused for a lasting reason (excluded node, invalid params) is refused
+            # once per dedup window, not once per re-send; a passing reason lets a re-send retry.
+            self.guards.release(claim, keep_key=not decision.transient)
+        return decision
+
+    def _guarded(self, c: Candidate, mode: Mode, claim: Reservation) -> Decision:
+        try:
+            snapshot = self.cluster.snapshot()
+        except ClusterUnavailable as e:
+            return self._blocked(c, "cluster-unreadable", f"cannot check exclusions and health, "
+                                 f"so nothing starts: {e}", mode, transient=True)
+        self._last_cluster = snapshot
+        excluded = snapshot.exclusion(c.node)
+        if excluded is not None:
+            kind = "kured-lock" if c.node in snapshot.kured_locked else "excluded"
+            return self._blocked(c, kind, excluded, mode)
+        warnings: tuple[str, ...] = ()
+        if mode == "auto":
+            warnings = tuple(self.guards.check_auto(c.runbook, c.node, snapshot))
+            if warnings:
+                mode = "approve"
+                self.metrics.runs_blocked.labels(runbook=c.runbook, reason="breaker").inc()
+        auto_slot = mode == "auto"
+        if mode == "approve":
+            why = self.guards.reserve_approval()
+            if why is not None:
+                return self._blocked(c, "approvals-limit", f"not paging for approval: {why}", mode,
+                                     transient=True)
+        if not self.worker.try_reserve():
+            self._undo(c, auto_slot, mode)
+            return self._blocked(c, "queue-full", f"the worker pool is full "
+                                 f"({self.worker.stats()['capacity']} runs queued or running)", mode,
+                                 transient=True)
+        request = RunRequest(runbook=c.runbook, params=dict(c.params), node=c.node, mode=mode,
+                             source=c.source, reason=c.reason, warnings=warnings, dedup_key=c.dedup_key)
+        try:
+            ticket = self.starter.submit(request)
+        except RunbookError as e:
+            self.worker.release()
+            self._undo(c, auto_slot, mode)
+            return Decision("rejected", str(e).splitlines()[0] if str(e) else type(e).__name__,
+                            runbook=c.runbook, node=c.node, mode=mode)
+        except BaseException:
+            self.worker.release()
+            self._undo(c, auto_slot, mode)
+            raise
+        run_id = ticket.run_id
+        self.guards.bind(claim, run_id)
+        if mode == "approve":
+            self.guards.bind_approval(run_id)
+        with self._lock:
+            self._runs[run_id] = _RunMeta(c.runbook, c.node, mode, warnings, c.reason, state=ticket.state)
+        self.metrics.runs_started.labels(runbook=c.runbook, mode=mode).inc()
+        if mode == "auto":
+            self.notifier.notify(Notification("started", c.runbook, node=c.node, run_id=run_id, mode=mode,
+                                              reason=c.reason))
+        self.worker.submit(lambda: self._execute(run_id))
+        reason = "run created; it executes now" if mode == "auto" else \
+            "run created; a plan is being prepared for approval"
+        return Decision("started", reason, runbook=c.runbook, node=c.node, run_id=run_id, mode=mode,
+                        warnings=warnings)
+
+    def _undo(self, c: Candidate, auto_slot: bool, mode: Mode) -> None:
+        if auto_slot:
+            self.guards.undo_auto(c.runbook)
+        if mode == "approve":
+            self.guards.bind_approval(None)
+
+    # -- runs -----------------------------------------------------------------------------------
+
+    def _execute(self, run_id: str) -> None:
+        with self._lock:
+            meta = self._runs.get(run_id)
+        if meta is None:
+            return
+        try:
+            outcome = self.starter.execute(run_id)
+        except Exception as e:
+            log.exception("run %s raised", run_id)
+            outcome = RunOutcome(run_id, "failed", reason=f"{type(e).__name__}: {e}")
+        if outcome.state == "waiting-approval":
+            with self._lock:
+                meta.state, meta.plan_digest = outcome.state, outcome.plan_digest
+            self.notifier.notify(Notification(
+                "waiting-approval", meta.runbook, node=meta.node, run_id=run_id, mode=meta.mode,
+                reason=meta.reason, warnings=meta.warnings, extra={"plan_digest": outcome.plan_digest}))
+            return
+        if outcome.state not in _FINAL:
+            log.warning("run %s returned state %s; treating it as still active", run_id, outcome.state)
+            with self._lock:
+                meta.state = outcome.state
+            return
+        self._finish(run_id, meta, outcome)
+
+    def _finish(self, run_id: str, meta: _RunMeta, outcome: RunOutcome) -> None:
+        with self._lock:
+            if self._runs.pop(run_id, None) is None:
+                return  # already finished (sweeper and worker raced)
+        automatic = meta.mode == "auto" and not meta.approved
+        opened = self.guards.finished(meta.node, run_id, state=outcome.state, automatic=automatic,
+                                      reason=outcome.reason)
+        if outcome.state == "succeeded":
+            self.metrics.runs_succeeded.labels(runbook=meta.runbook).inc()
+            event = "finished"
+        elif outcome.state == "blocked":
+            self.metrics.runs_blocked.labels(runbook=meta.runbook, reason="run-blocked").inc()
+            event = "blocked"
+        else:
+            self.metrics.runs_failed.labels(runbook=meta.runbook).inc()
+            event = "failed"
+        reason = outcome.reason or outcome.state
+        if opened:
+            reason += f"; the breaker for {meta.node} is open: no automatic run there until reset"
+        self.notifier.notify(Notification(event, meta.runbook, node=meta.node, run_id=run_id, mode=meta.mode,
+                                          reason=reason, extra={"state": outcome.state,
+                                                                "exit_code": outcome.exit_code}))
+
+    # -- API --------------------------------------------------------------------------------------
+
+    def runs(self, limit: int = 100) -> list[Mapping[str, Any]]:
+        return list(self.starter.runs(limit=limit))
+
+    def run(self, run_id: str) -> Mapping[str, Any]:
+        try:
+            return self.starter.run(run_id)
+        except RunbookError as e:
+            raise NotFound(str(e)) from e
+
+    def approve(self, run_id: str, plan_digest: str, approved_by: str) -> dict[str, Any]:
+        """Record the approval (StalePlan / UsageError propagate) and queue the run if it is ours."""
+        self.run(run_id)  # NotFound first, so an unknown id is a 404 and not a 409
+        summary = dict(self.starter.approve(run_id, plan_digest, approved_by))
+        with self._lock:
+            meta = self._runs.get(run_id)
+            if meta is not None:
+                meta.approved = True
+                meta.state = "approved"
+        if meta is None:
+            return {"run": summary, "queued": False,
+                    "note": "approval recorded; the process that owns this run continues it"}
+        if not self.worker.submit(lambda: self._execute(run_id), reserved=False):
+            return {"run": summary, "queued": False,
+                    "note": "approval recorded, but the worker pool is full: the run is queued at the next start"}
+        self.notifier.notify(Notification("started", meta.runbook, node=meta.node, run_id=run_id,
+                                          mode=meta.mode, reason=f"approved by {approved_by}",
+                                          warnings=meta.warnings))
+        return {"run": summary, "queued": True}
+
+    def reset_breaker(self, node: str | None = None, runbook: str | None = None) -> list[str]:
+        done = self.guards.reset(node=node, runbook=runbook)
+        self.refresh_gauges()
+        return done
+
+    def refresh_gauges(self) -> None:
+        """Bring ``breaker_open`` up to date (called before ``/metrics`` is rendered)."""
+        current: dict[tuple[str, str], bool] = {("node", n): True for n in self.guards.open_nodes()}
+        current.update({("runbook", r): t for r, t in self.guards.rate_tripped().items()})
+        snap, b = self._last_cluster, self.config.breaker
+        if snap is not None:
+            current[("cluster", "unhealthy")] = (len(snap.unhealthy_nodes) > b.max_unhealthy_nodes
+                                                 or snap.unhealthy_gpus > b.max_unhealthy_gpus)
+        for gone in self._known_breaker_keys - set(current):
+            current[gone] = False
+        for (kind, key), is_open in current.items():
+            self.metrics.set_breaker(kind, key, is_open)
+        self._known_breaker_keys = set(current)
+
+    def status(self) -> dict[str, Any]:
+        with self._lock:
+            owned = len(self._runs)
+        return {"triggers": len(self.index), "runs_tracked": owned, "workers": self.worker.stats(),
+                "breaker": self.guards.state()}
+
+
+def summarize(decisions: Sequence[Decision]) -> tuple[int, str]:
+    """HTTP status and metrics outcome for a list of decisions."""
+    if any(d.outcome == "started" for d in decisions):
+        return 202, "started"
+    if decisions and all(d.outcome == "duplicate" for d in decisions):
+        return 200, "duplicate"
+    if decisions and all(d.outcome == "ignored" for d in decisions):
+        return 200, "ignored"
+    return 200, "nothing-started"

@@ -1,0 +1,331 @@
+"""Dedup and circuit breaker: in-memory bookkeeping that decides, never acts.
+
+* **Dedup** prevents the same page from remediating twice: an alert fingerprint (or PagerDuty
+  incident) that started a run within ``dedup.fingerprint_window`` starts nothing new; a node with
+  an active run (pending, waiting for approval, running), or whose last run ended less than
+  ``dedup.node_cooldown`` ago, starts nothing new. ``reserve`` checks and claims atomically, so 20
+  identical alerts arriving together start exactly one run.
+* **Circuit breaker** keeps automation from making an outage worse. It governs *automatic* runs
+  only: at most ``breaker.max_auto_runs`` per runbook per ``breaker.window``; none while more than
+  ``max_unhealthy_nodes`` nodes or ``max_unhealthy_gpus`` GPUs are unhealthy (a bigger outage: a
+  human decides); none on a node whose last automatic run failed, until a person resets it. A
+  tripped breaker turns the run into an ``approve``-mode run carrying the breaker's warning.
+* **Approval budget**: at most ``breaker.max_pending_approvals`` approve-mode runs waiting at once,
+  so a storm cannot bury the on-call engineer in plans.
+
+Open node breakers are written to ``breaker.state_file`` (when set) so a restart does not close
+them. Everything else is rebuilt from the journal at start. Thread-safe; the clock is injected.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import tempfile
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.serve.cluster import ClusterSnapshot
+from engine.serve.config import ServeConfig
+
+log = logging.getLogger(__name__)
+_RESERVED = "(starting)"
+_REFUSED = "(refused)"
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """A claim on a dedup key and a node, taken before a run is submitted."""
+
+    key: str
+    node: str | None
+    token: int
+
+
+@dataclass(frozen=True)
+class NodeBreaker:
+    node: str
+    run_id: str
+    since: float
+    reason: str
+
+
+class Guards:
+    def __init__(self, config: ServeConfig, *, clock: Callable[[], float] = time.time) -> None:
+        self._cfg = config
+        self._clock = clock
+        self._lock = threading.RLock()
+        self._seen: dict[str, tuple[float, str]] = {}  # dedup key -> (time, run id or reserved)
+        self._active: dict[str, str] = {}  # node -> run id (or _RESERVED)
+        self._cooldown: dict[str, tuple[float, str]] = {}  # node -> (ended at, run id)
+        self._auto_starts: dict[str, deque[float]] = {}  # runbook -> start times in the window
+        self._open: dict[str, NodeBreaker] = {}  # node -> failed automatic run
+        self._approvals: set[str] = set()  # approve-mode runs not yet final
+        self._approval_reservations = 0
+        self._tokens = 0
+        self._state_file = config.breaker.state_file
+        self._load_state()
+
+    # -- dedup ------------------------------------------------------------------------------
+
+    def _expire(self, now: float) -> None:
+        window = self._cfg.dedup.fingerprint_window
+        if len(self._seen) > 1000:
+            self._seen = {k: v for k, v in self._seen.items() if now - v[0] < window}
+        cooldown = self._cfg.dedup.node_cooldown
+        if len(self._cooldown) > 1000:
+            self._cooldown = {k: v for k, v in self._cooldown.items() if now - v[0] < cooldown}
+
+    def _duplicate(self, key: str, node: str | None, now: float) -> str | None:
+        seen = self._seen.get(key)
+        if seen is not None and now - seen[0] < self._cfg.dedup.fingerprint_window:
+            what = "nothing was started then" if seen[1] == _REFUSED else f"it started {seen[1]}"
+            return f"duplicate: {key} was handled {now - seen[0]:.0f}s ago ({what})"
+        if node is not None:
+            active = self._active.get(node)
+            if active is not None:
+                return f"duplicate: node {node} already has run {active} in progress"
+            ended = self._cooldown.get(node)
+            if ended is not None and now - ended[0] < self._cfg.dedup.node_cooldown:
+                return (f"duplicate: run {ended[1]} on node {node} ended {now - ended[0]:.0f}s ago "
+                        f"(cooldown {self._cfg.dedup.node_cooldown:.0f}s)")
+        return None
+
+    def peek(self, key: str, node: str | None) -> str | None:
+        """The duplicate reason, without claiming anything (the fast path of a webhook)."""
+        with self._lock:
+            return self._duplicate(key, node, self._clock())
+
+    def reserve(self, key: str, node: str | None) -> Reservation | str:
+        """Claim ``key`` and ``node``; or the reason this is a duplicate."""
+        with self._lock:
+            now = self._clock()
+            self._expire(now)
+            reason = self._duplicate(key, node, now)
+            if reason is not None:
+                return reason
+            if node is not None:
+                self._active[node] = _RESERVED
+            self._seen[key] = (now, _RESERVED)
+            self._tokens += 1
+            return Reservation(key, node, self._tokens)
+
+    def release(self, r: Reservation, *, keep_key: bool = False) -> None:
+        """Nothing was started after all: free the node; forget the key unless ``keep_key``."""
+        with self._lock:
+            seen = self._seen.get(r.key)
+            if seen is not None and seen[1] == _RESERVED:
+                if keep_key:
+                    self._seen[r.key] = (seen[0], _REFUSED)
+                else:
+                    del self._seen[r.key]
+            if r.node is not None and self._active.get(r.node) == _RESERVED:
+                del self._active[r.node]
+
+    def bind(self, r: Reservation, run_id: str) -> None:
+        """The run was created: the claim now names it."""
+        with self._lock:
+            self._seen[r.key] = (self._seen.get(r.key, (self._clock(), ""))[0], run_id)
+            if r.node is not None:
+                self._active[r.node] = run_id
+
+    def track_active(self, node: str | None, run_id: str, *, approve: bool) -> None:
+        """A run found in the journal at start (or approved later) that is not final yet."""
+        with self._lock:
+            if node is not None:
+                self._active[node] = run_id
+            if approve:
+                self._approvals.add(run_id)
+
+    def track_ended(self, node: str | None, run_id: str, ended_at: float) -> None:
+        with self._lock:
+            if node is not None and self._active.get(node) in (None, run_id):
+                self._active.pop(node, None)
+                prev = self._cooldown.get(node)
+                if prev is None or prev[0] < ended_at:
+                    self._cooldown[node] = (ended_at, run_id)
+
+    def finished(self, node: str | None, run_id: str, *, state: str, automatic: bool, reason: str = "") -> bool:
+        """A run reached a final state. Returns True when this opened the node's breaker."""
+        with self._lock:
+            self._approvals.discard(run_id)
+            self.track_ended(node, run_id, self._clock())
+            if state == "failed" and automatic and node is not None:
+                self._open[node] = NodeBreaker(node, run_id, self._clock(), reason or "automatic run failed")
+                self._save_state()
+                return True
+            return False
+
+    # -- breaker ----------------------------------------------------------------------------
+
+    def _window(self, runbook: str, now: float) -> deque[float]:
+        starts = self._auto_starts.setdefault(runbook, deque())
+        while starts and now - starts[0] >= self._cfg.breaker.window:
+            starts.popleft()
+        return starts
+
+    def check_auto(self, runbook: str, node: str | None, cluster: ClusterSnapshot) -> list[str]:
+        """Why an automatic run must not happen now (empty: it may, and a rate slot is taken)."""
+        b = self._cfg.breaker
+        warnings: list[str] = []
+        if len(cluster.unhealthy_nodes) > b.max_unhealthy_nodes:
+            shown = ", ".join(cluster.unhealthy_nodes[:10])
+            warnings.append(
+                f"breaker: {len(cluster.unhealthy_nodes)} of {cluster.total_nodes} nodes are unhealthy "
+                f"({shown}); automatic runs stop above {b.max_unhealthy_nodes}")
+        if cluster.unhealthy_gpus > b.max_unhealthy_gpus:
+            warnings.append(f"breaker: {cluster.unhealthy_gpus} GPUs are on unhealthy nodes; "
+                            f"automatic runs stop above {b.max_unhealthy_gpus}")
+        with self._lock:
+            if node is not None and node in self._open:
+                nb = self._open[node]
+                warnings.append(f"breaker: the last automatic run on {node} ({nb.run_id}) failed: "
+                                f"{nb.reason}; automatic runs on {node} stay off until a person resets it")
+            now = self._clock()
+            starts = self._window(runbook, now)
+            if len(starts) >= b.max_auto_runs:
+                warnings.append(f"breaker: {len(starts)} automatic runs of {runbook} in the last "
+                                f"{b.window:.0f}s (limit {b.max_auto_runs})")
+            if not warnings:
+                starts.append(now)
+        return warnings
+
+    def undo_auto(self, runbook: str) -> None:
+        """The automatic run whose slot ``check_auto`` took was not created after all."""
+        with self._lock:
+            starts = self._auto_starts.get(runbook)
+            if starts:
+                starts.pop()
+
+    def note_auto_start(self, runbook: str, at: float) -> None:
+        """An automatic run found in the journal at start counts against the window."""
+        with self._lock:
+            if self._clock() - at < self._cfg.breaker.window:
+                starts = self._window(runbook, self._clock())
+                starts.append(at)
+                self._auto_starts[runbook] = deque(sorted(starts))
+
+    def reserve_approval(self) -> str | None:
+        """Take an approval slot, or the reason there is none."""
+        with self._lock:
+            limit = self._cfg.breaker.max_pending_approvals
+            if len(self._approvals) + self._approval_reservations >= limit:
+                return f"{len(self._approvals)} runs are already waiting for approval (limit {limit})"
+            self._approval_reservations += 1
+            return None
+
+    def bind_approval(self, run_id: str | None) -> None:
+        """Turn the reservation into a waiting run (``run_id``) or give it back (None)."""
+        with self._lock:
+            self._approval_reservations = max(0, self._approval_reservations - 1)
+            if run_id is not None:
+                self._approvals.add(run_id)
+
+    def reset(self, node: str | None = None, runbook: str | None = None) -> list[str]:
+        """Close node breakers (one node or all) and/or a runbook's rate window; what was reset."""
+        done: list[str] = []
+        with self._lock:
+            if runbook is not None:
+                if self._auto_starts.pop(runbook, None):
+                    done.append(f"runbook:{runbook}")
+            elif node is not None:
+                if self._open.pop(node, None):
+                    done.append(f"node:{node}")
+            else:
+                done += [f"node:{n}" for n in self._open]
+                done += [f"runbook:{r}" for r, s in self._auto_starts.items() if s]
+                self._open.clear()
+                self._auto_starts.clear()
+            self._save_state()
+        return done
+
+    def state(self) -> dict[str, Any]:
+        with self._lock:
+            now = self._clock()
+            return {
+                "open_nodes": {n: {"run_id": b.run_id, "since": b.since, "reason": b.reason}
+                               for n, b in self._open.items()},
+                "auto_runs_in_window": {r: len(self._window(r, now)) for r in list(self._auto_starts)},
+                "max_auto_runs": self._cfg.breaker.max_auto_runs,
+                "active_nodes": dict(self._active),
+                "waiting_approval": sorted(self._approvals),
+            }
+
+    def open_nodes(self) -> Iterable[str]:
+        with self._lock:
+            return list(self._open)
+
+    def rate_tripped(self) -> Mapping[str, bool]:
+        with self._lock:
+            now = self._clock()
+            limit = self._cfg.breaker.max_auto_runs
+            return {r: len(self._window(r, now)) >= limit for r in list(self._auto_starts)}
+
+    # -- persistence ------------------------------------------------------------------------
+
+    def _load_state(self) -> None:
+        if self._state_file is None or not self._state_file.exists():
+            return
+        try:
+            data = json.loads(self._state_file.read_text())
+            for node, b in (data.get("open_nodes") or {}).items():
+                self._open[node] = NodeBreaker(node, str(b["run_id"]), float(b["since"]), str(b["reason"]))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            # Why: an unreadable state must not silently close breakers; refuse to start instead.
+            raise RuntimeError(f"{self._state_file}: cannot read the breaker state: {e}") from e
+
+    def _save_state(self) -> None:
+        if self._state_file is None:
+            return
+        data = {"open_nodes": {n: {"run_id": b.run_id, "since": b.since, "reason": b.reason}
+                               for n, b in self._open.items()}}
+        path = Path(self._state_file)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".breaker-")
+            with os.fdopen(fd, "w") as f:
+                json.dump(data, f, sort_keys=True)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except OSError as e:
+            log.error("cannot write the breaker state to %s: %s", path, e)
+            with contextlib.suppress(OSError, UnboundLocalError):
+                os.unlink(tmp)
+
+
+class ReplayGuard:
+    """PagerDuty ``X-Webhook-Id`` values seen within ``window`` seconds (deliveries are retried)."""
+
+    def __init__(self, window: float, *, clock: Callable[[], float] = time.time, max_ids: int = 100_000) -> None:
+        self._window = window
+        self._clock = clock
+        self._max = max_ids
+        self._seen: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def claim(self, webhook_id: str) -> bool:
+        """True the first time an id is seen in the window; False for a replay."""
+        with self._lock:
+            now = self._clock()
+            if len(self._seen) >= self._max:
+                self._seen = {k: t for k, t in self._seen.items() if now - t < self._window}
+                while len(self._seen) >= self._max:  # still full: forget the oldest
+                    self._seen.pop(next(iter(self._seen)))
+            at = self._seen.get(webhook_id)
+            if at is not None and now - at < self._window:
+                return False
+            self._seen[webhook_id] = now
+            return True
+
+    def release(self, webhook_id: str) -> None:
+        """Processing failed (the sender will retry): forget the id."""
+        with self._lock:
+            self._seen.pop(webhook_id, None)

@@ -1,0 +1,126 @@
+"""The contract between ``runbook serve`` and the run machinery: the ``RunStarter`` Protocol.
+
+The server decides *whether* and *how* (mode, warnings) a run starts; a ``RunStarter`` owns
+*what a run is*: params validation, the journal, planning, approvals, the node Lease, execution.
+The real implementation lives with the engine (``engine.app.create_run_starter``); unit tests use
+``engine.serve.testing.FakeRunStarter``. This module holds types only: no I/O, no decisions.
+
+Lifecycle of a paged run, and which side calls what::
+
+    webhook -> guards pass -> submit(RunRequest)          fast (< ~20 ms): validate params, create the
+                                                          journal run in state ``pending``; return its id
+            -> worker pool -> execute(run_id)             slow, in a worker thread: plan; in ``approve``
+                                                          mode record plan + digest, state
+                                                          ``waiting-approval``, return; in ``auto`` mode
+                                                          take the node Lease, run, verify, return
+    POST /runs/{id}/approve -> approve(id, digest, by)    fast: record the approval (journal), or raise
+            -> worker pool -> execute(run_id)             continue the approved run to its end
+    server start -> recover()                             claim what a previous server left; returns the
+                                                          run ids to queue for ``execute``
+
+Rules every implementation must keep:
+
+* ``submit`` must not plan, gather facts or touch the cluster: it runs on the request path.
+  It raises ``engine.errors.UsageError`` for an unknown runbook or invalid params (params are
+  validated like any param: ``engine.params.resolve_params``); the server answers with the reason.
+* ``submit`` records ``request.warnings`` (breaker warnings) and ``request.reason`` with the run, so
+  the reviewer of an ``approve``-mode plan sees why it was not automatic.
+* ``execute`` never raises for a run that failed or was blocked: it returns a ``RunOutcome`` with the
+  final state. An exception is reported as a failed run. It is safe to call again for a run that
+  is ``waiting-approval`` and approved (it continues), and it returns the current state for a run
+  that is already final.
+* ``approve`` raises ``engine.errors.StalePlan`` when the digest is not the run's current plan or the
+  run is not waiting for approval, and ``UsageError`` for an unknown run id.
+* ``run``/``runs`` return ``RunRecord.summary()``-shaped dicts: at least ``id``, ``runbook``,
+  ``params``, ``nodes``, ``state``, ``source``, ``plan_digest``, ``approval_required``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+from engine.model import ParamValue, Trigger
+
+Mode = Literal["auto", "approve"]
+Source = Literal["alertmanager", "pagerduty"]
+WEBHOOK_SOURCES: tuple[str, ...] = ("alertmanager", "pagerduty")
+
+
+@dataclass(frozen=True)
+class TriggerSpec:
+    """One trigger declared by one runbook (``triggers:`` in the runbook YAML)."""
+
+    runbook: str
+    trigger: Trigger
+    node_param: str | None = "node"  # the runbook's param naming the target node (Runbook.node_param)
+
+
+@dataclass(frozen=True)
+class RunRequest:
+    """What the server asks for: a run of ``runbook`` with ``params`` on ``node`` in ``mode``."""
+
+    runbook: str
+    params: Mapping[str, ParamValue]  # rendered from the alert; not yet validated
+    node: str | None
+    mode: Mode
+    source: Source
+    reason: str  # one line: "alertmanager: KubeNodeNotReady{node=omen2} fingerprint 4f2a..."
+    warnings: tuple[str, ...] = ()  # why an ``auto`` trigger became ``approve`` (breaker), shown with the plan
+    dedup_key: str = ""  # alert fingerprint or PagerDuty incident id, for the record
+
+
+@dataclass(frozen=True)
+class RunTicket:
+    """``submit``'s answer: the journal run id and its state (normally ``pending``)."""
+
+    run_id: str
+    state: str = "pending"
+
+
+@dataclass(frozen=True)
+class RunOutcome:
+    """``execute``'s answer: ``waiting-approval`` (with the digest) or a final run state."""
+
+    run_id: str
+    state: str  # waiting-approval | succeeded | failed | blocked | cancelled | interrupted
+    plan_digest: str | None = None
+    exit_code: int | None = None
+    reason: str = ""  # one line: why it ended so (blocked precondition, failed step, lock holder)
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class RunStarter(Protocol):
+    """The run machinery as ``runbook serve`` sees it. All methods are called from threads."""
+
+    def trigger_index(self) -> Sequence[TriggerSpec]:
+        """Every trigger of every runbook the server may start (read at server start)."""
+        ...
+
+    def submit(self, request: RunRequest) -> RunTicket:
+        """Validate and record a new run (state ``pending``) and return at once. UsageError if invalid."""
+        ...
+
+    def execute(self, run_id: str) -> RunOutcome:
+        """Plan and, unless it must wait for approval, run. Blocking; called in a worker thread."""
+        ...
+
+    def approve(self, run_id: str, plan_digest: str, approved_by: str) -> Mapping[str, Any]:
+        """Record an approval of exactly ``plan_digest``; the run's summary. StalePlan / UsageError."""
+        ...
+
+    def runs(self, limit: int = 100) -> Sequence[Mapping[str, Any]]:
+        """Newest first, ``RunRecord.summary()`` dicts."""
+        ...
+
+    def run(self, run_id: str) -> Mapping[str, Any]:
+        """One run's summary (``UsageError`` if unknown); may add ``plan``, ``warnings``, ``events``."""
+        ...
+
+    def recover(self) -> Sequence[str]:
+        """At server start: claim the runs a previous server process left (pending, waiting for
+        approval, approved but not executed) and return the ids that should be queued for ``execute``
+        (pending ones and approved ones). Waiting, unapproved runs are claimed and keep waiting."""
+        ...

@@ -1,0 +1,280 @@
+"""Fakes for testing ``runbook serve`` without the run machinery or a cluster.
+
+``FakeRunStarter`` keeps runs in memory and behaves as the ``RunStarter`` contract says (states,
+digests, ``StalePlan`` / ``UsageError``); ``StaticClusterView`` serves a fixed list of nodes and kured
+locks; ``FakeKube`` is the slice of ``KubeAPI`` that ``KubeClusterView`` reads. Nothing here does
+I/O. Not imported by the server itself.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from types import MappingProxyType
+from typing import Any
+
+from engine.errors import StalePlan, UsageError
+from engine.facts import Condition, NodeFacts
+from engine.model import Trigger
+from engine.params import is_node_name
+from engine.serve.cluster import ClusterSnapshot, ClusterUnavailable, snapshot_from
+from engine.serve.config import ExclusionConfig
+from engine.serve.starter import RunOutcome, RunRequest, RunTicket, TriggerSpec
+
+DIGEST = "a" * 64
+
+
+def make_node(name: str, *, ready: bool = True, gpus: int = 1, labels: Mapping[str, str] | None = None) -> NodeFacts:
+    """A node as the API shows it: Ready True/Unknown, ``nvidia.com/gpu.count`` = ``gpus``."""
+    all_labels = {"kubernetes.io/hostname": name, **({"nvidia.com/gpu.count": str(gpus)} if gpus else {}),
+                  **dict(labels or {})}
+    cond = Condition("Ready", "True" if ready else "Unknown",
+                     "KubeletReady" if ready else "NodeStatusUnknown")
+    return NodeFacts(name=name, labels=MappingProxyType(all_labels), conditions=(cond,))
+
+
+def trigger_spec(runbook: str = "gpu-node-recovery", *, mode: str = "approve",
+                 alert: str | tuple[str, ...] = ("KubeNodeNotReady", "KubeNodeUnreachable"),
+                 matchers: tuple[str, ...] = (), params: Mapping[str, str] | None = None,
+                 pagerduty: Mapping[str, Any] | None = None) -> TriggerSpec:
+    trig = Trigger.model_validate({
+        "alert": alert, "matchers": matchers, "mode": mode,
+        "params": dict(params if params is not None else {"node": "{{ labels.node }}"}),
+        **({"pagerduty": dict(pagerduty)} if pagerduty else {})})
+    return TriggerSpec(runbook=runbook, trigger=trig, node_param="node")
+
+
+class FakeRunStarter:
+    """In-memory runs. ``outcome(run)`` decides how an executed run ends (default: succeeded)."""
+
+    def __init__(self, triggers: Sequence[TriggerSpec] = (), *,
+                 outcome: Callable[[Mapping[str, Any]], str] | None = None,
+                 execute_delay: float = 0.0, submit_delay: float = 0.0, recover_ids: Iterable[str] = (),
+                 preload: Iterable[Mapping[str, Any]] = ()) -> None:
+        self.triggers = list(triggers)
+        self.outcome = outcome or (lambda run: "succeeded")
+        self.execute_delay = execute_delay
+        self.submit_delay = submit_delay
+        self.requests: list[RunRequest] = []
+        self.executed: list[str] = []
+        self._runs: dict[str, dict[str, Any]] = {dict(r)["id"]: dict(r) for r in preload}
+        self._recover = list(recover_ids)
+        self._ids = itertools.count(1)
+        self._cond = threading.Condition()
+
+    # -- RunStarter ---------------------------------------------------------------------------------
+
+    def trigger_index(self) -> Sequence[TriggerSpec]:
+        return list(self.triggers)
+
+    def submit(self, request: RunRequest) -> RunTicket:
+        if self.submit_delay:
+            time.sleep(self.submit_delay)
+        known = {t.runbook for t in self.triggers}
+        if known and request.runbook not in known:
+            raise UsageError(f"unknown runbook {request.runbook!r}")
+        node = request.params.get("node")
+        if not isinstance(node, str) or not is_node_name(node):
+            raise UsageError(f"param node: {node!r} is not a valid node name")
+        with self._cond:
+            run_id = f"r-fake-{next(self._ids):04d}"
+            self.requests.append(request)
+            self._runs[run_id] = {
+                "id": run_id, "runbook": request.runbook, "params": dict(request.params),
+                "nodes": [node], "state": "pending", "source": request.source, "plan_digest": None,
+                "approval_required": request.mode == "approve", "approved_by": None,
+                "warnings": list(request.warnings), "reason": request.reason,
+                "started": time.strftime("%Y-%m-%dT%H:%M:%S.000Z", time.gmtime()), "finished": None,
+                "exit_code": None}
+            self._cond.notify_all()
+        return RunTicket(run_id, "pending")
+
+    def execute(self, run_id: str) -> RunOutcome:
+        if self.execute_delay:
+            time.sleep(self.execute_delay)
+        with self._cond:
+            run = self._runs[run_id]
+            self.executed.append(run_id)
+            if run["state"] in ("succeeded", "failed", "blocked", "cancelled"):
+                return RunOutcome(run_id, run["state"], run["plan_digest"], run["exit_code"])
+            if run["approval_required"] and not run["approved_by"]:
+                run["state"], run["plan_digest"] = "waiting-approval", DIGEST
+                self._cond.notify_all()
+                return RunOutcome(run_id, "waiting-approval", DIGEST)
+        state = self.outcome(run)
+        with self._cond:
+            run["state"] = state
+            run["exit_code"] = {"succeeded": 0, "failed": 1, "blocked": 3}.get(state, 1)
+            run["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S.000Z", time.gmtime())
+            self._cond.notify_all()
+        return RunOutcome(run_id, state, run["plan_digest"], run["exit_code"],
+                          reason=f"fake run {state}")
+
+    def approve(self, run_id: str, plan_digest: str, approved_by: str) -> Mapping[str, Any]:
+        with self._cond:
+            run = self._runs.get(run_id)
+            if run is None:
+                raise UsageError(f"unknown run id {run_id!r}")
+            if run["plan_digest"] is None or plan_digest != run["plan_digest"]:
+                raise StalePlan(f"run {run_id}: approval names plan {plan_digest!r}, but the run's plan is "
+                                f"{run['plan_digest']!r}")
+            if run["state"] != "waiting-approval":
+                raise StalePlan(f"run {run_id} is {run['state']}, not waiting for approval")
+            run["approved_by"] = approved_by
+            return dict(run)
+
+    def runs(self, limit: int = 100) -> Sequence[Mapping[str, Any]]:
+        with self._cond:
+            return [dict(r) for r in reversed(list(self._runs.values()))][:limit]
+
+    def run(self, run_id: str) -> Mapping[str, Any]:
+        with self._cond:
+            if run_id not in self._runs:
+                raise UsageError(f"unknown run id {run_id!r}")
+            return dict(self._runs[run_id])
+
+    def recover(self) -> Sequence[str]:
+        return list(self._recover)
+
+    # -- test helpers ---------------------------------------------------------------------------------
+
+    def wait_until(self, predicate: Callable[[FakeRunStarter], bool], timeout: float = 5.0) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: predicate(self), timeout)
+
+    def set_state(self, run_id: str, state: str) -> None:
+        with self._cond:
+            self._runs[run_id]["state"] = state
+            self._cond.notify_all()
+
+
+class StaticClusterView:
+    """A ``ClusterView`` over a fixed (mutable) list of nodes; ``fail`` makes it unreadable."""
+
+    def __init__(self, nodes: Iterable[NodeFacts] = (), *, kured: Mapping[str, str] | None = None,
+                 exclusions: ExclusionConfig | None = None) -> None:
+        self.nodes = list(nodes)
+        self.kured = dict(kured or {})
+        self.exclusions = exclusions or ExclusionConfig()
+        self.fail: str | None = None
+        self.reads = 0
+
+    def snapshot(self) -> ClusterSnapshot:
+        self.reads += 1
+        if self.fail:
+            raise ClusterUnavailable(self.fail)
+        return snapshot_from(self.nodes, self.exclusions, self.kured, time.time())
+
+
+class FakeKube:
+    """``list_nodes`` and ``list_objects`` of ``KubeAPI``, from memory; ``error`` makes them raise."""
+
+    def __init__(self, nodes: Iterable[NodeFacts] = (), daemonsets: Iterable[Mapping[str, Any]] = ()) -> None:
+        self.nodes = list(nodes)
+        self.daemonsets = list(daemonsets)
+        self.error: Exception | None = None
+        self.calls = 0
+
+    def list_nodes(self, label_selector: str | None = None) -> list[NodeFacts]:
+        self.calls += 1
+        if self.error is not None:
+            raise self.error
+        return list(self.nodes)
+
+    def list_objects(self, api_version: str, kind_plural: str, *, namespace: str | None = None,
+                     label_selector: str | None = None) -> list[Mapping[str, Any]]:
+        if self.error is not None:
+            raise self.error
+        if (api_version, kind_plural) != ("apps/v1", "daemonsets"):
+            return []
+        return [d for d in self.daemonsets
+                if namespace is None or (d.get("metadata") or {}).get("namespace") == namespace]
+
+
+def alert(node: str, *, alertname: str = "KubeNodeNotReady", status: str = "firing",
+          fingerprint: str | None = None, **labels: str) -> dict[str, Any]:
+    """One alert of an Alertmanager v4 webhook, as Alertmanager 0.25 sends it."""
+    return {
+        "status": status,
+        "labels": {"alertname": alertname, "node": node, "condition": "Ready", "status": "true",
+                   "severity": "warning", **labels},
+        "annotations": {"summary": f"{node} has been unready for more than 15 minutes."},
+        "startsAt": "2026-07-10T15:39:51.000Z",
+        "endsAt": "0001-01-01T00:00:00Z" if status == "firing" else "2026-07-10T16:39:51.000Z",
+        "generatorURL": "http://prometheus.example/graph?g0.expr=kube_node_status_condition",
+        "fingerprint": fingerprint if fingerprint is not None else f"fp-{alertname}-{node}",
+    }
+
+
+def webhook(*alerts: Mapping[str, Any], status: str | None = None) -> dict[str, Any]:
+    """An Alertmanager v4 webhook body around ``alerts``."""
+    firing = any(a.get("status") == "firing" for a in alerts)
+    return {
+        "receiver": "runbook", "status": status or ("firing" if firing else "resolved"),
+        "alerts": list(alerts), "groupLabels": {"alertname": "KubeNodeNotReady"},
+        "commonLabels": {"alertname": "KubeNodeNotReady"}, "commonAnnotations": {},
+        "externalURL": "http://alertmanager.example", "version": "4",
+        "groupKey": '{}:{alertname="KubeNodeNotReady"}', "truncatedAlerts": 0,
+    }
+
+
+TOKEN = "t0k3n-for-tests"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+INCIDENT_NODES = tuple(make_node(f"omen{i}") for i in range(1, 9))
+
+
+class Served:
+    """A served app (Starlette TestClient, lifespan run) with its fakes and captured notifications."""
+
+    def __init__(self, client: Any, starter: FakeRunStarter, cluster: StaticClusterView,
+                 sent: list[dict[str, Any]]) -> None:
+        self.client, self.starter, self.cluster, self.sent = client, starter, cluster, sent
+
+    @property
+    def dispatcher(self) -> Any:
+        return self.client.app.state.dispatcher
+
+    def post_alerts(self, *alerts: Mapping[str, Any], headers: Mapping[str, str] | None = None) -> Any:
+        return self.client.post("/hooks/alertmanager", json=webhook(*alerts),
+                                headers=dict(AUTH if headers is None else headers))
+
+    def idle(self, timeout: float = 5.0) -> None:
+        """Wait until every queued run was executed and every notification attempted."""
+        assert self.dispatcher.worker.wait_idle(timeout), "runs still executing"
+        assert self.dispatcher.notifier.flush(timeout), "notifications still queued"
+
+    def events(self) -> list[str]:
+        return [m["runbook_event"]["event"] for m in self.sent]
+
+
+@contextmanager
+def served(mode: str = "auto", *, token: str | None = TOKEN, nodes: Iterable[NodeFacts] | None = None,
+           starter: FakeRunStarter | None = None, env: Mapping[str, str] | None = None,
+           **cfg: Any) -> Iterator[Served]:
+    """The app over fakes: trigger KubeNodeNotReady/Unreachable on ``node=~"omen.*"`` in ``mode``;
+    eight healthy nodes omen1..omen8 unless ``nodes``; ``cfg`` overrides the configuration."""
+    import httpx
+    from starlette.testclient import TestClient
+
+    from engine.serve.app import create_app
+    from engine.serve.config import load_config
+    from engine.serve.notify import Notifier
+
+    sent: list[dict[str, Any]] = []
+
+    def receive(request: httpx.Request) -> httpx.Response:
+        sent.append(json.loads(request.content))
+        return httpx.Response(200)
+
+    environ = {**({"RUNBOOK_WEBHOOK_TOKEN": token} if token else {}), **dict(env or {})}
+    config = load_config(None, env=environ, overrides=cfg)
+    starter = starter or FakeRunStarter([trigger_spec(mode=mode, matchers=('node=~"omen.*"',))])
+    cluster = StaticClusterView(INCIDENT_NODES if nodes is None else nodes)
+    notifier = Notifier("http://127.0.0.1:9/notify", transport=httpx.MockTransport(receive))
+    app = create_app(config, starter, cluster=cluster, notifier=notifier, sweep_interval=0)
+    with TestClient(app) as client:
+        yield Served(client, starter, cluster, sent)

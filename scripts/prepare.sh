@@ -1,0 +1,52 @@
+#!/bin/bash
+# Install everything the project, its lab and its tests need on a Debian/Ubuntu machine, as root:
+# apt packages (only when one is missing), the project with its dev and kubectl extras (pip; a
+# ./.venv when the system Python is "externally managed"), kubectl, and the control-plane binaries
+# (built once, ~6 min, cached in ~/.cache/runbook). Safe to run again: it reuses what is there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+say() { printf '[prepare] %s\n' "$*"; }
+
+[ "$(uname -s)" = Linux ] || { say "needs Linux"; exit 2; }
+[ "$(id -u)" = 0 ] || { say "needs root (apt, mount namespaces for the node hosts)"; exit 2; }
+command -v apt-get >/dev/null || { say "needs apt (Debian or Ubuntu)"; exit 2; }
+
+PACKAGES="openssh-server openssh-client sudo rsync curl openssl ca-certificates prometheus-alertmanager
+  python3 make util-linux debian-archive-keyring"
+. scripts/env.sh
+[ -n "$PY" ] || PACKAGES="$PACKAGES python3-venv python3-pip"
+missing=$(for p in $PACKAGES; do
+  dpkg-query -W -f='${Status}\n' "$p" 2>/dev/null | grep -q "ok installed" || echo "$p"; done)
+if [ -n "$missing" ]; then
+  say "apt: installing $(echo $missing)"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -q
+  apt-get install -y -q --no-install-recommends $missing
+else
+  say "apt: all packages present"
+fi
+
+if [ -z "$PY" ]; then
+  for candidate in python3 python3.13 python3.12 python3.11; do
+    path=$(command -v "$candidate") || continue
+    if rb_python_fits "$path" allow-managed; then base=$path; break; fi
+  done
+  [ -n "${base:-}" ] || { say "needs Python >= 3.11 (apt-get install python3.11 or newer)"; exit 2; }
+  say "creating .venv with $base (the system Python is externally managed)"
+  "$base" -m venv .venv
+  PY=.venv/bin/python
+fi
+rb_use_python "$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")"
+say "python: $PY ($("$PY" --version))"
+
+say "pip: installing the project with its dev and kubectl extras"
+"$PY" -m pip install -q --disable-pip-version-check -e '.[dev,kubectl]'
+
+if command -v kubectl >/dev/null; then
+  say "kubectl: $(command -v kubectl)"
+else
+  say "kubectl: not found after pip; installing Debian's kubernetes-client"
+  apt-get install -y -q --no-install-recommends kubernetes-client
+fi
+
+bash scripts/build-control-plane.sh

@@ -1,0 +1,458 @@
+"""Our own fake connectors for unit tests: in-memory Kubernetes and node hosts on a fake clock.
+
+* ``FakeClock``: ``now()`` (monotonic), ``wall()`` (epoch), ``sleep(dt)`` advances time and fires
+  scheduled changes (``clock.at(t, fn)``) — unit tests never really sleep.
+* ``FakeKube`` (``KubeAPI``): nodes as ``NodeFacts``; ``patch_node`` applies merge and JSON patches
+  (honouring ``test`` ops) and records every call; ``wait_for_node`` evaluates the predicate on the
+  current state and, until the deadline, on every scheduled change (a watch on fake time).
+* ``FakeNodes`` (``NodeAutomation``): scripted ``HostFacts`` per host; ``run_playbook`` records the
+  run, applies a scripted effect (a function of the facts) and returns fresh facts like
+  ``tasks/facts.yml`` does.
+
+Failures are scripted with ``fail`` mappings (method name -> exception or list of exceptions).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from engine.connectors.base import LeaseRecord, PlaybookResult, PodRef, TaskEvent
+from engine.errors import Conflict, HostError, KubeError, NotFound
+from engine.facts import (
+    Condition,
+    CudaProcess,
+    GpuDevice,
+    HostFacts,
+    NodeFacts,
+    ServiceFacts,
+    SwapDevice,
+    Taint,
+)
+
+
+class FakeClock:
+    def __init__(self, start: float = 1000.0) -> None:
+        self.t = start
+        self._scheduled: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = 0
+        self.sleeps: list[float] = []
+
+    def now(self) -> float:
+        return self.t
+
+    __call__ = now
+
+    def wall(self) -> float:
+        return 1_700_000_000.0 + self.t
+
+    def at(self, t: float, fn: Callable[[], None]) -> None:
+        """Run ``fn`` when fake time reaches ``t`` (absolute)."""
+        self._seq += 1
+        self._scheduled.append((t, self._seq, fn))
+        self._scheduled.sort(key=lambda x: (x[0], x[1]))
+        self._fire()
+
+    def after(self, dt: float, fn: Callable[[], None]) -> None:
+        self.at(self.t + dt, fn)
+
+    def next_event(self) -> float | None:
+        return self._scheduled[0][0] if self._scheduled else None
+
+    def advance_to(self, t: float) -> None:
+        self.t = max(self.t, t)
+        self._fire()
+
+    def sleep(self, dt: float) -> None:
+        self.sleeps.append(dt)
+        self.advance_to(self.t + max(0.0, dt))
+
+    def _fire(self) -> None:
+        while self._scheduled and self._scheduled[0][0] <= self.t:
+            _, _, fn = self._scheduled.pop(0)
+            fn()
+
+
+def _raise_scripted(fail: dict[str, Any], method: str) -> None:
+    item = fail.get(method)
+    if item is None:
+        return
+    if isinstance(item, list):
+        if not item:
+            return
+        exc = item.pop(0)
+        if exc is None:
+            return
+        raise exc
+    raise item
+
+
+# ------------------------------------------------------------------------------------------------
+# Kubernetes
+# ------------------------------------------------------------------------------------------------
+
+
+def make_node(name: str = "omen2", *, ready: bool = True, labels: Mapping[str, str] | None = None,
+              taints: Sequence[Taint] = (), allocatable: Mapping[str, str] | None = None,
+              unschedulable: bool = False) -> NodeFacts:
+    return NodeFacts(
+        name=name,
+        labels=MappingProxyType(dict(labels or {})),
+        conditions=(Condition("Ready", "True" if ready else "False",
+                              reason="KubeletReady" if ready else "KubeletNotReady"),),
+        taints=tuple(taints),
+        allocatable=MappingProxyType(dict(allocatable or {"cpu": "16", "memory": "64Gi"})),
+        capacity=MappingProxyType(dict(allocatable or {"cpu": "16", "memory": "64Gi"})),
+        unschedulable=unschedulable,
+        resource_version="1",
+    )
+
+
+class FakeKube:
+    def __init__(self, nodes: Sequence[NodeFacts] = (), *, clock: FakeClock | None = None) -> None:
+        self.clock = clock or FakeClock()
+        self.nodes: dict[str, NodeFacts] = {n.name: n for n in nodes}
+        self.objects: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
+        self.pods: list[PodRef] = []
+        self.calls: list[tuple[str, Any]] = []
+        self.patches: list[tuple[str, Any, str]] = []
+        self.evicted: list[PodRef] = []
+        self.deleted: list[PodRef] = []
+        self.leases: dict[tuple[str, str], LeaseRecord] = {}
+        self.fail: dict[str, Any] = {}
+        self.on_patch: Callable[[str, Any], None] | None = None  # e.g. an operator that reverts a label
+        self._lock = threading.Lock()
+
+    # -- state helpers for tests --
+    def set_node(self, node: NodeFacts) -> None:
+        self.nodes[node.name] = node
+
+    def set_ready(self, name: str, ready: bool) -> None:
+        n = self.nodes[name]
+        others = tuple(c for c in n.conditions if c.type != "Ready")
+        ready_condition = Condition("Ready", "True" if ready else "False")
+        self.nodes[name] = self._bump(replace(n, conditions=(*others, ready_condition)))
+
+    def set_label(self, name: str, key: str, value: str | None) -> None:
+        n = self.nodes[name]
+        labels = dict(n.labels)
+        if value is None:
+            labels.pop(key, None)
+        else:
+            labels[key] = value
+        self.nodes[name] = self._bump(n.with_labels(labels))
+
+    def set_allocatable(self, name: str, resource: str, value: str) -> None:
+        n = self.nodes[name]
+        alloc = dict(n.allocatable)
+        alloc[resource] = value
+        self.nodes[name] = self._bump(replace(n, allocatable=MappingProxyType(alloc)))
+
+    @staticmethod
+    def _bump(n: NodeFacts) -> NodeFacts:
+        rv = str(int(n.resource_version or "0") + 1)
+        return replace(n, resource_version=rv)
+
+    # -- KubeAPI --
+    def read_node(self, name: str) -> NodeFacts | None:
+        self.calls.append(("read_node", name))
+        _raise_scripted(self.fail, "read_node")
+        return self.nodes.get(name)
+
+    def list_nodes(self, label_selector: str | None = None) -> list[NodeFacts]:
+        self.calls.append(("list_nodes", label_selector))
+        _raise_scripted(self.fail, "list_nodes")
+        nodes = list(self.nodes.values())
+        if label_selector:
+            wanted = dict(part.split("=", 1) for part in label_selector.split(",") if "=" in part)
+            nodes = [n for n in nodes if all(n.labels.get(k) == v for k, v in wanted.items())]
+        return nodes
+
+    def patch_node(self, name: str, patch: Any, *, patch_type: str = "merge", dry_run: bool = False) -> NodeFacts:
+        self.calls.append(("patch_node", (name, copy.deepcopy(patch), patch_type, dry_run)))
+        _raise_scripted(self.fail, "patch_node")
+        with self._lock:
+            node = self.nodes.get(name)
+            if node is None:
+                raise NotFound(f"node {name} not found", status=404)
+            new = self._apply(node, patch, patch_type)
+            if not dry_run:
+                self.patches.append((name, copy.deepcopy(patch), patch_type))
+                self.nodes[name] = new
+        if self.on_patch is not None and not dry_run:
+            self.on_patch(name, patch)
+        return self.nodes.get(name, new)
+
+    def _apply(self, node: NodeFacts, patch: Any, patch_type: str) -> NodeFacts:
+        if patch_type == "json":
+            taints = list(node.taints)
+            for op in patch:
+                if op["op"] == "test":
+                    if op["path"] == "/metadata/resourceVersion" and op["value"] != node.resource_version:
+                        raise KubeError("the server rejected our request: test operation failed", status=422)
+                    if op["path"] == "/spec/taints":
+                        current = [dataclasses.asdict(t) for t in node.taints]
+                        wanted = [{"key": t["key"], "effect": t["effect"], "value": t.get("value", "")}
+                                  for t in op["value"]]
+                        if current != wanted:
+                            raise KubeError("test operation failed", status=422)
+                elif op["path"] == "/spec/taints" and op["op"] in ("add", "replace"):
+                    taints = [Taint(t["key"], t["effect"], t.get("value", "")) for t in op["value"]]
+                elif op["path"] == "/spec/taints" and op["op"] == "remove":
+                    taints = []
+                else:
+                    raise KubeError(f"fake: unsupported json patch op {op}", status=422)
+            return self._bump(replace(node, taints=tuple(taints)))
+        md = patch.get("metadata") or {}
+        labels = dict(node.labels)
+        annotations = dict(node.annotations)
+        for target, section in ((labels, "labels"), (annotations, "annotations")):
+            for k, v in (md.get(section) or {}).items():
+                if v is None:
+                    target.pop(k, None)
+                else:
+                    target[k] = str(v)
+        spec = patch.get("spec") or {}
+        unschedulable = bool(spec["unschedulable"]) if "unschedulable" in spec else node.unschedulable
+        return self._bump(replace(node, labels=MappingProxyType(labels), annotations=MappingProxyType(annotations),
+                                  unschedulable=unschedulable))
+
+    def list_pods(self, *, node: str | None = None, label_selector: str | None = None,
+                  namespace: str | None = None) -> list[PodRef]:
+        self.calls.append(("list_pods", (node, label_selector, namespace)))
+        _raise_scripted(self.fail, "list_pods")
+        pods = [p for p in self.pods
+                if (node is None or p.node == node) and (namespace is None or p.namespace == namespace)]
+        if label_selector:
+            wanted = dict(part.split("=", 1) for part in label_selector.split(",") if "=" in part)
+            pods = [p for p in pods if all(p.labels.get(k) == v for k, v in wanted.items())]
+        return pods
+
+    def evict_pod(self, pod: PodRef, *, dry_run: bool = False) -> None:
+        self.calls.append(("evict_pod", pod))
+        _raise_scripted(self.fail, "evict_pod")
+        if not dry_run:
+            self.evicted.append(pod)
+            self.pods.remove(pod)
+
+    def delete_pod(self, pod: PodRef, *, dry_run: bool = False, grace_seconds: int | None = None) -> None:
+        self.calls.append(("delete_pod", pod))
+        _raise_scripted(self.fail, "delete_pod")
+        if not dry_run:
+            self.deleted.append(pod)
+            self.pods.remove(pod)
+
+    def list_objects(self, api_version: str, kind_plural: str, *, namespace: str | None = None,
+                     label_selector: str | None = None) -> list[Mapping[str, Any]]:
+        self.calls.append(("list_objects", (api_version, kind_plural, namespace, label_selector)))
+        _raise_scripted(self.fail, "list_objects")
+        objs = self.objects.get((api_version, kind_plural), [])
+        if namespace:
+            objs = [o for o in objs if (o.get("metadata") or {}).get("namespace") == namespace]
+        return copy.deepcopy(objs)
+
+    def wait_for_node(self, name: str, predicate: Callable[[NodeFacts | None], bool],
+                      timeout: float) -> tuple[bool, NodeFacts | None]:
+        self.calls.append(("wait_for_node", (name, timeout)))
+        _raise_scripted(self.fail, "wait_for_node")
+        deadline = self.clock.now() + timeout
+        while True:
+            node = self.nodes.get(name)
+            if predicate(node):
+                return True, node
+            nxt = self.clock.next_event()
+            if nxt is None or nxt > deadline:
+                self.clock.advance_to(deadline)
+                return False, self.nodes.get(name)
+            self.clock.advance_to(nxt)
+
+    # -- leases --
+    def read_lease(self, namespace: str, name: str) -> LeaseRecord | None:
+        return self.leases.get((namespace, name))
+
+    def create_lease(self, namespace: str, name: str, holder: str, duration_seconds: int) -> LeaseRecord:
+        if (namespace, name) in self.leases:
+            raise Conflict("lease exists", status=409)
+        rec = LeaseRecord(namespace, name, holder, duration_seconds, self.clock.wall(), self.clock.wall(), "1")
+        self.leases[(namespace, name)] = rec
+        return rec
+
+    def update_lease(self, lease: LeaseRecord, holder: str, duration_seconds: int, *, acquire: bool) -> LeaseRecord:
+        cur = self.leases.get((lease.namespace, lease.name))
+        if cur is None or cur.resource_version != lease.resource_version:
+            raise Conflict("stale lease", status=409)
+        rec = replace(cur, holder=holder, duration_seconds=duration_seconds,
+                      acquire_time=self.clock.wall() if acquire else cur.acquire_time, renew_time=self.clock.wall(),
+                      resource_version=str(int(cur.resource_version) + 1))
+        self.leases[(lease.namespace, lease.name)] = rec
+        return rec
+
+    def delete_lease(self, lease: LeaseRecord) -> None:
+        self.leases.pop((lease.namespace, lease.name), None)
+
+
+# ------------------------------------------------------------------------------------------------
+# Node hosts
+# ------------------------------------------------------------------------------------------------
+
+
+def make_host(name: str = "omen2", *, swap: bool = False, fstab_swap: bool = False, kubelet: str = "active",
+              journal: str = "", driver: str = "nvidia", cuda: int = 0) -> HostFacts:
+    return HostFacts(
+        host=name,
+        swap_devices=(SwapDevice("/swapfile", "file", 32 << 30),) if swap else (),
+        fstab_active_swap=("/swapfile none swap sw 0 0",) if fstab_swap else (),
+        services={"kubelet": ServiceFacts("kubelet", kubelet, journal_tail=journal)},
+        gpus=(GpuDevice("01:00.0", "10de:2b85", "NVIDIA GB202 [GeForce RTX 5090]", driver),),
+        cuda_processes=tuple(CudaProcess(1000 + i, "python") for i in range(cuda)),
+    )
+
+
+PlaybookEffect = Callable[["FakeNodes", str, Mapping[str, Any]], PlaybookResult | None]
+
+
+class FakeNodes:
+    def __init__(self, hosts: Mapping[str, HostFacts | Exception] | None = None, *,
+                 clock: FakeClock | None = None, inventory: Mapping[str, str] | None = None) -> None:
+        self.clock = clock or FakeClock()
+        self.hosts: dict[str, HostFacts | Exception] = dict(hosts or {})
+        self.inventory = dict(inventory or {})  # node -> inventory host (default: same name)
+        self.effects: dict[str, PlaybookEffect] = {}  # playbook file name -> effect
+        self.runs: list[dict[str, Any]] = []
+        self.gathers: list[tuple[list[str], list[str]]] = []
+        self.files: dict[str, dict[str, str]] = {}  # host -> path -> content
+        self.fail: dict[str, Any] = {}
+        self.closed = False
+
+    def inventory_host(self, node: str) -> str:
+        if node not in self.hosts and node not in self.inventory:
+            raise HostError(f"node {node} is not in the inventory", host=node)
+        return self.inventory.get(node, node)
+
+    def set_facts(self, node: str, facts: HostFacts | Exception) -> None:
+        self.hosts[node] = facts
+
+    def update(self, node: str, **changes: Any) -> None:
+        h = self.hosts[node]
+        assert isinstance(h, HostFacts)
+        self.hosts[node] = replace(h, **changes)
+
+    def _facts(self, node: str, files: Sequence[str]) -> HostFacts | Exception:
+        h = self.hosts.get(node)
+        if h is None:
+            return HostError(f"{node}: unreachable", host=node, unreachable=True)
+        if isinstance(h, Exception):
+            return h
+        if files:
+            from engine.facts import FileFacts
+
+            have = self.files.get(node, {})
+            found = {p: FileFacts(p, p in have, have.get(p, "")) for p in files}
+            h = replace(h, files=found)
+        return h
+
+    def gather_facts(self, nodes: Sequence[str], files: Sequence[str] = ()) -> Mapping[str, HostFacts | Exception]:
+        self.gathers.append((list(nodes), list(files)))
+        _raise_scripted(self.fail, "gather_facts")
+        return {n: self._facts(n, files) for n in nodes}
+
+    def run_playbook(self, playbook: Path, nodes: Sequence[str], *, extravars: Mapping[str, Any] | None = None,
+                     become: bool = True, timeout: float = 300, check: bool = False,
+                     on_event: Callable[[TaskEvent], None] | None = None) -> PlaybookResult:
+        evars = dict(extravars or {})
+        self.runs.append({"playbook": Path(playbook).name, "path": Path(playbook), "nodes": list(nodes),
+                          "extravars": evars, "become": become, "timeout": timeout, "check": check})
+        _raise_scripted(self.fail, "run_playbook")
+        effect = self.effects.get(Path(playbook).name)
+        result: PlaybookResult | None = None
+        for n in nodes:
+            if on_event:
+                on_event({"host": n, "task": f"{Path(playbook).stem}", "status": "changed", "msg": ""})
+            if effect is not None and not check:
+                result = effect(self, n, evars) or result
+        if result is not None:
+            return result
+        files = list(evars.get("runbook_files") or [])
+        facts = {n: f for n in nodes if isinstance(f := self._facts(n, files), HostFacts)}
+        unreachable = {n: str(f) for n in nodes if isinstance(f := self._facts(n, files), Exception)}
+        return PlaybookResult(status="successful" if not unreachable else "failed", rc=0 if not unreachable else 4,
+                              changed=dict.fromkeys(facts, not check), unreachable_hosts=unreachable,
+                              host_facts=facts)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class RecordingSink:
+    """An EventSink keeping every event; ``fail_on`` makes emit raise for one kind (journal failure)."""
+
+    def __init__(self, fail_on: str | None = None) -> None:
+        self.events: list[tuple[str, dict[str, Any]]] = []
+        self.fail_on = fail_on
+
+    def emit(self, kind: str, **data: Any) -> None:
+        if kind == self.fail_on:
+            raise OSError(f"journal unavailable (while recording {kind})")
+        self.events.append((kind, data))
+
+    def kinds(self, step: str | None = None) -> list[str]:
+        return [k for k, d in self.events if step is None or d.get("step") == step]
+
+    def of(self, kind: str) -> list[dict[str, Any]]:
+        return [d for k, d in self.events if k == kind]
+
+
+# ------------------------------------------------------------------------------------------------
+# The omen2 incident, as facts and as scripted host behaviour
+# ------------------------------------------------------------------------------------------------
+
+GPU_LABEL = "nvidia.com/gpu.workload.config"
+SWAP_REFUSAL = ('E0710 15:39:51 run.go:72] "command failed" err="failed to run Kubelet: running with swap on is '
+                'not supported, please disable swap or set --fail-swap-on flag to false"')
+
+
+def incident_node(name: str = "omen2") -> NodeFacts:
+    return make_node(name, ready=False, labels={GPU_LABEL: "vm-passthrough"},
+                     allocatable={"cpu": "16", "memory": "64Gi", "nvidia.com/gpu": "0"})
+
+
+def incident_host(name: str = "omen2") -> HostFacts:
+    return make_host(name, swap=True, fstab_swap=True, kubelet="activating", journal=SWAP_REFUSAL)
+
+
+def healthy_node(name: str = "omen2") -> NodeFacts:
+    return make_node(name, ready=True, labels={GPU_LABEL: "container"},
+                     allocatable={"cpu": "16", "memory": "64Gi", "nvidia.com/gpu": "1"})
+
+
+def healthy_host(name: str = "omen2") -> HostFacts:
+    return make_host(name, kubelet="active")
+
+
+def install_recovery_effects(kube: FakeKube, nodes: FakeNodes, *, ready_after: float | None = 20.0,
+                             gpu_after: float | None = 40.0) -> None:
+    """swap-off.yml turns swap off; restart-kubelet.yml starts kubelet, and (on fake time) the node
+    turns Ready ``ready_after`` s later and advertises its GPU ``gpu_after`` s later (None: never)."""
+
+    def swap_off(fn: FakeNodes, node: str, _: Mapping[str, Any]) -> None:
+        fn.update(node, swap_devices=(), fstab_active_swap=())
+
+    def restart_kubelet(fn: FakeNodes, node: str, _: Mapping[str, Any]) -> None:
+        h = fn.hosts[node]
+        assert isinstance(h, HostFacts)
+        if h.swap_active:
+            return  # kubelet refuses again
+        fn.update(node, services={"kubelet": ServiceFacts("kubelet", "active")})
+        if ready_after is not None:
+            fn.clock.after(ready_after, lambda: kube.set_ready(node, True))
+        if gpu_after is not None:
+            fn.clock.after(gpu_after, lambda: kube.set_allocatable(node, "nvidia.com/gpu", "1"))
+
+    nodes.effects["swap-off.yml"] = swap_off
+    nodes.effects["restart-kubelet.yml"] = restart_kubelet

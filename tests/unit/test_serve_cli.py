@@ -1,0 +1,117 @@
+"""``runbook serve`` command line: options, the starter hook, loopback safety, breaker-reset."""
+
+from __future__ import annotations
+
+import threading
+import time
+import types
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import uvicorn
+from click.testing import CliRunner
+
+from engine.errors import UsageError
+from engine.lab.ports import free_port
+from engine.serve.app import create_app
+from engine.serve.cli import build_app, load_run_starter, serve_command
+from engine.serve.config import ServeConfig, load_config
+from engine.serve.notify import Notifier
+from engine.serve.testing import INCIDENT_NODES, FakeRunStarter, StaticClusterView, trigger_spec
+from engine.settings import Settings
+
+
+@pytest.fixture
+def fake_engine_app(monkeypatch: pytest.MonkeyPatch) -> list[ServeConfig]:
+    """Stand in for ``engine.app.create_run_starter`` (written by the engine, not by serve)."""
+    seen: list[ServeConfig] = []
+
+    def create_run_starter(settings: Settings, config: ServeConfig) -> FakeRunStarter:
+        seen.append(config)
+        return FakeRunStarter([trigger_spec()])
+
+    module = types.ModuleType("engine.app")
+    module.create_run_starter = create_run_starter  # type: ignore[attr-defined]
+    monkeypatch.setitem(__import__("sys").modules, "engine.app", module)
+    return seen
+
+
+def test_serve_is_a_runbook_command_with_its_options() -> None:
+    from engine.cli import main
+
+    assert "serve" in main.commands
+    out = CliRunner().invoke(serve_command, ["--help"]).output
+    for option in ("--listen", "--config", "--journal", "--kubeconfig", "breaker-reset", "RUNBOOK_WEBHOOK_TOKEN"):
+        assert option in out
+
+
+def test_build_app_uses_the_engines_starter_and_keeps_breakers_beside_the_journal(
+        tmp_path: Path, fake_engine_app: list[ServeConfig], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RUNBOOK_WEBHOOK_TOKEN", raising=False)
+    settings = Settings(journal=tmp_path / "state" / "journal.sqlite")
+    app, config = build_app(settings, None, "127.0.0.1:18080")
+    assert config.listen == "127.0.0.1:18080"
+    assert config.breaker.state_file == tmp_path / "state" / "serve-breaker.json"
+    assert fake_engine_app[0].breaker.state_file == config.breaker.state_file
+    assert app.state.dispatcher.index.describe()[0]["runbook"] == "gpu-node-recovery"
+
+
+def test_listening_beyond_loopback_needs_a_token(tmp_path: Path, fake_engine_app: list[ServeConfig],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RUNBOOK_WEBHOOK_TOKEN", raising=False)
+    settings = Settings(journal=tmp_path / "j.sqlite")
+    with pytest.raises(UsageError, match="without RUNBOOK_WEBHOOK_TOKEN"):
+        build_app(settings, None, "0.0.0.0:8080")
+    assert fake_engine_app == []  # refused before anything was built
+    monkeypatch.setenv("RUNBOOK_WEBHOOK_TOKEN", "x")
+    build_app(settings, None, "0.0.0.0:8080")  # built, not listening
+
+
+def test_a_build_without_the_engines_starter_is_a_usage_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(__import__("sys").modules, "engine.app", types.ModuleType("engine.app"))
+    with pytest.raises(UsageError, match="create_run_starter"):
+        load_run_starter(Settings(), ServeConfig())
+
+
+def test_a_bad_config_file_exits_2_with_the_file_named(tmp_path: Path, fake_engine_app: list[ServeConfig]) -> None:
+    bad = tmp_path / "serve.yaml"
+    bad.write_text("breaker: {max_auto_runs: many}\n")
+    result = CliRunner().invoke(serve_command, ["--config", str(bad), "--journal", str(tmp_path / "j.sqlite")])
+    assert result.exit_code == 2
+    assert str(bad) in result.output and "breaker.max_auto_runs" in result.output
+
+
+@pytest.fixture
+def live_server() -> Iterator[tuple[str, Any]]:
+    port = free_port("127.0.0.1")
+    config = load_config(None, env={"RUNBOOK_WEBHOOK_TOKEN": "cli-token"})
+    app = create_app(config, FakeRunStarter([trigger_spec()]), cluster=StaticClusterView(INCIDENT_NODES),
+                     notifier=Notifier(None), sweep_interval=0)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    try:
+        yield f"127.0.0.1:{port}", app.state.dispatcher
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def test_breaker_reset_closes_a_node_breaker_on_the_running_server(live_server: tuple[str, Any]) -> None:
+    listen, dispatcher = live_server
+    dispatcher.guards.finished("omen2", "r-1", state="failed", automatic=True)
+    runner = CliRunner()
+    refused = runner.invoke(serve_command, ["--listen", listen, "breaker-reset", "--node", "omen2"], env={
+        "RUNBOOK_WEBHOOK_TOKEN": ""})
+    assert refused.exit_code == 1 and "401" in refused.output
+    ok = runner.invoke(serve_command, ["--listen", listen, "breaker-reset", "--node", "omen2"],
+                       env={"RUNBOOK_WEBHOOK_TOKEN": "cli-token"})
+    assert ok.exit_code == 0, ok.output
+    assert "reset: node:omen2" in ok.output
+    assert list(dispatcher.guards.open_nodes()) == []
