@@ -280,15 +280,18 @@ _BECOME_TIMEOUT = re.compile(r"waiting for privilege escalation prompt", re.I)
 
 
 def task_message(res: Mapping[str, Any]) -> str:
-    """One line for a task result: msg, else stderr, else stdout (shortened)."""
+    """One line for a task result: msg, else stderr, else stdout (shortened). For a loop, the
+    first failed item's message (Ansible's own is only "One or more items failed")."""
+    if isinstance(res.get("results"), list):
+        for item in res["results"]:
+            if isinstance(item, Mapping) and item.get("failed"):
+                text = task_message(item)
+                label = item.get("item")
+                return f"{label}: {text}" if isinstance(label, str) and text else text
     for key in ("msg", "stderr", "module_stderr", "stdout", "module_stdout"):
         value = res.get(key)
         if isinstance(value, str) and value.strip():
             return " ".join(value.strip().split())[:500]
-    if isinstance(res.get("results"), list):  # a loop: the first failed item
-        for item in res["results"]:
-            if isinstance(item, Mapping) and item.get("failed"):
-                return task_message(item)
     return ""
 
 

@@ -63,7 +63,7 @@ class Lab:
 
     def record(self) -> dict[str, Any]:
         try:
-            return json.loads(self.record_path.read_text())  # type: ignore[no-any-return]
+            return dict(json.loads(self.record_path.read_text()))
         except (OSError, ValueError) as e:
             raise LabError(f"no lab in {self.dir} (run `runbook lab up`)") from e
 
@@ -285,7 +285,7 @@ class Lab:
                 return
             gpus = [d for d in sim_gpu.displays(state) if d.get("driver") == "nvidia"]
             if not gpus:
-                drivers = [d.get("driver") for d in sim_gpu.displays(state)] or ["no GPU"]
+                drivers = [str(d.get("driver")) for d in sim_gpu.displays(state)] or ["no GPU"]
                 raise LabError(f"{node}: no GPU on the nvidia driver ({', '.join(drivers)}): "
                                "a CUDA job cannot start")
             if not state.get("cuda_jobs"):
@@ -310,7 +310,7 @@ class Lab:
         try:
             sim_seed.wipe_cluster(kube, scenario)
             self._initialise_hosts(scenario, record)
-            for name, host in record["hosts"].items():
+            for host in record["hosts"].values():
                 self._write_host_file(host, "/etc/fstab", host["fstab"])
             sim_seed.seed_cluster(kube, scenario, self._addresses(record), self._host_states(record))
             self._start_simulator(record)
@@ -381,7 +381,8 @@ def _nodes_problem(kube: Kube, scenario: Scenario) -> str | None:
         api = nodes.get(node.name)
         if api is None:
             return f"node {node.name} does not exist"
-        ready = next((c for c in api.get("status", {}).get("conditions", []) if c["type"] == "Ready"), {})
+        ready: dict[str, Any] = next(
+            (c for c in api.get("status", {}).get("conditions", []) if c["type"] == "Ready"), {})
         taints = {(t["key"], t["effect"]) for t in api.get("spec", {}).get("taints", [])}
         if starts_ready(node) and ready.get("status") != "True":
             return f"node {node.name} is not Ready yet"

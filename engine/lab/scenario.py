@@ -252,7 +252,7 @@ class Timing(_Model):
 
 
 class Scenario(_Model):
-    apiVersion: Literal["runbook.lab/v1"]  # noqa: N815 (the YAML key)
+    apiVersion: Literal["runbook.lab/v1"]
     kind: Literal["Scenario"] = "Scenario"
     name: str = Field(pattern=_NAME)
     description: str = ""
@@ -291,8 +291,8 @@ def _problems(e: ValidationError, data: Any, path: str, marks: Mapping[Any, tupl
         loc: tuple[str | int, ...] = ()
         cur = data
         for part in err["loc"]:  # keep only the parts that exist in the data (drop union tags)
-            if isinstance(cur, Mapping) and part in cur or isinstance(cur, list) and isinstance(part, int):
-                cur = cur[part]
+            if (isinstance(cur, Mapping) and part in cur) or (isinstance(cur, list) and isinstance(part, int)):
+                cur = cur[part]  # type: ignore[index]
                 loc = (*loc, part)
         probe = loc
         while probe not in key_marks and probe not in marks and probe:

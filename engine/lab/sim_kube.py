@@ -102,7 +102,7 @@ class Kube:
     # -- verbs ------------------------------------------------------------------------------------
     def get(self, res: Resource, name: str, namespace: str | None = None) -> Obj | None:
         try:
-            return self.call("GET", res.path(namespace, name))  # type: ignore[no-any-return]
+            return self.call("GET", res.path(namespace, name))
         except ApiException as e:
             if e.status == 404:
                 return None
@@ -119,7 +119,7 @@ class Kube:
     def create(self, res: Resource, body: Obj, namespace: str | None = None,
                exist_ok: bool = False) -> Obj | None:
         try:
-            return self.call("POST", res.path(namespace), body)  # type: ignore[no-any-return]
+            return self.call("POST", res.path(namespace), body)
         except ApiException as e:
             if exist_ok and e.status == 409:
                 return None
@@ -128,7 +128,7 @@ class Kube:
     def patch(self, res: Resource, name: str, body: Obj, namespace: str | None = None,
               sub: str | None = None, missing_ok: bool = True) -> Obj | None:
         try:
-            return self.call("PATCH", res.path(namespace, name, sub), body,  # type: ignore[no-any-return]
+            return self.call("PATCH", res.path(namespace, name, sub), body,
                              content_type="application/merge-patch+json")
         except ApiException as e:
             if missing_ok and e.status == 404:
@@ -138,7 +138,7 @@ class Kube:
     def delete(self, res: Resource, name: str, namespace: str | None = None,
                grace: int | None = None) -> bool:
         query = [("gracePeriodSeconds", grace)] if grace is not None else []
-        body = {"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background"}
+        body: dict[str, Any] = {"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background"}
         if grace is not None:
             body["gracePeriodSeconds"] = grace
         try:
@@ -162,17 +162,14 @@ class Kube:
 
     def watch_stream(self, res: Resource, resource_version: str, timeout_seconds: int) -> Iterable[Obj]:
         """Watch events (``{"type", "object"}`` dicts) from ``resource_version`` for up to ``timeout_seconds``."""
+        func: Callable[..., Any]
+        args: tuple[Any, ...] = ()
         if res.group:
-            api = client.CustomObjectsApi(self.api)
-            if res.namespaced:
-                func: Callable[..., Any] = api.list_cluster_custom_object
-            else:
-                func = api.list_cluster_custom_object
-            args: tuple[Any, ...] = (res.group, res.version, res.plural)
+            func = client.CustomObjectsApi(self.api).list_cluster_custom_object
+            args = (res.group, res.version, res.plural)
         else:
             core = client.CoreV1Api(self.api)
-            func = {"nodes": core.list_node, "pods": core.list_pod_for_all_namespaces}[res.plural]
-            args = ()
+            func = core.list_node if res.plural == "nodes" else core.list_pod_for_all_namespaces
         w = watch.Watch()
         return w.stream(func, *args, resource_version=resource_version, timeout_seconds=timeout_seconds,
                         allow_watch_bookmarks=True, deserialize=False,

@@ -16,8 +16,7 @@ from typing import Any
 
 from engine.lab import sim_gpu, sim_kubelet, sim_kubevirt, sim_nodes, sim_pods
 from engine.lab.scenario import Node, Scenario, starts_ready
-from engine.lab.sim_kube import (CLUSTER_POLICIES, CRDS, KUBEVIRTS, LEASES, NAMESPACES, NODES, PODS, VMIS, VMS,
-                                 Kube, Obj)
+from engine.lab.sim_kube import CLUSTER_POLICIES, CRDS, KUBEVIRTS, LEASES, NAMESPACES, NODES, PODS, VMIS, VMS, Kube, Obj
 
 MANAGED = f"{sim_nodes.MANAGED_LABEL}=true"
 CUDA_PID_BASE = 41000

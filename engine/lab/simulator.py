@@ -161,7 +161,7 @@ class Simulator:
         previous = api_node.get("status", {})
         status = sim_nodes.ready_status(rt.spec, rt.address, extended, previous, now)
         key = json.dumps([status["capacity"], [c["status"] for c in status["conditions"]]], sort_keys=True)
-        ready = next((c for c in previous.get("conditions", []) if c["type"] == "Ready"), {})
+        ready: Obj = next((c for c in previous.get("conditions", []) if c["type"] == "Ready"), {})
         if key != rt.status_key or ready.get("status") != "True" or now - rt.last_status >= timing.status_seconds:
             self.kube.patch(NODES, name, {"status": status}, sub="status")
             if key != rt.status_key:

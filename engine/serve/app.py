@@ -6,8 +6,8 @@ Routes::
     POST /hooks/pagerduty      PagerDuty v3 webhook (X-PagerDuty-Signature verified before parsing)
     GET  /healthz              liveness + worker/breaker status
     GET  /metrics              Prometheus text format
-    GET  /runs[?limit=N]       runs, newest first
-    GET  /runs/{id}            one run (404 if unknown)
+    GET  /runs[?limit=N]       runs, newest first          (token when protect_reads)
+    GET  /runs/{id}            one run (404 if unknown)    (token when protect_reads)
     POST /runs/{id}/approve    {"plan_digest": "...", "approved_by": "..."} (token when set)
     GET  /breaker              breaker state
     POST /breaker/reset        {"node": N} | {"runbook": R} | {} = everything (token when set)
@@ -235,13 +235,22 @@ class ServeApp:
         self.dispatcher.refresh_gauges()
         return Response(self.metrics.render(), media_type=self.metrics.content_type)
 
+    def _read_refused(self, request: Request) -> Response | None:
+        if self.config.protect_reads and not token_ok(request, self.config.webhook_token):
+            return _unauthorized()
+        return None
+
     async def runs(self, request: Request) -> Response:
+        if (refused := self._read_refused(request)) is not None:
+            return refused
         raw = request.query_params.get("limit", "100")
         if not raw.isdigit() or not 1 <= int(raw) <= 1000:
             return _error(400, "limit must be an integer from 1 to 1000")
         return JSONResponse(await run_in_threadpool(self.dispatcher.runs, int(raw)))
 
     async def run(self, request: Request) -> Response:
+        if (refused := self._read_refused(request)) is not None:
+            return refused
         try:
             return JSONResponse(await run_in_threadpool(self.dispatcher.run, request.path_params["run_id"]))
         except NotFound as e:
@@ -282,6 +291,8 @@ class ServeApp:
         return JSONResponse(result, status_code=202 if result.get("queued") else 200)
 
     async def breaker(self, request: Request) -> Response:
+        if (refused := self._read_refused(request)) is not None:
+            return refused
         return JSONResponse(self.dispatcher.guards.state())
 
     async def breaker_reset(self, request: Request) -> Response:
@@ -301,6 +312,8 @@ class ServeApp:
         return JSONResponse({"reset": done})
 
     async def triggers(self, request: Request) -> Response:
+        if (refused := self._read_refused(request)) is not None:
+            return refused
         return JSONResponse(self.dispatcher.index.describe())
 
 

@@ -110,6 +110,7 @@ class PagerDutyConfig(_Section):
 class ServeConfig(_Section):
     listen: str = "127.0.0.1:8080"
     webhook_token: str | None = Field(default=None, repr=False)  # env RUNBOOK_WEBHOOK_TOKEN
+    protect_reads: bool = False  # true: GET /runs, /runs/{id}, /breaker, /triggers need the token too
     force_mode: Literal["approve"] | None = None  # "approve": no automatic run at all
     mode_overrides: dict[str, Literal["auto", "approve"]] = Field(default_factory=dict)  # runbook -> mode
     max_body_bytes: int = Field(default=2 * 1024 * 1024, ge=1024, le=64 * 1024 * 1024)

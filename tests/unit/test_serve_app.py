@@ -242,3 +242,12 @@ def test_notification_failures_are_logged_not_raised(caplog: pytest.LogCaptureFi
         assert notifier.flush(5)
     assert notifier.failed >= 2 and notifier.sent == 0
     assert "receiver down" in caplog.text
+
+
+def test_reads_can_be_protected_by_the_token_too() -> None:
+    with served(protect_reads=True) as s:
+        for path in ("/runs", "/runs/r-x", "/breaker", "/triggers"):
+            assert s.client.get(path).status_code == 401
+            assert s.client.get(path, headers=AUTH).status_code in (200, 404)
+        assert s.client.get("/healthz").status_code == 200
+        assert s.client.get("/metrics").status_code == 200

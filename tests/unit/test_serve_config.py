@@ -94,3 +94,21 @@ def test_split_listen() -> None:
     for bad in ("8080", ":8080", "host:", "host:0", "host:70000"):
         with pytest.raises(ValueError):
             split_listen(bad)
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_example_configuration_in_deploy_loads() -> None:
+    c = load_config(ROOT / "deploy" / "serve.example.yaml", env={})
+    assert c.pagerduty.mappings[0].runbook == "gpu-node-recovery"
+
+
+def test_the_documented_defaults_are_the_real_defaults() -> None:
+    import yaml
+
+    doc = (ROOT / "docs" / "serve.md").read_text()
+    section = doc.split("## Configuration file", 1)[1]
+    block = section.split("```yaml", 1)[1].split("```", 1)[0]
+    documented = load_config(None, env={}, overrides=yaml.safe_load(block))
+    assert documented == ServeConfig()

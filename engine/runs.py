@@ -1,0 +1,203 @@
+"""The life of one run, shared by the CLI and the server: record -> lock -> execute -> record.
+
+A run is created in the journal with its plan and digest, takes the node's Lease, executes
+through ``engine.api.run`` with every event written to the journal before it takes effect
+(write-ahead), and ends with its final state recorded and the Lease released. Approvals,
+resumes after a crash and the server's ``RunStarter`` all go through :class:`RunService`, so
+there is one path, not one per front-end. Printing belongs to the caller (``engine.app``).
+"""
+
+from __future__ import annotations
+
+import getpass
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from engine import api
+from engine.checks import HOST
+from engine.errors import LockHeld, RunbookError, StalePlan, UsageError
+from engine.journal import Journal, JournalSink
+from engine.locks import DEFAULT_TTL_SECONDS, NodeLock, acquire_node_lock
+from engine.model import AnsibleAction, Plan, RunResult, RunState
+from engine.output import Fanout
+
+if TYPE_CHECKING:
+    from engine.connectors.base import KubeAPI, NodeAutomation
+    from engine.settings import Settings
+
+APPROVAL_POLL_SECONDS = 0.5
+
+
+def needs_hosts(loaded: api.LoadedRunbook, params: Mapping[str, Any]) -> bool:
+    """Whether a runbook reads host facts or runs playbooks (and so needs an inventory)."""
+    from engine.probes import runbook_probes
+
+    rb = loaded.runbook
+    return HOST in runbook_probes(rb, params) or any(isinstance(s.action, AnsibleAction) for s in rb.steps)
+
+
+def current_user() -> str:
+    try:
+        return os.environ.get("USER") or getpass.getuser()
+    except OSError:
+        return f"uid-{os.getuid()}"
+
+
+@dataclass
+class RunService:
+    """Runs runbooks for one front-end (a CLI invocation or a server) with one journal."""
+
+    settings: Settings
+    live: Any = None  # an extra EventSink (the terminal's live view)
+    lock_wait: float = 0.0
+    lock_ttl: int = DEFAULT_TTL_SECONDS
+    approval_timeout: float = 3600.0
+
+    def __post_init__(self) -> None:
+        self.journal: Journal = self.settings.open_journal()
+
+    # -- preparation ----------------------------------------------------------------------------
+
+    def load(self, name_or_path: str) -> api.LoadedRunbook:
+        return api.load(name_or_path, self.settings.runbooks_dir)
+
+    def connectors(self, loaded: api.LoadedRunbook, params: Mapping[str, Any]
+                   ) -> tuple[KubeAPI, NodeAutomation | None]:
+        nodes = self.settings.nodes(loaded.playbooks_dir) if needs_hosts(loaded, params) else None
+        return self.settings.kube(), nodes
+
+    def plan(self, prepared: api.PreparedRun, *, preview: bool = True, ttl: float | None = None) -> Plan:
+        kube, nodes = self.connectors(prepared.loaded, prepared.params)
+        hint = str(self.settings.inventory) if self.settings.inventory else "INVENTORY"
+        kwargs: dict[str, Any] = {"preview": preview, "inventory_cmd_hint": hint}
+        if ttl is not None:
+            kwargs["ttl"] = ttl
+        return api.plan(prepared, kube, nodes, **kwargs)
+
+    # -- records --------------------------------------------------------------------------------
+
+    def create(self, prepared: api.PreparedRun, plan: Plan | None, *, source: str = "cli",
+               approval_required: bool = False, note: Mapping[str, Any] | None = None,
+               state: str = "pending") -> str:
+        run_id = self.journal.create_run(prepared.loaded.name, prepared.params, [prepared.node], source=source,
+                                         approval_required=approval_required, state=state)
+        if note:
+            self.journal.append(run_id, "run.note", **dict(note))
+        if plan is not None:
+            self.record_plan(run_id, plan)
+        return run_id
+
+    def record_plan(self, run_id: str, plan: Plan) -> None:
+        self.journal.set_plan(run_id, plan.model_dump(mode="json"), plan.digest)
+        self.journal.append(run_id, "plan", plan_digest=plan.digest, state=plan.state.value,
+                            steps=[{"id": s.id, "kind": s.kind, "summary": s.summary} for s in plan.steps])
+
+    def stored_plan(self, run_id: str) -> Plan:
+        rec = self.journal.get_run(run_id)
+        if rec.plan is None:
+            raise UsageError(f"run {run_id} has no recorded plan")
+        return Plan.model_validate(rec.plan)
+
+    def approve(self, run_id: str, plan_digest: str, approved_by: str | None = None) -> Mapping[str, Any]:
+        return self.journal.record_approval(run_id, plan_digest, approved_by or current_user()).summary()
+
+    # -- execution ------------------------------------------------------------------------------
+
+    def wait_for_approval(self, run_id: str, digest: str, *, timeout: float | None = None,
+                          cancel: threading.Event | None = None) -> bool | None:
+        """Poll the journal until someone approves ``digest`` (True) or the timeout passes (None)."""
+        deadline = time.monotonic() + (self.approval_timeout if timeout is None else timeout)
+        self.journal.set_state(run_id, RunState.WAITING_APPROVAL.value)
+        while True:
+            rec = self.journal.get_run(run_id)
+            if rec.approved_digest == digest:
+                self.journal.set_state(run_id, RunState.RUNNING.value)
+                return True
+            if time.monotonic() >= deadline or (cancel is not None and cancel.is_set()):
+                return None
+            time.sleep(APPROVAL_POLL_SECONDS)
+
+    def execute(self, run_id: str, prepared: api.PreparedRun, plan: Plan, *,
+                cancel: threading.Event | None = None, approved: bool = False,
+                wait_approval: bool = True, resume: bool = False,
+                confirm_rerun: Callable[[str, str], bool] | None = None) -> RunResult:
+        """Take the node's Lease, execute, record the final state, release the Lease."""
+        kube, nodes = self.connectors(prepared.loaded, prepared.params)
+        journal = self.journal
+        completed: set[str] = set()
+        started: str | None = None
+        if resume:
+            journal.claim(run_id)
+            completed, started = journal.step_progress(run_id)
+            journal.append(run_id, "run.resume", completed=sorted(completed), started_without_outcome=started)
+        journal.set_state(run_id, RunState.RUNNING.value)
+        lock: NodeLock | None = None
+        try:
+            lock = acquire_node_lock(kube, prepared.node, run_id, ttl=self.lock_ttl, wait=self.lock_wait)
+            lock.start_renewing()
+            journal.append(run_id, "lock.acquired", node=prepared.node, lease=lock.lease.name,
+                           namespace=lock.lease.namespace)
+        except LockHeld as e:
+            journal.append(run_id, "run.blocked", reason=str(e))
+            journal.set_state(run_id, RunState.BLOCKED.value, exit_code=e.exit_code)
+            return RunResult(state=RunState.BLOCKED, exit_code=e.exit_code, runbook=prepared.loaded.name,
+                             node=prepared.node, plan_digest=plan.digest, reason=str(e))
+
+        def approver(step: str | None) -> bool | None:
+            if not wait_approval:
+                journal.set_state(run_id, RunState.WAITING_APPROVAL.value)
+                return None
+            if self.live is not None:
+                self.live.emit("approval.waiting", reason=f"run `runbook approve {run_id} --plan-digest "
+                               f"{plan.digest}` from another terminal")
+            return self.wait_for_approval(run_id, plan.digest, cancel=cancel)
+
+        sink = Fanout(JournalSink(journal, run_id), self.live)
+        try:
+            result = api.run(prepared, plan, kube, nodes, events=sink, cancel=cancel, approve=approver,
+                             approved=approved, confirm_rerun=confirm_rerun, completed_steps=completed,
+                             started_without_outcome=started,
+                             inventory_cmd_hint=str(self.settings.inventory or "INVENTORY"))
+        except BaseException as e:
+            # The journal could not record, or the engine itself broke: the run is not finished.
+            journal.append(run_id, "run.error", error=f"{type(e).__name__}: {e}")
+            if not isinstance(e, RunbookError):
+                journal.set_state(run_id, RunState.FAILED.value, exit_code=1)
+            raise
+        finally:
+            if lock is not None:
+                lock.release()
+                journal.append(run_id, "lock.released", node=prepared.node)
+        if result.state is RunState.WAITING_APPROVAL:
+            journal.set_state(run_id, RunState.WAITING_APPROVAL.value)
+        else:
+            journal.set_state(run_id, result.state.value, exit_code=result.exit_code)
+        return result
+
+    def prepare_from_record(self, run_id: str) -> tuple[api.PreparedRun, Plan]:
+        """Rebuild a recorded run (resume, approvals): same runbook, params and plan."""
+        rec = self.journal.get_run(run_id)
+        plan = self.stored_plan(run_id)
+        loaded = self.load(rec.runbook)
+        if loaded.digest != plan.runbook_digest:
+            raise StalePlan(f"runbook {rec.runbook} changed since run {run_id} was planned "
+                            f"(planned {plan.runbook_digest[:12]}, now {loaded.digest[:12]})")
+        prepared = api.prepare_run(loaded, dict(rec.params))
+        return prepared, plan
+
+
+def select_fleet(service: RunService, loaded: api.LoadedRunbook, selector: str,
+                 raw_params: Sequence[str]) -> list[api.PreparedRun]:
+    nodes = api.select_nodes(service.settings.kube(), selector)
+    if not nodes:
+        raise UsageError(f"no node matches the selector {selector!r}")
+    return api.prepare_fleet(loaded, list(raw_params), nodes)
+
+
+__all__ = ["RunService", "needs_hosts", "select_fleet"]
+
+

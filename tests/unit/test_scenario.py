@@ -1,0 +1,150 @@
+"""Lab scenarios: the packaged incident scenario, the format's derived values, and located errors."""
+
+from __future__ import annotations
+
+import textwrap
+from collections import Counter
+
+import pytest
+
+from engine.errors import LoadError
+from engine.lab import sim_gpu, sim_kubevirt, sim_seed
+from engine.lab.scenario import load_scenario, parse_scenario, parse_size, starts_ready
+
+MINIMAL = """\
+apiVersion: runbook.lab/v1
+name: tiny
+nodes:
+  - name: worker-1
+    host: {ssh: false}
+"""
+
+
+def parse(text: str):
+    return parse_scenario(textwrap.dedent(text).encode(), "scenario.yaml")
+
+
+def problems(text: str) -> str:
+    with pytest.raises(LoadError) as info:
+        parse(text)
+    return str(info.value)
+
+
+def test_the_packaged_scenario_is_the_omen2_incident() -> None:
+    sc = load_scenario()
+    assert sc.name == "incident-omen2"
+    assert len(sc.all_nodes) == 8
+    down = [n.name for n in sc.all_nodes if not starts_ready(n)]
+    assert len(down) == 4 and "omen2" in down
+    assert all(sc.node(name).gpus for name in down)  # the cluster's whole GPU capacity
+    omen2 = sc.node("omen2")
+    assert omen2.gpus[0].model == "10de:2b85" and omen2.workload == "vm-passthrough"
+    assert omen2.host.swap.active == ["/swapfile"] and omen2.host.swap.devices["/swapfile"].size == 32 << 30
+    assert "/swapfile" in sim_seed.fstab_text(omen2) and omen2.host.cuda_jobs
+    assert {sc.node(n).gpus[0].model for n in down if n != "omen2"} == {"10de:2204"}
+
+
+def test_at_least_one_gpu_node_is_down_for_a_cause_other_than_swap() -> None:
+    sc = load_scenario()
+    others = [n for n in sc.all_nodes if not starts_ready(n) and not n.host.swap.active]
+    assert others and all(n.host.kubelet.fault for n in others)
+
+
+def test_vm_phases_and_operator_pods_match_the_incident() -> None:
+    sc = load_scenario()
+    assert Counter(vm.expected_status for vm in sc.vms) == {
+        "Running": 3, "Paused": 2, "Stopped": 1, "ErrorUnschedulable": 2}
+    assert {vm.name for vm in sc.vms if vm.expected_status == "ErrorUnschedulable"} == {"gpu-fedora", "rhel9-gpu-vm"}
+    assert all(vm.unschedulable_days == 112 for vm in sc.vms if vm.host_devices)
+    statuses: Counter[str] = Counter()
+    statuses["Running"] += 3 + len(sc.all_nodes)  # gpu-operator, NFD master and gc; nfd-worker per node
+    for node in sc.all_nodes:
+        statuses.update(sim_seed._operand_statuses(node, sc).values())
+    assert statuses == {"Running": 14, "Error": 6, "Terminating": 4}
+    assert sc.node("omen2").operator_pods["sandbox-device-plugin"] == "Error"
+    assert sc.node("omen2").operator_pods["sandbox-validator"] == "Error"
+
+
+def test_no_zone_has_more_than_two_notready_nodes_so_the_controller_keeps_tainting() -> None:
+    sc = load_scenario()
+    per_zone = Counter(n.zone for n in sc.all_nodes if not starts_ready(n))
+    assert max(per_zone.values()) <= 2
+
+
+def test_sandbox_resource_names_derive_from_the_pci_ids_name() -> None:
+    sc = load_scenario()
+    assert sc.gpu_model("10de:2b85").resource_name == "nvidia.com/GB202_GEFORCE_RTX_5090"
+    assert sc.gpu_model("10de:2204").resource_name == "nvidia.com/GA102_GEFORCE_RTX_3090"
+    assert {d.resource for d in sc.kubevirt.permitted_host_devices} <= sim_gpu.gpu_resource_names(sc)
+
+
+def test_a_fleet_of_generated_gpu_nodes_for_benchmarks() -> None:
+    sc = parse(MINIMAL + "generate:\n  - {count: 100, prefix: gpu-}\n")
+    names = [n.name for n in sc.all_nodes]
+    assert len(names) == 101 and names[1] == "gpu-001" and names[-1] == "gpu-100"
+    assert all(starts_ready(n) and not n.host.ssh and n.gpus for n in sc.all_nodes[1:])
+    assert {n.zone for n in sc.all_nodes[1:]} == {"zone-a", "zone-b", "zone-c"}
+
+
+@pytest.mark.parametrize(("value", "expected"), [
+    (1024, 1024), ("32Gi", 32 << 30), ("32G", 32 << 30), ("1.5Gi", 3 << 29), ("512Mi", 512 << 20), ("8GiB", 8 << 30),
+])
+def test_sizes(value: int | str, expected: int) -> None:
+    assert parse_size(value) == expected
+
+
+def test_an_unknown_field_is_reported_with_file_line_and_path() -> None:
+    text = MINIMAL + "  - name: omen2\n    gpuz: []\n"
+    assert "scenario.yaml:7: nodes[1].gpuz: unknown field 'gpuz'" in problems(text)
+
+
+def test_a_bad_value_names_its_field() -> None:
+    text = MINIMAL + "  - name: omen2\n    host:\n      swap: {devices: {/swapfile: {size: lots}}}\n"
+    message = problems(text)
+    assert "scenario.yaml:8:" in message and "nodes[1].host.swap.devices./swapfile.size" in message
+    assert "'lots' is not a size" in message
+
+
+def test_an_unknown_gpu_model_and_a_bad_workload_label_are_located() -> None:
+    text = MINIMAL + (
+        "  - name: omen2\n"
+        "    labels: {nvidia.com/gpu.workload.config: vm-passthru}\n"
+        '    gpus: [{model: "10de:ffff"}]\n')
+    message = problems(text)
+    assert "scenario.yaml:7: nodes[1].labels: workload label 'vm-passthru'" in message
+    assert "scenario.yaml:8: nodes[1].gpus[0].model: unknown GPU model '10de:ffff'" in message
+
+
+def test_duplicate_nodes_are_refused() -> None:
+    assert "scenario.yaml:6: nodes[1].name: duplicate node name 'worker-1'" in problems(
+        MINIMAL + "  - name: worker-1\n")
+
+
+def test_active_swap_must_be_a_known_device() -> None:
+    text = MINIMAL + "  - name: omen2\n    host: {swap: {active: [/swapfile]}}\n"
+    assert "scenario.yaml:7: nodes[1].host.swap: active swap '/swapfile' is not among swap.devices" in problems(text)
+
+
+def test_a_scenario_where_every_node_starts_notready_is_refused() -> None:
+    text = """\
+    apiVersion: runbook.lab/v1
+    name: all-down
+    nodes:
+      - name: omen2
+        host: {swap: {devices: {/swapfile: {size: 1Gi}}, active: [/swapfile]}}
+    """
+    assert "master disruption mode" in problems(text)
+
+
+def test_yaml_errors_and_a_wrong_api_version_are_located() -> None:
+    assert "scenario.yaml:3:1: invalid YAML" in problems("apiVersion: runbook.lab/v1\nname: [unclosed\n")
+    assert "apiVersion" in problems(MINIMAL.replace("runbook.lab/v1", "v2"))
+
+
+def test_vm_manifests_request_their_host_devices() -> None:
+    sc = load_scenario()
+    vm = next(v for v in sc.vms if v.name == "gpu-fedora")
+    manifest = sim_kubevirt.vm_manifest(vm, now=1_000_000_000.0)
+    devices = manifest["spec"]["template"]["spec"]["domain"]["devices"]["hostDevices"]
+    assert devices == [{"name": "gpu1", "deviceName": "nvidia.com/GB202_GEFORCE_RTX_5090"}]
+    assert manifest["metadata"]["annotations"][sim_kubevirt.UNSCHEDULABLE_SINCE] == "2001-05-20T01:46:40Z"
