@@ -91,7 +91,37 @@ def target_options(func: F) -> F:
     return func
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+class LazyGroup(click.Group):
+    """Sub-groups that live in their own packages load only when used (``runbook --help`` stays fast)."""
+
+    LAZY = {"lab": ("engine.lab.labcli", "lab_group",
+                    "The lab: a simulated GPU cluster reproducing the omen2 incident."),
+            "serve": ("engine.serve.cli", "serve_command",
+                      "Receive Alertmanager and PagerDuty webhooks and start runbooks inside guards.")}
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted([*super().list_commands(ctx), *self.LAZY])
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = []
+        for name in self.list_commands(ctx):
+            if name in self.LAZY:
+                rows.append((name, self.LAZY[name][2]))
+            else:
+                rows.append((name, self.commands[name].get_short_help_str(70)))
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name in self.LAZY:
+            import importlib
+
+            module, attr, _ = self.LAZY[cmd_name]
+            return getattr(importlib.import_module(module), attr)  # type: ignore[no-any-return]
+        return super().get_command(ctx, cmd_name)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(package_name="runbook")
 def main() -> None:
     """Guarded remediation runbooks: plan, approve, run and verify recoveries of Kubernetes nodes.
@@ -250,20 +280,3 @@ def diagnose(settings: Settings, node: str, output: str) -> int:
     return diag.diagnose_command(settings, node, output)
 
 
-def _attach_optional_groups() -> None:
-    """``runbook lab`` and ``runbook serve`` live in their own packages."""
-    try:
-        from engine.lab.labcli import lab_group
-    except ImportError:
-        pass
-    else:
-        main.add_command(lab_group, "lab")
-    try:
-        from engine.serve.cli import serve_command
-    except ImportError:
-        pass
-    else:
-        main.add_command(serve_command, "serve")
-
-
-_attach_optional_groups()
