@@ -84,7 +84,7 @@ def resolve_runbook_path(name_or_path: str, runbooks_dir: Path | None = None) ->
     if p.suffix in RUNBOOK_SUFFIXES or os.sep in name_or_path or "/" in name_or_path:
         if p.is_file():
             return p
-        raise LoadError([(Location(str(p)), "no such runbook file")])
+        raise _error([(Location(str(p)), "no such runbook file")])
     d = runbooks_dir if runbooks_dir is not None else default_runbooks_dir()
     for suffix in RUNBOOK_SUFFIXES:
         candidate = Path(d) / f"{name_or_path}{suffix}"
@@ -93,7 +93,7 @@ def resolve_runbook_path(name_or_path: str, runbooks_dir: Path | None = None) ->
     known = [f.stem for f in find_runbooks(Path(d))]
     near = difflib.get_close_matches(name_or_path, known, n=1)
     hint = f" (did you mean {near[0]}?)" if near else (f" (known: {', '.join(known)})" if known else "")
-    raise LoadError([(Location(str(Path(d) / f"{name_or_path}.yaml")), f"no runbook named {name_or_path!r} in "
+    raise _error([(Location(str(Path(d) / f"{name_or_path}.yaml")), f"no runbook named {name_or_path!r} in "
                       f"{d}{hint}")])
 
 
@@ -191,15 +191,15 @@ def compose_yaml(data: bytes, path: str) -> tuple[Any, dict[Path_, Mark], dict[P
     """Bytes -> (plain value, value marks, key marks), or LoadError with every problem found."""
     problems = _Problems(path)
     if not data.strip():
-        raise LoadError([(Location(path), "empty file")])
+        raise _error([(Location(path), "empty file")])
     if len(data) > MAX_BYTES:
-        raise LoadError([(Location(path), f"file too large ({len(data)} bytes; limit {MAX_BYTES})")])
+        raise _error([(Location(path), f"file too large ({len(data)} bytes; limit {MAX_BYTES})")])
     if b"\x00" in data:
-        raise LoadError([(Location(path), "binary file (contains NUL bytes), expected YAML text")])
+        raise _error([(Location(path), "binary file (contains NUL bytes), expected YAML text")])
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
-        raise LoadError([(Location(path), f"not UTF-8 text (invalid byte at offset {e.start})")]) from None
+        raise _error([(Location(path), f"not UTF-8 text (invalid byte at offset {e.start})")]) from None
     try:
         loader = _SafeComposer(text)
         try:
@@ -210,25 +210,25 @@ def compose_yaml(data: bytes, path: str) -> tuple[Any, dict[Path_, Mark], dict[P
         mark = e.problem_mark or e.context_mark
         msg = "more than one YAML document (a runbook file holds exactly one)" \
             if "single document" in str(e.context or "") else f"invalid YAML: {e.problem or e}"
-        raise LoadError([(Location(path, (mark.line + 1) if mark else 1,
+        raise _error([(Location(path, (mark.line + 1) if mark else 1,
                                    (mark.column + 1) if mark else None), msg)]) from None
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         msg = f"invalid YAML: {e.problem or e.context or 'syntax error'}"
         if e.context and e.problem:
             msg = f"invalid YAML: {e.problem} ({e.context})"
-        raise LoadError([(Location(path, (mark.line + 1) if mark else 1,
+        raise _error([(Location(path, (mark.line + 1) if mark else 1,
                                    (mark.column + 1) if mark else None), msg)]) from None
     except yaml.reader.ReaderError as e:
         line = text.count("\n", 0, max(0, e.position)) + 1
-        raise LoadError([(Location(path, line), f"invalid YAML: {e.reason} "
+        raise _error([(Location(path, line), f"invalid YAML: {e.reason} "
                           f"(character {e.character!r} is not allowed)")]) from None
     except yaml.YAMLError as e:
-        raise LoadError([(Location(path), f"invalid YAML: {e}")]) from None
+        raise _error([(Location(path), f"invalid YAML: {e}")]) from None
     except RecursionError:
-        raise LoadError([(Location(path), "invalid YAML: nested too deeply")]) from None
+        raise _error([(Location(path), "invalid YAML: nested too deeply")]) from None
     if root is None:
-        raise LoadError([(Location(path), "empty document")])
+        raise _error([(Location(path), "empty document")])
     builder = _Builder(problems)
     try:
         value = builder.build(root)
@@ -236,7 +236,7 @@ def compose_yaml(data: bytes, path: str) -> tuple[Any, dict[Path_, Mark], dict[P
         problems.add(1, "document nested too deeply")
         value = None
     if problems.items:
-        raise LoadError(_sorted(problems.items))
+        raise _error(problems.items)
     return value, builder.marks, builder.key_marks
 
 
@@ -330,7 +330,8 @@ def _message(err: Mapping[str, Any], path: Path_) -> str:
         if isinstance(inp, Mapping):
             if not inp:
                 return f"empty {noun}: expected exactly one key like {{{_NOUN_KEYS.get(noun, ('...',))[0]}: ...}}"
-            return f"a {noun} has exactly one key, found {len(inp)}: {', '.join(map(str, inp))}"
+            article = "an" if noun[0] in "aeiou" else "a"
+            return f"{article} {noun} has exactly one key, found {len(inp)}: {', '.join(map(repr, inp))}"
         return f"expected a {noun} (a mapping with one key), got {_short(inp)}"
     if kind == "literal_error":
         return f"expected {ctx.get('expected')}, got {_short(inp)}"
@@ -384,8 +385,21 @@ def _pydantic_problems(e: ValidationError, data: Any, path: str, marks: Mapping[
     return out
 
 
+_CONTROL = {c: f"\\x{c:02x}" for c in range(32)} | {10: "\\n", 13: "\\r", 9: "\\t", 127: "\\x7f"}
+
+
+def _one_line(text: str) -> str:
+    """Problems print one per line: user text inside a message must not break the line."""
+    return text.translate(_CONTROL)
+
+
+def _error(problems: list[tuple[Location, str]]) -> LoadError:
+    return LoadError(_sorted(problems))
+
+
 def _sorted(problems: list[tuple[Location, str]]) -> list[tuple[Location, str]]:
-    return sorted(problems, key=lambda p: (p[0].path, p[0].line, p[0].column or 0))
+    clean = [(Location(loc.path, loc.line, loc.column, _one_line(loc.where)), _one_line(msg)) for loc, msg in problems]
+    return sorted(clean, key=lambda p: (p[0].path, p[0].line, p[0].column or 0))
 
 
 # --------------------------------------------------------------------------------------------
@@ -489,18 +503,18 @@ def parse_runbook(data: bytes, path: str, *, stem: str | None = None,
     """Bytes of a runbook file -> Runbook, or LoadError listing every problem (``PATH:LINE: ...``)."""
     value, marks, key_marks = compose_yaml(data, path)
     if not isinstance(value, dict):
-        raise LoadError([(Location(path), f"a runbook is a mapping (apiVersion, name, steps, ...), "
+        raise _error([(Location(path), f"a runbook is a mapping (apiVersion, name, steps, ...), "
                                           f"got {type(value).__name__}")])
     try:
         runbook = Runbook.model_validate(value)
     except ValidationError as e:
-        raise LoadError(_sorted(_pydantic_problems(e, value, path, marks, key_marks))) from None
+        raise _error(_pydantic_problems(e, value, path, marks, key_marks)) from None
     except RecursionError:
-        raise LoadError([(Location(path), "document nested too deeply")]) from None
+        raise _error([(Location(path), "document nested too deeply")]) from None
     problems = _semantic_problems(runbook, value, stem=stem, playbooks_dir=playbooks_dir)
     if problems:
         located = [(Location(path, _line_of(p, marks, key_marks)[0], None, _where(p)), m) for p, m in problems]
-        raise LoadError(_sorted(located))
+        raise _error(located)
     return runbook
 
 
@@ -514,9 +528,9 @@ def read_runbook(path: Path, *, playbooks_dir: Path | None = None) -> tuple[Runb
     try:
         data = p.read_bytes()
     except IsADirectoryError:
-        raise LoadError([(Location(str(p)), "is a directory, not a runbook file")]) from None
+        raise _error([(Location(str(p)), "is a directory, not a runbook file")]) from None
     except OSError as e:
-        raise LoadError([(Location(str(p)), f"cannot read: {e.strerror or e}")]) from None
+        raise _error([(Location(str(p)), f"cannot read: {e.strerror or e}")]) from None
     pb = playbooks_dir if playbooks_dir is not None else playbooks_dir_for(p.parent)
     return parse_runbook(data, str(p), stem=p.stem, playbooks_dir=pb), data
 

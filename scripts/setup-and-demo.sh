@@ -9,10 +9,13 @@ bash scripts/prepare.sh
 . scripts/env.sh
 
 if runbook lab --help >/dev/null 2>&1; then
+  runbook lab down >/dev/null 2>&1 || true   # a lab left by an earlier run: start afresh
   echo "=== runbook lab up"
   runbook lab up
+  eval "$(runbook lab env)"                  # KUBECONFIG and inventory of the lab
   echo "=== runbook run gpu-node-recovery --node omen2 --yes"
   runbook run gpu-node-recovery --node omen2 --yes
+  echo "=== done: the lab is still up (runbook lab status; runbook lab down stops it)"
 else
   echo "=== the lab CLI is not there yet: showing the test bed (python -m engine.lab.testbed_demo)"
   "$PY" -m engine.lab.testbed_demo

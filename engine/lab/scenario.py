@@ -216,7 +216,6 @@ class KubeVirt(_Model):
     namespace: str = "kubevirt"
     version: str = "v1.7.0"
     permitted_host_devices: list[PermittedDevice] = []
-    schedulable_false_after_seconds: float | None = None  # virt-controller relabel; None: never
 
 
 class Vm(_Model):

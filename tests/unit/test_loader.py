@@ -35,7 +35,7 @@ EXPECTED: dict[str, tuple[int, str]] = {
     "bad-name.yaml": (2, "name: 'Bad_Name' is not a valid name"),
     "bad-yaml.yaml": (9, "invalid YAML"),
     "binary.yaml": (1, "binary file"),
-    "check-two-keys.yaml": (9, "steps[0].guards[0]: a check has exactly one key, found 2: node_ready, swap_active"),
+    "check-two-keys.yaml": (9, "steps[0].guards[0]: a check has exactly one key, found 2: 'node_ready', 'swap_active'"),
     "comment-only.yaml": (1, "empty document"),
     "custom-tag.yaml": (6, "tag !include is not allowed"),
     "deep-nesting.yaml": (6, "nested too deeply"),

@@ -41,8 +41,9 @@ def fake_engine_app(monkeypatch: pytest.MonkeyPatch) -> list[ServeConfig]:
 def test_serve_is_a_runbook_command_with_its_options() -> None:
     from engine.cli import main
 
-    assert "serve" in main.commands
-    out = CliRunner().invoke(serve_command, ["--help"]).output
+    result = CliRunner().invoke(main, ["serve", "--help"])
+    assert result.exit_code == 0, result.output
+    out = result.output
     for option in ("--listen", "--config", "--journal", "--kubeconfig", "breaker-reset", "RUNBOOK_WEBHOOK_TOKEN"):
         assert option in out
 

@@ -1,0 +1,91 @@
+"""The lab fixtures: one lab per test session (control plane, SSH node hosts, simulator) in a temp folder.
+
+* ``lab`` (session): a running ``LabUnderTest``; ``lab.lab`` is the ``engine.lab.manager.Lab``.
+* ``incident`` (module): the lab in the scenario's initial state (reset first if a test changed it).
+* ``fresh_lab`` (per test): reset to the initial state before the test; the test may change anything.
+* ``sh``: run a shell command with the lab's environment (``eval "$(runbook lab env)"`` done), its own
+  HOME (kubectl cache, Ansible temp) and return the CompletedProcess.
+
+A missing prerequisite skips (the root conftest turns skips into failures under CI=true).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from engine.lab.assets import find_assets
+from engine.lab.manager import Lab
+from engine.lab.nodehosts import node_host_prerequisite_problems
+
+
+@dataclass
+class LabUnderTest:
+    lab: Lab
+    home: Path
+    dirty: bool = False
+
+    def reset(self) -> None:
+        self.lab.reset(timeout=120)
+        self.dirty = False
+
+    def env(self) -> dict[str, str]:
+        return {**os.environ, **self.lab.env(), "HOME": str(self.home),
+                "ANSIBLE_HOME": str(self.home / "ansible"), "ANSIBLE_LOCAL_TEMP": str(self.home / "ansible-tmp"),
+                "ANSIBLE_NOCOLOR": "1"}
+
+
+def _prerequisites() -> str | None:
+    problems = node_host_prerequisite_problems()
+    if find_assets() is None:
+        problems.append("no control-plane binaries (bash scripts/build-control-plane.sh)")
+    for tool in ("kubectl", "ansible"):
+        if shutil.which(tool) is None:
+            problems.append(f"no {tool} on PATH")
+    return "; ".join(problems) or None
+
+
+@pytest.fixture(scope="session")
+def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LabUnderTest]:
+    problem = _prerequisites()
+    if problem:
+        pytest.skip(problem)
+    under_test = LabUnderTest(Lab(tmp_path_factory.mktemp("lab")), tmp_path_factory.mktemp("lab-home"))
+    under_test.lab.up(timeout=240)
+    try:
+        yield under_test
+    finally:
+        under_test.lab.down()
+
+
+@pytest.fixture(scope="module")
+def incident(lab: LabUnderTest) -> LabUnderTest:
+    if lab.dirty:
+        lab.reset()
+    return lab
+
+
+@pytest.fixture
+def fresh_lab(lab: LabUnderTest) -> LabUnderTest:
+    if lab.dirty:
+        lab.reset()
+    lab.dirty = True
+    return lab
+
+
+@pytest.fixture
+def sh(lab: LabUnderTest) -> Callable[..., subprocess.CompletedProcess[str]]:
+    def run(command: str, check: bool = False, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        result = subprocess.run(["bash", "-c", command], env=lab.env(), capture_output=True, text=True,
+                                timeout=timeout, check=False)
+        if check and result.returncode != 0:
+            raise AssertionError(f"{command!r} exited {result.returncode}:\n{result.stdout}\n{result.stderr}")
+        return result
+
+    return run

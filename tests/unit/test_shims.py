@@ -1,0 +1,194 @@
+"""The node hosts' shims (run as programs on a temporary state folder) and the kubelet unit they drive.
+
+Each test builds a host's state folder from the incident scenario, points the shims at it with
+``RUNBOOK_LAB_HOST_STATE`` (and ``RUNBOOK_LAB_FSTAB``), and checks the real tools' output formats.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.lab import sim_kubelet
+from engine.lab.hoststate import HostState
+from engine.lab.scenario import load_scenario
+from engine.lab.sim_seed import fstab_text, host_state
+
+SHIMS = Path(__file__).resolve().parents[2] / "engine" / "lab" / "shims"
+NOW = 1_752_161_991.0
+SWAP_LINE = ('"command failed" err="failed to run Kubelet: running with swap on is not supported, please '
+             'disable swap or set --fail-swap-on flag to false"')
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mutating shims refuse non-root users, like the real tools")
+
+
+@pytest.fixture
+def host(tmp_path: Path) -> HostState:
+    sc = load_scenario()
+    node = sc.node("omen2")
+    state, journal = host_state(node, sc, NOW)
+    hs = HostState(tmp_path / "state")
+    hs.initialise(state, journal)
+    (tmp_path / "fstab").write_text(fstab_text(node))
+    return hs
+
+
+def run(host: HostState, tool: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "RUNBOOK_LAB_HOST_STATE": str(host.folder),
+           "RUNBOOK_LAB_FSTAB": str(host.folder.parent / "fstab"), "TZ": "UTC"}
+    return subprocess.run([sys.executable, str(SHIMS / tool), *args], capture_output=True, text=True, env=env,
+                          check=False)
+
+
+def advance(host: HostState, now: float) -> list[dict]:
+    entries: list[dict] = []
+    host.update(lambda s: entries.extend(sim_kubelet.step(s, now, 1.0, 2.0)))
+    host.append_entries(entries)
+    return entries
+
+
+def test_swapon_show_prints_the_util_linux_table(host: HostState) -> None:
+    assert run(host, "swapon", "--show").stdout == (
+        "NAME      TYPE SIZE USED PRIO\n"
+        "/swapfile file  32G 1.5G   -2\n")
+    assert run(host, "swapon").stdout == run(host, "swapon", "--show").stdout
+
+
+def test_swapon_show_raw_bytes_without_headings(host: HostState) -> None:
+    result = run(host, "swapon", "--show", "--noheadings", "--raw", "--bytes")
+    assert result.returncode == 0
+    assert result.stdout == "/swapfile file 34359738368 1610612736 -2\n"
+    assert run(host, "swapon", "--show=NAME", "--noheadings").stdout == "/swapfile\n"
+
+
+def test_proc_swaps_has_the_kernel_format(host: HostState) -> None:
+    lines = host.proc_swaps_path.read_text().splitlines()
+    assert lines[0] == "Filename\t\t\t\tType\t\tSize\t\tUsed\t\tPriority"
+    assert lines[1].split() == ["/swapfile", "file", "33554428", "1572864", "-2"]
+    assert run(host, "swapon", "-s").stdout == host.proc_swaps_path.read_text()
+
+
+@needs_root
+def test_swapoff_all_turns_swap_off_and_is_recorded(host: HostState) -> None:
+    inode = host.proc_swaps_path.stat().st_ino
+    result = run(host, "swapoff", "-a")
+    assert result.returncode == 0, result.stderr
+    assert run(host, "swapon", "--show").stdout == ""
+    assert host.proc_swaps_path.read_text().count("\n") == 1  # header only = off
+    assert host.proc_swaps_path.stat().st_ino == inode  # rewritten in place (a bind mount follows the inode)
+    assert [c["argv"] for c in host.calls("swapoff")] == [["-a"]]
+    assert run(host, "swapoff", "/swapfile").returncode == 4  # not active any more
+
+
+@needs_root
+def test_swapon_all_enables_only_active_fstab_entries(host: HostState) -> None:
+    run(host, "swapoff", "-a")
+    fstab = host.folder.parent / "fstab"
+    fstab.write_text(fstab.read_text().replace("/swapfile ", "#/swapfile ", 1))
+    assert run(host, "swapon", "-a").returncode == 0
+    assert run(host, "swapon", "--show").stdout == ""
+    fstab.write_text(fstab.read_text().replace("#/swapfile ", "/swapfile ", 1))
+    assert run(host, "swapon", "-a").returncode == 0
+    assert run(host, "swapon", "--show", "--noheadings").stdout.startswith("/swapfile")
+    assert [c["cmd"] for c in host.calls()] == ["swapoff", "swapon", "swapon"]
+
+
+def test_systemctl_reports_a_crash_looping_kubelet_as_activating(host: HostState) -> None:
+    result = run(host, "systemctl", "is-active", "kubelet")
+    assert (result.stdout, result.returncode) == ("activating\n", 3)
+    status = run(host, "systemctl", "status", "kubelet")
+    assert status.returncode == 3
+    assert "Active: activating (auto-restart) (Result: exit-code)" in status.stdout
+    assert "status=1/FAILURE" in status.stdout
+    show = run(host, "systemctl", "show", "kubelet", "-p", "ActiveState,SubState", "--value")
+    assert show.stdout == "activating\nauto-restart\n"
+
+
+def test_systemctl_lists_the_active_swap_unit(host: HostState) -> None:
+    result = run(host, "systemctl", "list-units", "--type", "swap", "--all", "--no-legend", "--plain")
+    assert result.stdout.split() == ["swapfile.swap", "loaded", "active", "active", "/swapfile"]
+
+
+def test_journalctl_prints_the_kubelet_swap_error_and_systemd_lines(host: HostState) -> None:
+    result = run(host, "journalctl", "-u", "kubelet", "-n", "5", "--no-pager")
+    lines = result.stdout.splitlines()
+    assert result.returncode == 0 and len(lines) == 5
+    assert all(re.match(r"^\w{3} \d\d \d\d:\d\d:\d\d omen2 (kubelet|systemd)\[\d+\]: ", line) for line in lines)
+    error = next(line for line in lines if "run.go:72]" in line)
+    assert re.search(r"kubelet\[\d+\]: E\d{4} \d\d:\d\d:\d\d\.\d{6} +\d+ run\.go:72\] ", error)
+    assert error.endswith(SWAP_LINE)
+    assert lines[-2].endswith("systemd[1]: kubelet.service: Main process exited, code=exited, status=1/FAILURE")
+    assert lines[-1].endswith("systemd[1]: kubelet.service: Failed with result 'exit-code'.")
+    assert "Scheduled restart job, restart counter is at" in run(host, "journalctl", "-u", "kubelet").stdout
+
+
+@needs_root
+def test_restart_exits_zero_and_kubelet_dies_a_moment_later_while_swap_is_on(host: HostState) -> None:
+    assert run(host, "systemctl", "restart", "kubelet").returncode == 0
+    assert run(host, "systemctl", "is-active", "kubelet").stdout == "active\n"  # for a moment
+    state = host.read()
+    assert state["units"]["kubelet"]["active"] == "active"  # until the simulator sees it fail
+    assert advance(host, state["units"]["kubelet"]["since"] + 0.5) == []  # still starting
+    entries = advance(host, state["units"]["kubelet"]["since"] + 1.5)
+    assert any(e["msg"].endswith(SWAP_LINE) for e in entries)
+    assert run(host, "systemctl", "is-active", "kubelet").stdout == "activating\n"
+    assert [c["argv"] for c in host.calls("systemctl")] == [["restart", "kubelet"]]
+
+
+@needs_root
+def test_kubelet_comes_up_at_its_next_automatic_restart_once_swap_is_off(host: HostState) -> None:
+    run(host, "swapoff", "-a")
+    restart_at = host.read()["units"]["kubelet"]["next_restart_at"]
+    entries = advance(host, restart_at + 0.1)
+    assert any("Scheduled restart job" in e["msg"] for e in entries)
+    state = host.read()
+    assert state["units"]["kubelet"]["active"] == "active" and state["kubelet"]["healthy"] is True
+    assert run(host, "systemctl", "is-active", "kubelet").returncode == 0
+
+
+@needs_root
+def test_a_containerd_fault_clears_once_containerd_is_started(tmp_path: Path) -> None:
+    sc = load_scenario()
+    state, journal = host_state(sc.node("gpu-3090-2"), sc, NOW)
+    hs = HostState(tmp_path / "state")
+    hs.initialise(state, journal)
+    assert "validate CRI v1 runtime API" in run(hs, "journalctl", "-u", "kubelet", "-n", "3").stdout
+    assert run(hs, "systemctl", "is-active", "containerd").stdout == "failed\n"
+    assert run(hs, "systemctl", "start", "containerd").returncode == 0
+    advance(hs, hs.read()["units"]["kubelet"]["next_restart_at"] + 0.1)
+    assert hs.read()["kubelet"]["healthy"] is True
+
+
+def test_lspci_shows_the_gpu_and_its_driver_binding(host: HostState) -> None:
+    assert run(host, "lspci", "-nnk", "-d", "10de:").stdout == (
+        "01:00.0 VGA compatible controller [0300]: NVIDIA Corporation GB202 [GeForce RTX 5090] [10de:2b85] (rev a1)\n"
+        "\tSubsystem: NVIDIA Corporation Device [10de:2055]\n"
+        "\tKernel driver in use: nvidia\n"
+        "\tKernel modules: nvidiafb, nouveau, nvidia_drm, nvidia\n"
+        "01:00.1 Audio device [0403]: NVIDIA Corporation Device [10de:22e8] (rev a1)\n"
+        "\tSubsystem: NVIDIA Corporation Device [10de:2055]\n"
+        "\tKernel driver in use: snd_hda_intel\n"
+        "\tKernel modules: snd_hda_intel\n")
+    host.update(lambda s: s["pci_devices"][0].update(driver="vfio-pci"))
+    assert "\tKernel driver in use: vfio-pci\n" in run(host, "lspci", "-nnk", "-d", "10de:2b85").stdout
+
+
+def test_nvidia_smi_lists_host_cuda_processes_only_on_the_nvidia_driver(host: HostState) -> None:
+    query = ("--query-compute-apps=pid,process_name", "--format=csv,noheader")
+    assert run(host, "nvidia-smi", *query).stdout == "41000, python3\n"
+    assert run(host, "nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv").stdout == (
+        "pid, used_gpu_memory [MiB]\n41000, 21504 MiB\n")
+    host.update(lambda s: s["pci_devices"][0].update(driver="vfio-pci"))
+    result = run(host, "nvidia-smi", *query)
+    assert (result.stdout, result.returncode) == ("No devices were found\n", 6)
+
+
+def test_read_only_tools_work_without_the_state_lock_being_writable(host: HostState) -> None:
+    for tool, args in (("journalctl", ["-u", "kubelet", "-n", "1"]), ("lspci", ["-nn"]),
+                       ("swapon", ["--show"]), ("systemctl", ["is-active", "kubelet"])):
+        assert run(host, tool, *args).stderr == "", tool
