@@ -346,3 +346,10 @@ def show_run(settings: Settings, run_id: str, fmt: str) -> int:
     return ExitCode.OK
 
 
+
+
+def create_run_starter(settings: Settings, config: Any = None) -> Any:
+    """The ``RunStarter`` ``runbook serve`` uses (``engine.serve.starter``)."""
+    from engine.serve_starter import JournalRunStarter
+
+    return JournalRunStarter(settings)

@@ -385,7 +385,8 @@ def _pydantic_problems(e: ValidationError, data: Any, path: str, marks: Mapping[
     return out
 
 
-_CONTROL = {c: f"\\x{c:02x}" for c in range(32)} | {10: "\\n", 13: "\\r", 9: "\\t", 127: "\\x7f"}
+_CONTROL = {c: f"\\x{c:02x}" for c in (*range(32), 127, 0x85)} | {10: "\\n", 13: "\\r", 9: "\\t",
+                                                              0x2028: "\\u2028", 0x2029: "\\u2029"}
 
 
 def _one_line(text: str) -> str:

@@ -6,6 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 say() { printf '[prepare] %s\n' "$*"; }
+export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
 
 [ "$(uname -s)" = Linux ] || { say "needs Linux"; exit 2; }
 [ "$(id -u)" = 0 ] || { say "needs root (apt, mount namespaces for the node hosts)"; exit 2; }

@@ -521,10 +521,12 @@ class AnsibleConnector:
             except HostError as e:
                 state.failed.setdefault(node, str(e))
         status, rc = outcome
-        if status == "failed" and not state.failed and not state.unreachable and state.output:
+        if status == "failed" and not state.failed and not state.unreachable:
             # Ansible stopped before any host ran (syntax error, bad inventory, ...)
+            errors = [o for o in state.output if "ERROR" in o] or state.output[-1:] or [f"rc {rc}"]
+            reason = " ".join(" ".join(errors).split())[:500]
             for node in nodes:
-                state.failed[node] = f"{node}: ansible-playbook failed: {state.output[-1][:500]}"
+                state.failed[node] = f"{node}: ansible-playbook failed: {reason}"
         if state.callback_error is not None:
             state.output.append(f"on_event failed: {state.callback_error!r}")
         return PlaybookResult(

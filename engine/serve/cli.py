@@ -3,7 +3,7 @@
 Thin: options -> ``load_config`` -> ``create_app`` -> uvicorn. The run machinery comes from
 ``engine.app.create_run_starter(settings, config)`` (the ``RunStarter`` of ``engine.serve.starter``);
 the cluster view reads through ``Settings.kube()``. Options shared with the other commands are
-declared here again rather than imported from ``engine.cli``, which imports this module.
+declared here again rather than imported from ``engine.cli``, which loads this module (no cycle).
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import socket
 import threading
 import time
@@ -59,7 +60,7 @@ def sleep_playbook(tmp_path: Path, seconds: int) -> Path:
     - name: First task
       ansible.builtin.command: "true"
     - name: Sleep on the host
-      ansible.builtin.command: sleep {seconds}
+      ansible.builtin.command: "sleep {{{{ seconds | default({seconds}) }}}}"
 """)
     return folder
 
@@ -240,7 +241,7 @@ def test_a_timeout_kills_the_whole_process_tree_here_and_on_the_host(omen2: Node
             time.sleep(0.1)
         assert processes_of(automation, "sleep 3131") == []
         # the connector still works afterwards (stale control sockets were removed)
-        assert isinstance(automation.gather_facts(["omen2"])["omen2"], HostFacts)
+        assert automation.run_playbook(Path("sleep.yml"), ["omen2"], extravars={"seconds": 0}).ok
     finally:
         stop.set()
         automation.close()
@@ -296,19 +297,21 @@ def files_containing(text: str, *roots: Path, skip: tuple[Path, ...] = ()) -> li
     return found
 
 
-def test_no_secret_and_no_artifact_is_left_on_disk(omen2: NodeHostSet, tmp_path: Path,
+def test_no_secret_and_no_artifact_is_left_on_disk(node_hosts: Callable[..., NodeHostSet], tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("RUNBOOK_BECOME_PASSWORD", PASSWORD)  # as the CLI would have it
-    inventory = inventory_without_passwords(omen2, tmp_path / "inv.yml")
-    automation = AnsibleConnector(inventory, sleep_playbook(tmp_path, 2), become_password=PASSWORD)
+    secret = f"Become-{secrets.token_hex(8)}"  # nowhere on this machine but the test bed's own files
+    hosts = node_hosts([NodeHostSpec("omen2", sudo="password", become_password=secret)], fstab=FSTAB)
+    monkeypatch.setenv("RUNBOOK_BECOME_PASSWORD", secret)  # as the CLI would have it
+    inventory = inventory_without_passwords(hosts, tmp_path / "inv.yml")
+    automation = AnsibleConnector(inventory, sleep_playbook(tmp_path, 2), become_password=secret)
     private = automation.private_data_dir
     leaks: list[str] = []
 
     def look_while_running() -> None:  # artifacts/<id>/command holds the child's whole environment
-        leaks.extend(files_containing(PASSWORD, private))
+        leaks.extend(files_containing(secret, private))
         for pid, cmd in processes_of(automation):
             try:
-                if PASSWORD.encode() in Path(f"/proc/{pid}/environ").read_bytes() + \
+                if secret.encode() in Path(f"/proc/{pid}/environ").read_bytes() + \
                         Path(f"/proc/{pid}/cmdline").read_bytes():
                     leaks.append(f"process {pid} {cmd}")
             except OSError:
@@ -327,7 +330,7 @@ def test_no_secret_and_no_artifact_is_left_on_disk(omen2: NodeHostSet, tmp_path:
     assert leaks == []
     assert not private.exists()
     # nothing anywhere under /tmp either (the test bed's own inventory holds it: skip that)
-    assert files_containing(PASSWORD, Path("/tmp"), skip=(omen2.workdir, tmp_path)) == []
+    assert files_containing(secret, Path("/tmp"), skip=(hosts.workdir, tmp_path)) == []
 
 
 def test_the_users_ansible_configuration_and_home_are_left_alone(omen2: NodeHostSet, tmp_path: Path,

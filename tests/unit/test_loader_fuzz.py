@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,9 @@ EXAMPLE = (REPO / "runbooks" / "example-label-and-file.yaml").read_text()
 FLAGSHIP_PATH = REPO / "runbooks" / "gpu-node-recovery.yaml"
 SEEDS = [EXAMPLE] + ([FLAGSHIP_PATH.read_text()] if FLAGSHIP_PATH.exists() else [])
 LOCATED = re.compile(r"^fuzz\.yaml:(\d+)(:\d+)?: .+")
-FUZZ = settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# RUNBOOK_FUZZ_EXAMPLES=5000 for a long run; CI keeps the default.
+FUZZ = settings(max_examples=int(os.environ.get("RUNBOOK_FUZZ_EXAMPLES", "250")), deadline=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
 
 def assert_loads_or_locates(data: bytes) -> None:

@@ -1,0 +1,125 @@
+"""The engine's ``RunStarter`` for ``runbook serve``: paged runs through the same RunService as the CLI.
+
+``submit`` only validates params and records the run (it is on the webhook's request path).
+``execute`` (in a worker thread) plans with live facts and previews; an ``approve``-mode run records
+its plan and digest and waits in ``waiting-approval``; an ``auto`` or approved run takes the node
+Lease and executes with the usual guards and verification. The journal is the only state, so runs
+and pending approvals survive a server restart (``recover``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from engine import api
+from engine.errors import RunbookError, UsageError
+from engine.journal import FINAL_STATES
+from engine.model import PlanState, RunState
+from engine.runs import RunService
+from engine.serve.starter import RunOutcome, RunRequest, RunTicket, TriggerSpec
+
+if TYPE_CHECKING:
+    from engine.settings import Settings
+
+
+class JournalRunStarter:
+    """Implements ``engine.serve.starter.RunStarter`` over ``RunService`` and the journal."""
+
+    def __init__(self, settings: Settings, *, lock_wait: float = 0.0) -> None:
+        self.service = RunService(settings, live=None, lock_wait=lock_wait)
+        loaded, problems = api.list_runbooks(settings.runbooks_dir)
+        if problems:
+            raise UsageError("; ".join(loc.format(msg) for loc, msg in problems))
+        self._runbooks = {lr.name: lr for lr in loaded}
+        self._executing: set[str] = set()
+        self._guard = threading.Lock()
+
+    @property
+    def journal(self) -> Any:
+        return self.service.journal
+
+    def trigger_index(self) -> Sequence[TriggerSpec]:
+        return [TriggerSpec(runbook=name, trigger=t, node_param=lr.runbook.node_param)
+                for name, lr in sorted(self._runbooks.items()) for t in lr.runbook.triggers]
+
+    def submit(self, request: RunRequest) -> RunTicket:
+        loaded = self._runbooks.get(request.runbook)
+        if loaded is None:
+            raise UsageError(f"no runbook named {request.runbook!r}")
+        prepared = api.prepare_run(loaded, dict(request.params), node=request.node)
+        run_id = self.service.create(
+            prepared, None, source=request.source, approval_required=request.mode == "approve",
+            note={"mode": request.mode, "reason": request.reason, "warnings": list(request.warnings),
+                  "dedup_key": request.dedup_key})
+        return RunTicket(run_id=run_id, state=RunState.PENDING.value)
+
+    def execute(self, run_id: str) -> RunOutcome:
+        with self._guard:
+            if run_id in self._executing:
+                rec = self.journal.get_run(run_id)
+                return RunOutcome(run_id, rec.state, rec.plan_digest, rec.exit_code, "already executing")
+            self._executing.add(run_id)
+        try:
+            return self._execute(run_id)
+        except RunbookError as e:
+            self.journal.append(run_id, "run.failed", reason=str(e))
+            self.journal.set_state(run_id, RunState.FAILED.value, exit_code=e.exit_code)
+            return RunOutcome(run_id, RunState.FAILED.value, None, e.exit_code, str(e))
+        finally:
+            with self._guard:
+                self._executing.discard(run_id)
+
+    def _execute(self, run_id: str) -> RunOutcome:
+        rec = self.journal.get_run(run_id)
+        if rec.state in FINAL_STATES:
+            return RunOutcome(run_id, rec.state, rec.plan_digest, rec.exit_code, "already finished")
+        loaded = self._runbooks[rec.runbook]
+        if rec.plan is None:
+            prepared = api.prepare_run(loaded, dict(rec.params))
+            plan = self.service.plan(prepared, preview=rec.approval_required)
+            self.service.record_plan(run_id, plan)
+            resume = False
+        else:
+            prepared, plan = self.service.prepare_from_record(run_id)
+            resume = rec.state == "interrupted" or bool(self.journal.step_progress(run_id)[0])
+        if plan.state is PlanState.BLOCKED:
+            reason = "; ".join(plan.blocked_reasons)
+            self.journal.append(run_id, "run.blocked", reason=reason)
+            self.journal.set_state(run_id, RunState.BLOCKED.value, exit_code=3)
+            return RunOutcome(run_id, RunState.BLOCKED.value, plan.digest, 3, reason)
+        if rec.approval_required and rec.approved_digest != plan.digest:
+            self.journal.set_state(run_id, RunState.WAITING_APPROVAL.value)
+            self.journal.append(run_id, "approval.waiting", plan_digest=plan.digest,
+                                reason="approve-mode run: POST /runs/{id}/approve with this plan_digest")
+            return RunOutcome(run_id, RunState.WAITING_APPROVAL.value, plan.digest, None, "waiting for approval")
+        result = self.service.execute(run_id, prepared, plan, approved=True, wait_approval=False, resume=resume)
+        return RunOutcome(run_id, result.state.value, plan.digest, result.exit_code, result.reason)
+
+    def approve(self, run_id: str, plan_digest: str, approved_by: str) -> Mapping[str, Any]:
+        return self.service.approve(run_id, plan_digest, approved_by)
+
+    def runs(self, limit: int = 100) -> Sequence[Mapping[str, Any]]:
+        return [r.summary() for r in self.journal.list_runs(limit=limit)]
+
+    def run(self, run_id: str) -> Mapping[str, Any]:
+        rec = self.journal.get_run(run_id)
+        events = self.journal.events(run_id)
+        notes = [e.data for e in events if e.kind == "run.note"]
+        return {**rec.summary(), "plan": rec.plan, "warnings": notes[0].get("warnings", []) if notes else [],
+                "reason": notes[0].get("reason", "") if notes else "",
+                "events": [e.as_dict() for e in events]}
+
+    def recover(self) -> Sequence[str]:
+        """Runs a previous server left: pending, approved-but-waiting, or interrupted ones."""
+        out = []
+        for rec in self.journal.list_runs(limit=1000, states=("pending", "waiting-approval", "running")):
+            if rec.source not in ("alertmanager", "pagerduty"):
+                continue
+            if rec.state == "pending" or rec.state == "interrupted" or (
+                    rec.state == "waiting-approval" and rec.approved_digest and
+                    rec.approved_digest == rec.plan_digest):
+                self.journal.claim(rec.id)
+                out.append(rec.id)
+        return list(reversed(out))

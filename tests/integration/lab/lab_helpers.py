@@ -1,0 +1,45 @@
+"""Small helpers shared by the lab's integration tests (imported as ``lab_helpers``: this folder is on sys.path)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def wait_for(probe: Callable[[], T], timeout: float, what: str, interval: float = 0.3) -> T:
+    """Poll ``probe`` until it returns something truthy; fail naming ``what`` (and the last value)."""
+    deadline = time.monotonic() + timeout
+    value = probe()
+    while not value:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} (last: {value!r})")
+        time.sleep(interval)
+        value = probe()
+    return value
+
+
+def kubectl_json(sh: Callable[..., Any], args: str) -> Any:
+    return json.loads(sh(f"kubectl {args} -o json", check=True).stdout)
+
+
+def ansible(sh: Callable[..., Any], host: str, command: str, become: bool = True) -> Any:
+    """``ansible -i "$RUNBOOK_INVENTORY" HOST [-b] -m command -a COMMAND``, exactly as an operator types it."""
+    flag = "-b " if become else ""
+    quoted = command.replace("'", "'\\''")
+    return sh(f"ansible -i \"$RUNBOOK_INVENTORY\" {host} {flag}-m command -a '{quoted}'")
+
+
+def node(sh: Callable[..., Any], name: str) -> Any:
+    return kubectl_json(sh, f"get node {name}")
+
+
+def condition(obj: Any, type_: str) -> dict[str, Any]:
+    return next((c for c in obj.get("status", {}).get("conditions", []) if c["type"] == type_), {})
+
+
+def taints(obj: Any) -> set[tuple[str, str]]:
+    return {(t["key"], t["effect"]) for t in obj.get("spec", {}).get("taints", []) or []}
