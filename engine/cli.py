@@ -64,6 +64,9 @@ def common_options(func: F) -> F:
         except KeyboardInterrupt:
             click.echo("cancelled", err=True)
             sys.exit(ExitCode.CANCELLED)
+        ctx = click.get_current_context()
+        if isinstance(ctx.command, click.Group) and ctx.invoked_subcommand:
+            return None  # a group's own options were taken; its subcommand runs next
         sys.exit(code or 0)
 
     return wrapper  # type: ignore[return-value]
@@ -117,7 +120,7 @@ class LazyGroup(click.Group):
             import importlib
 
             module, attr, _ = self.LAZY[cmd_name]
-            return getattr(importlib.import_module(module), attr)  # type: ignore[no-any-return]
+            return getattr(importlib.import_module(module), attr)
         return super().get_command(ctx, cmd_name)
 
 
@@ -245,13 +248,12 @@ def resume(settings: Settings, run_id: str, yes: bool, output: str) -> int:
 
 
 @main.group(invoke_without_command=True)
-@click.pass_context
 @common_options
 @click.option("-o", "--output", type=OUTPUT, default="text")
 @click.option("--limit", type=click.IntRange(1), default=50, show_default=True)
-def runs(settings: Settings, ctx: click.Context, output: str, limit: int) -> int:
+def runs(settings: Settings, output: str, limit: int) -> int:
     """History of runs (id, runbook, params, state, started, finished)."""
-    if ctx.invoked_subcommand is not None:
+    if click.get_current_context().invoked_subcommand is not None:
         return 0
     from engine import app
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
+
 @dataclass(frozen=True)
 class Taint:
     key: str

@@ -41,14 +41,14 @@ class Settings:
 
                 value = getpass.getpass("BECOME password: ")
             self._cache["become"] = value
-        return self._cache["become"]  # type: ignore[no-any-return]
+        return self._cache["become"]
 
     def kube(self) -> KubeAPI:
         if "kube" not in self._cache:
             from engine.connectors.kube import KubeConnector
 
             self._cache["kube"] = KubeConnector(kubeconfig=self.kubeconfig, context=self.context)
-        return self._cache["kube"]  # type: ignore[no-any-return]
+        return self._cache["kube"]
 
     def nodes(self, playbooks_dir: Path) -> NodeAutomation:
         if "nodes" not in self._cache:
@@ -60,7 +60,7 @@ class Settings:
 
             self._cache["nodes"] = AnsibleConnector(self.inventory, playbooks_dir,
                                                     become_password=self.become_password())
-        return self._cache["nodes"]  # type: ignore[no-any-return]
+        return self._cache["nodes"]
 
     def open_journal(self) -> Journal:
         if "journal" not in self._cache:
@@ -70,7 +70,7 @@ class Settings:
             j.add_secret(self.become_password() if "become" in self._cache else
                          os.environ.get("RUNBOOK_BECOME_PASSWORD"))
             self._cache["journal"] = j
-        return self._cache["journal"]  # type: ignore[no-any-return]
+        return self._cache["journal"]
 
     def close(self) -> None:
         nodes = self._cache.pop("nodes", None)

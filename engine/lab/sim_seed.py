@@ -105,7 +105,7 @@ def _wait_established(kube: Kube, names: list[str], timeout: float = 30.0) -> No
         ok = 0
         for name in names:
             crd = kube.get(CRDS, name) or {}
-            conditions = crd.get("status", {}).get("conditions", [])
+            conditions = (crd.get("status") or {}).get("conditions") or []
             ok += any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
         if ok == len(names):
             return

@@ -43,3 +43,8 @@ def condition(obj: Any, type_: str) -> dict[str, Any]:
 
 def taints(obj: Any) -> set[tuple[str, str]]:
     return {(t["key"], t["effect"]) for t in obj.get("spec", {}).get("taints", []) or []}
+
+
+def output_lines(result: Any) -> list[str]:
+    """The command's output lines in an ad-hoc ``ansible`` result (after the ``HOST | ... >>`` line)."""
+    return [line for line in result.stdout.splitlines()[1:] if line.strip()]

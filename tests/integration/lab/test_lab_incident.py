@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
-from lab_helpers import ansible, condition, kubectl_json, taints
+from lab_helpers import ansible, condition, kubectl_json, output_lines, taints
 
 from engine.lab.labcli import lab_group
 from engine.lab.sim_kube import parse_time
@@ -114,7 +114,7 @@ def test_omen2_gpu_is_on_the_nvidia_driver_with_a_cuda_job(incident: Any, sh: An
 def test_another_gpu_node_is_down_for_a_cause_other_than_swap(incident: Any, sh: Any) -> None:
     journal = ansible(sh, "gpu-3090-2", "journalctl -u kubelet -n 5").stdout
     assert "validate CRI v1 runtime API" in journal and "swap" not in journal
-    assert ansible(sh, "gpu-3090-2", "swapon --show").stdout.splitlines()[1:] == []
+    assert output_lines(ansible(sh, "gpu-3090-2", "swapon --show")) == []
     assert "failed" in ansible(sh, "gpu-3090-2", "systemctl is-active containerd", become=False).stdout
     lspci = ansible(sh, "gpu-3090-2", "lspci -nn -d 10de:2204").stdout
     assert "GA102 [GeForce RTX 3090] [10de:2204]" in lspci

@@ -10,7 +10,7 @@ from collections import Counter
 from typing import Any
 
 import pytest
-from lab_helpers import ansible, condition, kubectl_json, node, taints, wait_for
+from lab_helpers import ansible, condition, kubectl_json, node, output_lines, taints, wait_for
 
 from engine.errors import RunbookError
 from engine.lab.hoststate import HostState
@@ -87,7 +87,7 @@ def test_restarting_kubelet_before_relabelling_kills_the_cuda_job_and_never_yiel
 def test_lab_job_stops_and_starts_the_host_cuda_job(fresh_lab: Any, sh: Any) -> None:
     query = "nvidia-smi --query-compute-apps=pid,process_name --format=csv,noheader"
     assert fresh_lab.lab.job("omen2", "stop")["cuda_jobs"] == []
-    assert ansible(sh, "omen2", query).stdout.splitlines()[1:] == []
+    assert output_lines(ansible(sh, "omen2", query)) == []
     jobs = fresh_lab.lab.job("omen2", "start")["cuda_jobs"]
     assert len(jobs) == 1
     assert f"{jobs[0]['pid']}, python3" in ansible(sh, "omen2", query).stdout
