@@ -212,6 +212,41 @@ def run(prepared: PreparedRun, the_plan: Plan, kube: KubeAPI | None, nodes: Node
                             approve=approve, approved=approved)
 
 
+def run_fleet(runs: Sequence[tuple[PreparedRun, Plan]], kube: KubeAPI | None, nodes: NodeAutomation | None, *,
+              events_for: Callable[[str], Any], max_parallel: int = 1, settle: float = 0.0,
+              cancel: threading.Event | None = None, sleep: Callable[[float], None] = time.sleep,
+              run_one: Callable[[PreparedRun, Plan, Any], RunResult] | None = None) -> list[RunResult]:
+    """Rolling runs over a fleet: batches of ``max_parallel`` nodes run concurrently, ``settle``
+    seconds between batches; a batch with any run not succeeded stops the rollout (later nodes are
+    not started). ``events_for(node)`` gives each node's sink (its journal); ``run_one`` lets the
+    caller wrap a run (e.g. take the node's Lease) and defaults to ``run``."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from engine.model import RunState
+
+    cancel = cancel if cancel is not None else threading.Event()
+
+    def default_run(prepared: PreparedRun, the_plan: Plan, sink: Any) -> RunResult:
+        return run(prepared, the_plan, kube, nodes, events=sink, cancel=cancel)
+
+    one = run_one or default_run
+    results: list[RunResult] = []
+    batches = planning.fleet_batches([p.node for p, _ in runs], max_parallel)
+    by_node = {p.node: (p, pl) for p, pl in runs}
+    for i, batch in enumerate(batches):
+        if cancel.is_set():
+            break
+        if i and settle > 0:
+            sleep(settle)
+        with ThreadPoolExecutor(max_workers=len(batch), thread_name_prefix="fleet") as pool:
+            futures = [pool.submit(one, by_node[n][0], by_node[n][1], events_for(n)) for n in batch]
+            batch_results = [f.result() for f in futures]
+        results += batch_results
+        if any(r.state is not RunState.SUCCEEDED for r in batch_results):
+            break
+    return results
+
+
 def check_saved_plan(saved: Plan, loaded: LoadedRunbook, kube: KubeAPI | None, nodes: NodeAutomation | None, *,
                      now: datetime | None = None) -> tuple[list[str], PreparedRun]:
     """Re-gather the facts a saved plan depends on; the reasons it is stale ([] = apply it)."""

@@ -109,8 +109,9 @@ class NodeAutomation(Protocol):
         Raises ``HostError`` for a node the inventory does not know."""
         ...
 
-    def gather_facts(self, nodes: Sequence[str]) -> Mapping[str, HostFacts | Exception]:
-        """One read-only run for all nodes (forks); per node, facts or the error."""
+    def gather_facts(self, nodes: Sequence[str], files: Sequence[str] = ()) -> Mapping[str, HostFacts | Exception]:
+        """One read-only run for all nodes (forks); per node, facts or the error.
+        ``files``: paths whose existence, content and digest the facts should include."""
         ...
 
     def run_playbook(self, playbook: Path, nodes: Sequence[str], *, extravars: Mapping[str, Any] | None = None,

@@ -18,7 +18,8 @@ namespace it is bind-mounted at ``/run/runbook-lab``). It holds:
 ``state.json`` (version 1)::
 
     {"version": 1, "host": "omen2", "seq": 12,
-     "swap": {"devices": {"/swapfile": {"type": "file", "size": 34359738368}},   # what could be swapped on
+     "swap": {"devices": {"/swapfile": {"type": "file", "size": 34359738368, "used": 0,
+                          "in_fstab": true}},                                     # what could be swapped on
               "active": ["/swapfile"]},                                           # in activation order
      "units": {"kubelet": {"active": "activating", "sub": "auto-restart", "result": "exit-code",
                            "enabled": true, "desired": "running", "restarts": 9676,

@@ -77,7 +77,7 @@ def host_state(node: Node, scenario: Scenario, now: float) -> tuple[Obj, list[Ob
     units["kubelet"] = kubelet_unit
     state: Obj = {
         "host": node.name, "next_pid": 2001,
-        "swap": {"devices": {path: {k: v for k, v in dev.model_dump().items() if v is not None and k != "in_fstab"}
+        "swap": {"devices": {path: {k: v for k, v in dev.model_dump().items() if v is not None}
                              for path, dev in host.swap.devices.items()},
                  "active": list(host.swap.active)},
         "units": units,

@@ -19,6 +19,7 @@ import yaml
 from engine.connectors.base import PodRef
 from engine.connectors.kube import KubeConnector
 from engine.errors import Conflict, KubeError, NotFound
+from engine.facts import NodeFacts
 from engine.lab.controlplane import ControlPlane
 
 pytestmark = pytest.mark.integration
@@ -105,10 +106,12 @@ def test_wait_for_node_returns_within_50_ms_of_the_change(kube: KubeConnector, k
             started["t"] = time.monotonic()
             writer.patch_node("omen2", {"metadata": {"labels": {"step": value}}})
 
+        def stepped(n: NodeFacts | None, v: str = str(i)) -> bool:
+            return n is not None and n.labels.get("step") == v
+
         t = threading.Thread(target=change)
         t.start()
-        ok, node = kube.wait_for_node("omen2", lambda n, v=str(i): n is not None and n.labels.get("step") == v,
-                                      timeout=10)
+        ok, node = kube.wait_for_node("omen2", stepped, timeout=10)
         seen = time.monotonic()
         t.join()
         assert ok and node is not None and node.labels["step"] == str(i)

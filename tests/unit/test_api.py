@@ -117,3 +117,29 @@ def test_a_fleet_is_planned_with_one_host_facts_run() -> None:
     plans = api.plan_fleet(prepared, kube, nodes, now=NOW, preview=False)
     assert [(p.node, p.state) for p in plans] == [("omen1", PlanState.NOTHING_TO_DO), ("omen2", PlanState.READY)]
     assert len(nodes.gathers) == 1 and sorted(nodes.gathers[0][0]) == ["omen1", "omen2"]
+
+
+def test_a_fleet_rolls_out_in_batches_and_stops_at_the_first_failed_batch() -> None:
+    clock = FakeClock()
+    names = ["omen1", "omen2", "omen3", "omen4", "omen5"]
+    kube = FakeKube([incident_node(n) for n in names], clock=clock)
+    nodes = FakeNodes({n: incident_host(n) for n in names}, clock=clock)
+    nodes.hosts["omen4"] = make_host("omen4", kubelet="failed", journal="other cause")  # omen4 is refused
+    install_recovery_effects(kube, nodes)
+    loaded = api.load(DATA / "runbooks" / "gpu-recovery.yaml", playbooks_dir=DATA / "playbooks")
+    prepared = api.prepare_fleet(loaded, [], names)
+    plans = api.plan_fleet(prepared, kube, nodes, now=NOW, preview=False)
+    sinks = {n: RecordingSink() for n in names}
+    lock = threading.Lock()
+
+    def run_one(p: api.PreparedRun, pl: Any, sink: Any) -> Any:
+        with lock:  # the fake clock is shared: keep the runs of a batch from interleaving on it
+            return api.run(p, pl, kube, nodes, events=sink, clock=clock, sleep=clock.sleep, wall=clock.wall)
+
+    results = api.run_fleet(list(zip(prepared, plans, strict=True)), kube, nodes, events_for=sinks.__getitem__,
+                            max_parallel=2, settle=30.0, sleep=clock.sleep, run_one=run_one)
+    assert [(r.node, r.state) for r in results] == [
+        ("omen1", RunState.SUCCEEDED), ("omen2", RunState.SUCCEEDED), ("omen3", RunState.SUCCEEDED),
+        ("omen4", RunState.BLOCKED)]
+    assert sinks["omen5"].events == []  # never started
+    assert 30.0 in clock.sleeps

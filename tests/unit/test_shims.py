@@ -114,6 +114,14 @@ def test_systemctl_lists_the_active_swap_unit(host: HostState) -> None:
     assert result.stdout.split() == ["swapfile.swap", "loaded", "active", "active", "/swapfile"]
 
 
+def test_systemctl_show_tells_a_fstab_swap_unit_from_others(host: HostState) -> None:
+    result = run(host, "systemctl", "show", "--property=Id,FragmentPath,SourcePath", "--", "swapfile.swap")
+    assert result.stdout == ("Id=swapfile.swap\nFragmentPath=/run/systemd/generator/swapfile.swap\n"
+                             "SourcePath=/etc/fstab\n")
+    host.update(lambda s: s["swap"]["devices"]["/swapfile"].update(in_fstab=False))
+    assert run(host, "systemctl", "show", "-p", "SourcePath", "--value", "swapfile.swap").stdout == "\n"
+
+
 def test_journalctl_prints_the_kubelet_swap_error_and_systemd_lines(host: HostState) -> None:
     result = run(host, "journalctl", "-u", "kubelet", "-n", "5", "--no-pager")
     lines = result.stdout.splitlines()

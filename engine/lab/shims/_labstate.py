@@ -9,21 +9,23 @@ import fcntl
 import json
 import os
 import time
+from collections.abc import Callable
+from typing import Any
 
 STATE_DIR = os.environ.get("RUNBOOK_LAB_HOST_STATE", "/run/runbook-lab")
 FSTAB = os.environ.get("RUNBOOK_LAB_FSTAB", "/etc/fstab")
 
 
-def state_file(name):
+def state_file(name: str) -> str:
     return os.path.join(STATE_DIR, name)
 
 
-def load_state():
+def load_state() -> dict[str, Any]:
     with open(state_file("state.json")) as f:  # replaced by rename: a plain read is consistent
-        return json.load(f)
+        return dict(json.load(f))
 
 
-def update_state(change):
+def update_state(change: Callable[[dict[str, Any]], Any]) -> Any:
     """Apply change(state) under the exclusive lock, write state.json and /proc/swaps back."""
     with open(state_file("state.lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -40,7 +42,7 @@ def update_state(change):
     return result
 
 
-def write_proc_swaps(state):
+def write_proc_swaps(state: dict[str, Any]) -> None:
     lines = ["Filename\t\t\t\tType\t\tSize\t\tUsed\t\tPriority"]
     devices = state.get("swap", {}).get("devices", {})
     for index, name in enumerate(state.get("swap", {}).get("active", [])):
@@ -55,14 +57,14 @@ def write_proc_swaps(state):
         f.truncate()
 
 
-def append_journal(unit, ident, pid, messages):
+def append_journal(unit: str, ident: str, pid: int, messages: list[str]) -> None:
     with open(state_file("journal.jsonl"), "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         for msg in messages:
             f.write(json.dumps({"ts": time.time(), "unit": unit, "ident": ident, "pid": pid, "msg": msg}) + "\n")
 
 
-def log_call(cmd, argv, rc):
+def log_call(cmd: str, argv: list[str], rc: int) -> None:
     with open(state_file("calls.jsonl"), "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         f.write(json.dumps({"ts": time.time(), "cmd": cmd, "argv": argv, "uid": os.geteuid(), "rc": rc}) + "\n")
