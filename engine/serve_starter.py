@@ -109,6 +109,7 @@ class JournalRunStarter:
         notes = [e.data for e in events if e.kind == "run.note"]
         return {**rec.summary(), "plan": rec.plan, "warnings": notes[0].get("warnings", []) if notes else [],
                 "reason": notes[0].get("reason", "") if notes else "",
+                "outcome_reason": outcome_reason(events),
                 "events": [e.as_dict() for e in events]}
 
     def recover(self) -> Sequence[str]:
@@ -123,3 +124,16 @@ class JournalRunStarter:
                 self.journal.claim(rec.id)
                 out.append(rec.id)
         return list(reversed(out))
+
+
+_OUTCOME_EVENTS = ("run.blocked", "run.failed", "run.cancelled", "run.error", "run.finish",
+                   "approval.waiting", "approval.granted")
+
+
+def outcome_reason(events: Sequence[Any]) -> str:
+    """Why the run is where it is: the reason of its last blocked/failed/finished/waiting event
+    (e.g. the Lease holder that blocked it), or "" while nothing decided it yet."""
+    for e in reversed(events):
+        if e.kind in _OUTCOME_EVENTS:
+            return str(e.data.get("reason") or e.data.get("error") or "")
+    return ""

@@ -47,7 +47,11 @@ class Settings:
         if "kube" not in self._cache:
             from engine.connectors.kube import KubeConnector
 
-            self._cache["kube"] = KubeConnector(kubeconfig=self.kubeconfig, context=self.context)
+            # Inside a pod with no kubeconfig at hand: the service account's in-cluster config.
+            in_cluster = (self.kubeconfig is None and "KUBERNETES_SERVICE_HOST" in os.environ
+                          and not (Path.home() / ".kube" / "config").exists())
+            self._cache["kube"] = KubeConnector(kubeconfig=self.kubeconfig, context=self.context,
+                                                in_cluster=in_cluster)
         return self._cache["kube"]
 
     def nodes(self, playbooks_dir: Path) -> NodeAutomation:

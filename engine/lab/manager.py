@@ -90,7 +90,10 @@ class Lab:
         return load_scenario(self.record()["scenario"])
 
     def kube(self) -> Kube:
-        return Kube(self.record()["kubeconfig"])
+        """A client as the lab's own user (``lab-simulator``): the audit log keeps the engine's
+        (admin) mutations apart from the lab's seeding and simulation."""
+        record = self.record()
+        return Kube(record.get("simulator_kubeconfig") or record["kubeconfig"])
 
     # -- up -----------------------------------------------------------------------------------------
     def up(self, scenario_path: Path | str | None = None, *, timeout: float = 180.0,
@@ -130,12 +133,13 @@ class Lab:
             started.append(f"control plane at {plane.url} (pids {sorted(plane.pids().values())})")
             progress(started[-1])
             self._start_hosts(scenario, record, progress, started)
-            kube = Kube(record["kubeconfig"])
+            kube = self.kube()
             sim_seed.seed_cluster(kube, scenario, self._addresses(record), self._host_states(record))
             self._start_simulator(record)
             started.append(f"simulator (pid {record['simulator']['pid']}, log {self.dir / 'simulator.log'})")
             progress(started[-1])
             self._wait_for_scenario(kube, scenario, timeout, progress)
+            kube.close()
         except BaseException:
             progress("start-up failed: stopping what was started")
             with contextlib.suppress(Exception):

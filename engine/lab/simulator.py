@@ -117,6 +117,7 @@ class Simulator:
             self.last_trim = now
             for rt in self.nodes.values():
                 rt.host.trim_journal()
+            self.created = {k: t for k, t in self.created.items() if now - t < 60}
 
     # -- kubelet -----------------------------------------------------------------------------------
     def _kubelet_unit(self, rt: NodeRuntime, now: float) -> None:

@@ -1,0 +1,288 @@
+"""Helpers for the end-to-end tests of ``runbook serve`` on the lab (imported as ``serve_helpers``).
+
+* ``serving(...)``: ``runbook serve`` as a real subprocess (its own journal, config file, token and
+  port on 127.0.0.1), ready once ``/healthz`` answers; on exit it is stopped with SIGTERM, then
+  SIGKILL, and so is every process it started (ansible-playbook and ssh of a run).
+* ``alertmanager(...)``: Debian's ``prometheus-alertmanager`` on loopback, gossip off, with a webhook
+  receiver that sends ``Authorization: Bearer <token>`` to the server.
+* small probes: a run's state, omen2 as the API shows it, ``runbook lab status -o json``.
+
+Every loop here has a deadline; nothing listens beyond 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from engine.lab.ports import free_port
+from engine.lab.procs import ProcessRef, die_with_parent, reap_child, stop_processes
+
+REPO = Path(__file__).resolve().parents[3]
+TOKEN = "lab-serve-token-7f3a"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+PD_SECRET = "lab-pagerduty-secret-91c2"
+FINAL = ("succeeded", "failed", "blocked", "cancelled")
+# Test servers give running runs little time on SIGTERM (nothing should be running when they stop).
+BASE_CONFIG: dict[str, Any] = {"shutdown_grace": "5s"}
+_ENV_DROPPED = ("RUNBOOK_SERVE_CONFIG", "RUNBOOK_SERVE_FORCE_MODE", "RUNBOOK_NOTIFY_URL",
+                "RUNBOOK_WEBHOOK_TOKEN", "RUNBOOK_PAGERDUTY_SECRET", "RUNBOOK_JOURNAL")
+
+
+def runbook_command() -> list[str]:
+    """The installed ``runbook`` script of this interpreter, else ``python -m engine``."""
+    beside = Path(sys.executable).with_name("runbook")
+    if beside.exists():
+        return [str(beside)]
+    return [sys.executable, "-m", "engine"]
+
+
+def descendants(pid: int) -> list[ProcessRef]:
+    """Every live process below ``pid`` (children, grandchildren...), as refs safe against PID reuse."""
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry.name}/stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    found: list[ProcessRef] = []
+    todo = list(children.get(pid, []))
+    while todo:
+        child = todo.pop()
+        ref = ProcessRef.of(child)
+        if ref.start_time != -1:
+            found.append(ref)
+        todo.extend(children.get(child, []))
+    return found
+
+
+@dataclass
+class Server:
+    """A running ``runbook serve`` subprocess."""
+
+    url: str
+    port: int
+    proc: subprocess.Popen[bytes]
+    ref: ProcessRef
+    log_path: Path
+    journal: Path
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def get(self, path: str, **kw: Any) -> httpx.Response:
+        return httpx.get(self.url + path, timeout=10, **kw)
+
+    def post(self, path: str, **kw: Any) -> httpx.Response:
+        return httpx.post(self.url + path, timeout=10, **kw)
+
+    def alert(self, payload: Mapping[str, Any], headers: Mapping[str, str] | None = None) -> httpx.Response:
+        return self.post("/hooks/alertmanager", json=dict(payload), headers=dict(AUTH if headers is None else headers))
+
+    def runs(self) -> list[dict[str, Any]]:
+        r = self.get("/runs")
+        assert r.status_code == 200, r.text
+        runs: list[dict[str, Any]] = r.json()
+        return runs
+
+    def run(self, run_id: str) -> dict[str, Any]:
+        r = self.get(f"/runs/{run_id}")
+        assert r.status_code == 200, r.text
+        run: dict[str, Any] = r.json()
+        return run
+
+    def approve(self, run_id: str, digest: str, by: str = "alice") -> httpx.Response:
+        return self.post(f"/runs/{run_id}/approve", json={"plan_digest": digest, "approved_by": by}, headers=AUTH)
+
+    def wait_state(self, run_id: str, states: tuple[str, ...], timeout: float) -> dict[str, Any]:
+        """Poll ``GET /runs/{id}`` until its state is one of ``states``; fail early on another final state."""
+        deadline = time.monotonic() + timeout
+        while True:
+            run = self.run(run_id)
+            if run["state"] in states:
+                return run
+            if run["state"] in FINAL or time.monotonic() > deadline:
+                events = [f"{e['kind']} {e.get('step') or ''} {e.get('reason') or e.get('error') or ''}".strip()
+                          for e in run.get("events", [])][-15:]
+                raise AssertionError(
+                    f"run {run_id} is {run['state']} ({run.get('outcome_reason', '')}), expected {states}; "
+                    f"events: {events}\nserver log:\n{self.log_tail()}")
+            assert self.proc.poll() is None, f"runbook serve exited {self.proc.returncode}:\n{self.log_tail()}"
+            time.sleep(0.5)
+
+    def wait_runs(self, predicate: Callable[[list[dict[str, Any]]], bool], timeout: float,
+                  what: str) -> list[dict[str, Any]]:
+        deadline = time.monotonic() + timeout
+        while True:
+            runs = self.runs()
+            if predicate(runs):
+                return runs
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out waiting for {what}; runs: {runs}\nserver log:\n{self.log_tail()}")
+            time.sleep(0.3)
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """SIGTERM (the server drains), SIGKILL after ``timeout``; then whatever it started, too."""
+        below = descendants(self.proc.pid)
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        # Why: a run's ansible-playbook calls setsid; if the server was killed mid-run it would outlive it.
+        stop_processes([r for r in below if r.alive()], timeout=5, reap=reap_child)
+
+
+def write_config(path: Path, config: Mapping[str, Any]) -> Path:
+    path.write_text(yaml.safe_dump({**BASE_CONFIG, **dict(config)}, sort_keys=True))
+    return path
+
+
+@contextmanager
+def serving(env: Mapping[str, str], workdir: Path, config: Mapping[str, Any] | None = None, *,
+            journal: Path | None = None, name: str = "serve", pd_secret: str | None = None,
+            token: str | None = TOKEN, timeout: float = 30.0) -> Iterator[Server]:
+    """``runbook serve --listen 127.0.0.1:PORT --config CFG`` with the lab's environment; stopped on exit."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    cfg = write_config(workdir / f"{name}.yaml", config or {})
+    journal = journal or workdir / "journal.sqlite"
+    port = free_port("127.0.0.1")
+    child_env = {k: v for k, v in env.items() if k not in _ENV_DROPPED}
+    child_env["RUNBOOK_JOURNAL"] = str(journal)
+    if token:
+        child_env["RUNBOOK_WEBHOOK_TOKEN"] = token
+    if pd_secret:
+        child_env["RUNBOOK_PAGERDUTY_SECRET"] = pd_secret
+    log_path = workdir / f"{name}.log"
+    with log_path.open("ab") as log:
+        proc = subprocess.Popen(
+            [*runbook_command(), "serve", "--listen", f"127.0.0.1:{port}", "--config", str(cfg),
+             "--runbooks-dir", str(REPO / "runbooks")],
+            cwd=REPO, env=child_env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            preexec_fn=die_with_parent)
+    server = Server(f"http://127.0.0.1:{port}", port, proc, ProcessRef.of(proc.pid), log_path, journal)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise AssertionError(f"runbook serve exited {proc.returncode} at start:\n{server.log_tail()}")
+            try:
+                if httpx.get(server.url + "/healthz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError(f"runbook serve did not answer /healthz in {timeout:.0f} s:\n{server.log_tail()}")
+            time.sleep(0.1)
+        yield server
+    finally:
+        server.stop()
+
+
+# -- the real Alertmanager ----------------------------------------------------------------------------
+
+
+def alertmanager_binary() -> str:
+    """Debian's prometheus-alertmanager; skip when missing, unless CI=true (then fail)."""
+    found = shutil.which("prometheus-alertmanager") or (
+        "/usr/bin/prometheus-alertmanager" if Path("/usr/bin/prometheus-alertmanager").exists() else None)
+    if found is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("prometheus-alertmanager is missing (apt-get install prometheus-alertmanager)")
+        pytest.skip("prometheus-alertmanager is not installed")
+    return found
+
+
+@contextmanager
+def alertmanager(workdir: Path, serve_url: str, token: str = TOKEN, timeout: float = 20.0) -> Iterator[str]:
+    """A real Alertmanager whose only receiver is ``serve_url``'s webhook; yields its base URL."""
+    binary = alertmanager_binary()
+    workdir.mkdir(parents=True, exist_ok=True)
+    port = free_port("127.0.0.1")
+    config = workdir / "am.yml"
+    config.write_text(yaml.safe_dump({
+        "route": {"receiver": "runbook", "group_by": ["alertname", "node"], "group_wait": "1s",
+                  "group_interval": "5s", "repeat_interval": "1h"},
+        "receivers": [{"name": "runbook", "webhook_configs": [{
+            "url": f"{serve_url}/hooks/alertmanager", "send_resolved": True,
+            "http_config": {"authorization": {"credentials": token}}}]}],
+    }))
+    log_path = workdir / "alertmanager.log"
+    with log_path.open("ab") as log:
+        proc = subprocess.Popen(
+            [binary, f"--config.file={config}", f"--storage.path={workdir / 'am-data'}",
+             f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address=", "--log.level=debug"],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+    ref = ProcessRef.of(proc.pid)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if httpx.get(f"{base}/-/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None, log_path.read_text(errors="replace")
+            assert time.monotonic() < deadline, "alertmanager did not become ready"
+            time.sleep(0.1)
+        yield base
+    finally:
+        stop_processes([ref], timeout=10, reap=reap_child)
+        proc.wait(5)
+
+
+def fire(am_url: str, node: str, alertname: str = "KubeNodeNotReady") -> None:
+    """Post a firing alert to Alertmanager the way Prometheus does (``POST /api/v2/alerts``)."""
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    r = httpx.post(f"{am_url}/api/v2/alerts", json=[{
+        "labels": {"alertname": alertname, "node": node, "condition": "Ready", "status": "true",
+                   "severity": "warning", "job": "kube-state-metrics"},
+        "annotations": {"summary": f"{node} has been unready for more than 15 minutes."},
+        "startsAt": now, "generatorURL": "http://127.0.0.1:9/graph"}], timeout=5)
+    assert r.status_code == 200, r.text
+
+
+# -- what the lab shows ---------------------------------------------------------------------------------
+
+
+def lab_status(sh: Callable[..., Any], node: str = "omen2") -> dict[str, Any]:
+    """``runbook lab status -o json``'s entry for ``node``."""
+    status = json.loads(sh("runbook lab status -o json", check=True).stdout)
+    entry: dict[str, Any] = next(n for n in status["nodes"] if n["name"] == node)
+    return entry
+
+
+def node_json(sh: Callable[..., Any], node: str = "omen2") -> dict[str, Any]:
+    obj: dict[str, Any] = json.loads(sh(f"kubectl get node {node} -o json", check=True).stdout)
+    return obj
+
+
+def ready_status(obj: Mapping[str, Any]) -> str | None:
+    for c in obj.get("status", {}).get("conditions", []):
+        if c.get("type") == "Ready":
+            return str(c.get("status"))
+    return None
