@@ -8,6 +8,8 @@ node's resourceVersion (or the current taint list), so a concurrent edit makes t
 instead of silently overwriting someone else's taint.
 
 ``ansible_command`` gives the ``ansible-playbook`` line an operator would type for a playbook step.
+``select_pods`` narrows the pods an ``evict`` / ``delete_pods`` lists on the node to those asking for
+the selector's ``resource`` (``evict: {resource: nvidia.com/gpu}``: the node's GPU pods).
 Actions must already be bound (templates rendered, ``checks.bind``) before they come here.
 """
 
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from engine.connectors.base import PodRef
 from engine.facts import NodeFacts, Taint
 from engine.model import (
     AnsibleSpec,
@@ -181,13 +184,23 @@ def kube_effect(verb: Any, node: NodeFacts) -> KubeEffect | NoOp:
         sel = verb.evict if isinstance(verb, KubeEvict) else verb.delete_pods
         scope = f"-n {_q(sel.namespace)}" if sel.namespace else "-A"
         label = f" -l {_q(sel.selector)}" if sel.selector else ""
+        listing = f"kubectl get pods {scope} --field-selector spec.nodeName={_q(n)}{label}"
+        if sel.resource:
+            # kubectl cannot select by requested resource: list, keep those asking for it, act on each
+            jq = (f"jq -r '.items[] | select([.spec.containers[].resources | (.requests, .limits) // {{}} "
+                  f"| has(\"{sel.resource}\")] | any) | \"\\(.metadata.namespace) \\(.metadata.name)\"'")
+            listing = f"{listing} -o json | {jq}"
         if evict:
-            command = (f"kubectl get pods {scope} --field-selector spec.nodeName={_q(n)}{label} -o name"
-                       " | # evict each through the Eviction API (policy/v1)")
+            command = (f"{listing} -o name" if not sel.resource else listing) + \
+                " | # evict each through the Eviction API (policy/v1, policy/v1beta1 before 1.22)"
+        elif sel.resource:
+            grace = f" --grace-period={sel.grace_seconds}" if sel.grace_seconds is not None else ""
+            command = f"{listing} | while read -r ns pod; do kubectl delete pod -n \"$ns\" \"$pod\"{grace}; done"
         else:
             grace = f" --grace-period={sel.grace_seconds}" if sel.grace_seconds is not None else ""
             command = f"kubectl delete pods {scope} --field-selector spec.nodeName={_q(n)}{label}{grace}"
-        what = f"pods on {n}" + (f" matching {sel.selector}" if sel.selector else "") + \
+        what = f"pods on {n}" + (f" asking for {sel.resource}" if sel.resource else "") + \
+            (f" matching {sel.selector}" if sel.selector else "") + \
             (f" in {sel.namespace}" if sel.namespace else "")
         return KubeEffect("evict" if evict else "delete_pods", f"{'evict' if evict else 'delete'} {what}", command,
                           pods=sel)
@@ -199,6 +212,28 @@ def kube_effect(verb: Any, node: NodeFacts) -> KubeEffect | NoOp:
 
 def _show(v: Any) -> str:
     return "(absent)" if v is None else str(v)
+
+
+def select_pods(selector: PodSelectorSpec, pods: list[PodRef]) -> list[PodRef]:
+    """The pods (already listed by node, label selector and namespace) that ``selector`` selects:
+    with ``resource``, only those whose containers request or limit a non-zero quantity of it."""
+    if not selector.resource:
+        return list(pods)
+    return [p for p in pods if p.phase not in ("Succeeded", "Failed") and _asked(p, selector.resource) > 0]
+
+
+def _asked(pod: PodRef, resource: str) -> Any:
+    from decimal import Decimal
+
+    from engine.checks import parse_quantity
+
+    total = Decimal(0)
+    for part in str(pod.requests.get(resource, "0")).split("+"):
+        try:
+            total += parse_quantity(part)
+        except ValueError:
+            continue
+    return total
 
 
 def _leaf_count(body: Mapping[str, Any]) -> int:

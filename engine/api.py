@@ -153,7 +153,7 @@ def preview_plan(p: Plan, prepared: PreparedRun, kube: KubeAPI | None, nodes: No
         if planned.kind != "change":
             continue
         try:
-            action = chk.bind(step.action, prepared.params, facts)
+            action = chk.bind(step.action, prepared.params, facts, baseline=p.baseline)
         except RunbookError as e:
             previews[step.id] = f"preview unavailable: {e}"
             continue
@@ -180,10 +180,15 @@ def preview_plan(p: Plan, prepared: PreparedRun, kube: KubeAPI | None, nodes: No
                 previews[step.id] = f"check mode unavailable: {e}"
                 continue
             diffs = [d for ds in result.diffs.values() for d in ds]
+            # Tasks that would change something but show no diff (a service restart) say so in their msg.
+            said = [f"{t.get('task', '')}: {t.get('msg')}" for t in result.tasks
+                    if t.get("status") == "changed" and t.get("msg")]
             if diffs:
                 previews[step.id] = "\n".join(diffs)
             elif not result.ok:
                 previews[step.id] = f"check mode: {result.status} (rc {result.rc})"
+            elif said:
+                previews[step.id] = "check mode: would change:\n" + "\n".join(said)
             else:
                 changed = any(result.changed.values())
                 previews[step.id] = "check mode: " + ("would change (no diff reported)" if changed else "no changes")

@@ -14,6 +14,10 @@ outcome is unknowable (an expression, a journal line) it returns the facts uncha
 
 ``CheckResult.reads`` maps stable fact paths to the values the decision read (``depends_on`` of a
 plan). Volatile readings (journal tails, heartbeat times) are deliberately not recorded.
+
+``baseline`` (every function takes it as a keyword) is the plan-time facts as plain data
+(``Plan.baseline``): templates and ``expr`` checks read it as ``baseline.host.cuda_processes`` to
+compare "now" with "when the plan was made". Without one, a check that reads it is unknown.
 """
 
 from __future__ import annotations
@@ -85,6 +89,22 @@ class ObjectsQuery:
     @classmethod
     def of(cls, spec: ObjectsSpec) -> ObjectsQuery:
         return cls(spec.api_version, spec.plural_name, spec.namespace, spec.selector)
+
+    @classmethod
+    def from_key(cls, key: str) -> ObjectsQuery | None:
+        """The query behind a ``Facts.objects`` key (``kubevirt.io/v1/virtualmachines?namespace=x``)."""
+        path, _, query = key.partition("?")
+        api_version, _, plural = path.rpartition("/")
+        if not api_version or not plural:
+            return None
+        args: dict[str, str] = {}
+        for part in query.split("&") if query else ():
+            k, sep, v = part.partition("=")
+            if not sep or k not in ("namespace", "selector"):
+                return None
+            args[k] = v
+        q = cls(api_version, plural, args.get("namespace") or None, args.get("selector") or None)
+        return q if q.key == key else None
 
 
 @dataclass(frozen=True)
@@ -176,13 +196,14 @@ def _render_model(value: Any, ctx: Mapping[str, Any]) -> Any:
     return value
 
 
-def bind(model: Any, params: Mapping[str, Any], facts: Facts | None = None) -> Any:
+def bind(model: Any, params: Mapping[str, Any], facts: Facts | None = None, *,
+         baseline: Mapping[str, Any] | None = None) -> Any:
     """The model (check or action) with its templated strings rendered. TemplateError on failure."""
     if not _has_template(model):
         return model
     from engine.templating import context
 
-    return _render_model(model, context(params, facts))
+    return _render_model(model, context(params, facts, baseline))
 
 
 # --------------------------------------------------------------------------------------------
@@ -216,6 +237,8 @@ def describe(check: Any) -> str:
         where = f" with {s.field} = {s.equals}" if s.field else ""
         ns = f" in {s.namespace}" if s.namespace else ""
         sel = f" matching {s.selector}" if s.selector else ""
+        if s.resource:
+            sel += f" asking for {s.resource}"
         if s.count is not None:
             bound = f"exactly {s.count}"
         elif s.min is not None and s.max is not None:
@@ -255,10 +278,11 @@ def describe(check: Any) -> str:
     return type(c).__name__
 
 
-def describe_bound(check: Any, params: Mapping[str, Any], facts: Facts | None = None) -> str:
+def describe_bound(check: Any, params: Mapping[str, Any], facts: Facts | None = None, *,
+                   baseline: Mapping[str, Any] | None = None) -> str:
     """``describe`` with the check's templates rendered (``label k = container``), when they render."""
     try:
-        return describe(bind(check, params, facts))
+        return describe(bind(check, params, facts, baseline=baseline))
     except Exception:  # a description never fails; the evaluation reports the error
         return describe(check)
 
@@ -289,24 +313,25 @@ def _taint_text(t: Taint) -> str:
     return f"{t.key}={t.value}:{t.effect}" if t.value else f"{t.key}:{t.effect}"
 
 
-def evaluate(check: Any, facts: Facts, params: Mapping[str, Any] | None = None) -> CheckResult:
+def evaluate(check: Any, facts: Facts, params: Mapping[str, Any] | None = None, *,
+             baseline: Mapping[str, Any] | None = None) -> CheckResult:
     """Whether ``check`` holds in ``facts``. Pure; never raises for bad facts (holds=None instead)."""
     params = params or {}
     if _has_template(check):
         try:
-            check = bind(check, params, facts)
+            check = bind(check, params, facts, baseline=baseline)
         except Exception as e:  # a template that cannot render makes the check unknowable
             return CheckResult(None, f"could not render check: {e}", {"error": str(e)})
     try:
-        return _evaluate(check, facts, params)
+        return _evaluate(check, facts, params, baseline)
     except Exception as e:  # fail closed on anything unexpected in the facts
         return CheckResult(None, f"could not evaluate {describe(check)}: {type(e).__name__}: {e}",
                            {"error": str(e)})
 
 
-def _evaluate(c: Any, facts: Facts, params: Mapping[str, Any]) -> CheckResult:
+def _evaluate(c: Any, facts: Facts, params: Mapping[str, Any], baseline: Mapping[str, Any] | None) -> CheckResult:
     if isinstance(c, AllCheck | AnyCheck | NotCheck):
-        return _evaluate_combinator(c, facts, params)
+        return _evaluate_combinator(c, facts, params, baseline)
     if isinstance(c, NODE_CHECKS):
         return _evaluate_node(c, facts)
     if isinstance(c, HOST_CHECKS):
@@ -317,7 +342,7 @@ def _evaluate(c: Any, facts: Facts, params: Mapping[str, Any]) -> CheckResult:
         from engine.templating import TemplateError, context, evaluate_expression
 
         try:
-            value = evaluate_expression(c.expr, context(params, facts))
+            value = evaluate_expression(c.expr, context(params, facts, baseline))
         except TemplateError as e:
             return CheckResult(None, str(e), {"error": str(e)})
         holds = bool(value)
@@ -326,13 +351,13 @@ def _evaluate(c: Any, facts: Facts, params: Mapping[str, Any]) -> CheckResult:
 
 
 def _evaluate_combinator(c: AllCheck | AnyCheck | NotCheck, facts: Facts,
-                         params: Mapping[str, Any]) -> CheckResult:
+                         params: Mapping[str, Any], baseline: Mapping[str, Any] | None) -> CheckResult:
     holds: bool | None
     if isinstance(c, NotCheck):
-        r = evaluate(c.not_, facts, params)
+        r = evaluate(c.not_, facts, params, baseline=baseline)
         holds = None if r.holds is None else not r.holds
         return CheckResult(holds, f"not ({r.observed})", r.evidence, r.reads)
-    parts = [evaluate(x, facts, params) for x in (c.all_ if isinstance(c, AllCheck) else c.any_)]
+    parts = [evaluate(x, facts, params, baseline=baseline) for x in (c.all_ if isinstance(c, AllCheck) else c.any_)]
     values = [p.holds for p in parts]
     if isinstance(c, AllCheck):
         holds = False if False in values else (None if None in values else True)
@@ -480,18 +505,71 @@ def _evaluate_objects(c: ObjectsCheck, facts: Facts) -> CheckResult:
         md = o.get("metadata") or {}
         return f"{md.get('namespace', '')}/{md.get('name', '?')}".lstrip("/")
 
-    matching = list(objs) if s.field is None else [o for o in objs if field_value(o, s.field) == s.equals]
+    candidates = list(objs) if not s.resource else [o for o in objs if asks_for(o, s.resource)]
+    matching = candidates if s.field is None else [o for o in candidates if field_value(o, s.field) == s.equals]
     n = len(matching)
     if s.count is not None:
         holds = n == s.count
     else:
         lo = s.min if s.min is not None else (0 if s.max is not None else 1)
         holds = n >= lo and (s.max is None or n <= s.max)
-    where = f" with {s.field}={s.equals}" if s.field else ""
+    where = (f" asking for {s.resource}" if s.resource else "") + (f" with {s.field}={s.equals}" if s.field else "")
     observed = f"{n} of {len(objs)} {s.kind}{where}"
     if matching:
         observed += ": " + ", ".join(name(o) for o in matching[:5]) + (" ..." if n > 5 else "")
     return _result(holds, observed, {f"objects[{q.key}]{where}": n}, matching=[name(o) for o in matching][:50])
+
+
+def object_resources(obj: Mapping[str, Any]) -> dict[str, Decimal]:
+    """Extended resources an object asks for, with quantities.
+
+    * Pods (and pod templates of workload kinds): per container, its request or, where none is
+      given, its limit (extended resources are often limit-only); summed over containers, at least
+      the largest init container's (the scheduler's effective request).
+    * KubeVirt VirtualMachines / VirtualMachineInstances: one per ``hostDevices`` / ``gpus`` entry,
+      by ``deviceName`` (the launcher pod will request them).
+    """
+    spec = obj.get("spec") or {}
+    template = (spec.get("template") or {}).get("spec") or {}
+    out: dict[str, Decimal] = {}
+    for pod_spec in (spec, template):
+        for resource, qty in _pod_spec_requests(pod_spec).items():
+            out[resource] = out.get(resource, Decimal(0)) + qty
+        devices = ((pod_spec.get("domain") or {}).get("devices") or {})
+        for entry in [*(devices.get("hostDevices") or ()), *(devices.get("gpus") or ())]:
+            name = (entry or {}).get("deviceName") if isinstance(entry, Mapping) else None
+            if name:
+                out[str(name)] = out.get(str(name), Decimal(0)) + 1
+    return out
+
+
+def _pod_spec_requests(pod_spec: Mapping[str, Any]) -> dict[str, Decimal]:
+    def container_requests(c: Mapping[str, Any]) -> dict[str, Decimal]:
+        res = (c.get("resources") or {}) if isinstance(c, Mapping) else {}
+        merged = {**(res.get("limits") or {}), **(res.get("requests") or {})}
+        out: dict[str, Decimal] = {}
+        for k, v in merged.items():
+            try:
+                out[str(k)] = parse_quantity(v)
+            except ValueError:
+                continue
+        return out
+
+    total: dict[str, Decimal] = {}
+    for c in pod_spec.get("containers") or ():
+        for k, v in container_requests(c).items():
+            total[k] = total.get(k, Decimal(0)) + v
+    for c in pod_spec.get("initContainers") or ():
+        for k, v in container_requests(c).items():
+            total[k] = max(total.get(k, Decimal(0)), v)
+    return total
+
+
+def asks_for(obj: Mapping[str, Any], resource: str) -> bool:
+    """Whether the object asks for ``resource`` (``object_resources``); finished pods hold nothing."""
+    if (obj.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+        return False
+    return object_resources(obj).get(resource, Decimal(0)) > 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -499,18 +577,20 @@ def _evaluate_objects(c: ObjectsCheck, facts: Facts) -> CheckResult:
 # --------------------------------------------------------------------------------------------
 
 
-def establish(check: Any, facts: Facts, params: Mapping[str, Any] | None = None) -> Facts:
-    """The facts as they will be once ``check`` holds (identity where that is unknowable)."""
+def establish(check: Any, facts: Facts, params: Mapping[str, Any] | None = None, *,
+              baseline: Mapping[str, Any] | None = None) -> Facts:
+    """The facts as they will be once ``check`` holds (identity where that is unknowable, e.g. an
+    ``expr`` comparing with ``baseline``: planning never predicts from it)."""
     params = params or {}
     if _has_template(check):
         try:
-            check = bind(check, params, facts)
+            check = bind(check, params, facts, baseline=baseline)
         except Exception:
             return facts
     c = check
     if isinstance(c, AllCheck):
         for part in c.all_:
-            facts = establish(part, facts, params)
+            facts = establish(part, facts, params, baseline=baseline)
         return facts
     if isinstance(c, AnyCheck | NotCheck | ExprCheck | JournalContainsCheck | ObjectsCheck | NodeExistsCheck):
         return facts
@@ -662,6 +742,23 @@ def _collect_probes(c: Any, params: Mapping[str, Any], out: set[Probe]) -> None:
                 out.add(NODE)
             if wants_host or not wants_node:
                 out.add(HOST)
+
+
+def template_probes(source: str) -> set[Probe]:
+    """The probes a template (a report, a message) reads: the node, the host, and the object lists
+    it names literally (``facts.objects['kubevirt.io/v1/virtualmachines']``)."""
+    from engine.templating import objects_keys
+
+    out: set[Probe] = set()
+    if "facts.node" in source:
+        out.add(NODE)
+    if "facts.host" in source:
+        out.add(HOST)
+    for key in objects_keys(source):
+        q = ObjectsQuery.from_key(key)
+        if q is not None:
+            out.add(q)
+    return out
 
 
 def iter_checks(c: Any) -> Iterable[Any]:

@@ -16,17 +16,36 @@ For each step of the plan, in order:
 6. on failure: the step's ``on_failure`` rollback actions, evidence, state failed (exit 1).
 
 Cancellation (``cancel`` event, set on SIGINT/SIGTERM) is checked between actions: the current
-action finishes, its outcome is recorded, the run ends ``cancelled`` (exit 4).
+action finishes (or, when the operator insists, the connector stops it), its outcome is recorded,
+nothing is rolled back, and the run ends ``cancelled`` (exit 4).
 
-Resuming: ``completed_steps`` are not redone; the step whose intent was recorded without an
-outcome is re-evaluated through ``skip_if`` and one verify pass before being re-run, and a
-non-idempotent one is re-run only if ``confirm_rerun`` approves.
+Outages: when the API server or the node's host cannot be reached *during* an action or its
+verification (a connection error, an unreachable host, a check that stayed unknown until its
+timeout because its probe kept failing), nothing is rolled back blindly: the step's evidence is
+recorded and the run ends ``interrupted`` (exit 1), to be resumed once the outage is over. A
+guard that cannot be evaluated still blocks (fail closed, exit 3).
+
+Resuming: ``completed_steps`` are not redone. For the step whose intent was recorded without a
+successful outcome (``started_without_outcome``): ``skip_if`` first; if its action is known to have
+run to its end (``interrupted_action_finished``), only its verification runs (with its timeouts);
+otherwise one verify pass decides, and a step whose verify does not hold is re-run when it is
+idempotent, or only after ``confirm_rerun`` approves (no callback: blocked, evidence
+``needs_confirmation``; refused: cancelled).
+
+Test hook (inert unless set): ``RUNBOOK_TEST_KILL_AT=STEP:PHASE[,STEP:PHASE...]`` makes the engine
+SIGKILL itself at that point of that step, so fault-injection tests stop it exactly at a step
+boundary. Phases: ``before-action`` (``action.intent`` recorded, the effect not started),
+``after-action`` (``action.result`` recorded, verification not started), ``after-verify`` (every
+verify check held, ``step.outcome`` not recorded), ``after-outcome`` (``step.outcome`` recorded,
+the next step not started). Read once per Executor; without the variable nothing happens.
 
 This module never imports ``kubernetes`` or ``ansible_runner``: it talks to the Protocols only.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -35,9 +54,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from engine import checks as chk
-from engine.actions import KubeEffect, NoOp, ansible_command, kube_effect
+from engine.actions import KubeEffect, NoOp, ansible_command, kube_effect, select_pods
 from engine.connectors.base import KubeAPI, NodeAutomation, PlaybookResult
-from engine.errors import ExitCode, PlanError, RunbookError
+from engine.errors import ExitCode, HostError, KubeError, PlanError, RunbookError
 from engine.facts import Facts, HostFacts, NodeFacts
 from engine.model import (
     AnsibleAction,
@@ -76,7 +95,7 @@ class EventSink(Protocol):
     * ``verify.result``: step, check, holds, attempts, elapsed, timed_out
     * ``rollback.start``: step, reason;  ``rollback.result``: step, ok
     * ``step.outcome``: step, status, reason, attempts, started_at, finished_at, evidence
-    * ``run.blocked`` / ``run.failed`` / ``run.cancelled``: reason
+    * ``run.blocked`` / ``run.failed`` / ``run.cancelled`` / ``run.interrupted``: reason
     * ``run.finish``: state, exit_code, reason
     """
 
@@ -90,6 +109,21 @@ class NullSink:
 
 ConfirmRerun = Callable[[str, str], bool]  # (step id, why a confirmation is needed) -> re-run?
 Approver = Callable[[str | None], bool | None]  # (step id or None for the runbook) -> yes/no/still waiting
+
+TEST_KILL_ENV = "RUNBOOK_TEST_KILL_AT"
+KILL_PHASES = ("before-action", "after-action", "after-verify", "after-outcome")
+
+
+def test_kill_points(value: str | None = None) -> frozenset[tuple[str, str]]:
+    """The (step, phase) pairs of ``RUNBOOK_TEST_KILL_AT`` (a fault-injection test hook)."""
+    raw = os.environ.get(TEST_KILL_ENV, "") if value is None else value
+    points = set()
+    for item in raw.split(","):
+        step, sep, phase = item.strip().rpartition(":")
+        if sep and step and phase in KILL_PHASES:
+            points.add((step, phase))
+    return frozenset(points)
+
 
 EXIT_FOR_STATE = {
     RunState.SUCCEEDED: ExitCode.OK,
@@ -110,6 +144,7 @@ class _ActResult:
     error: str = ""
     evidence: dict[str, Any] = field(default_factory=dict)
     host_facts: HostFacts | None = None
+    outage: bool = False  # the API server or the host could not be reached: the effect is unknown
 
 
 @dataclass
@@ -120,6 +155,7 @@ class _VerifyResult:
     observed: str
     check: str
     evidence: dict[str, Any] = field(default_factory=dict)
+    outage: bool = False  # still unknown at the deadline because its probe kept failing
 
 
 class _StepEnd(Exception):  # control flow inside one step, never escapes
@@ -158,6 +194,13 @@ class Executor:
         self._plan: Plan | None = None
         self._params: dict[str, Any] = {}
         self._node = ""
+        self._baseline: dict[str, Any] = {}  # the plan's baseline: plan-time facts for ``baseline.*`` templates
+        self._kill_points = test_kill_points()
+
+    def _test_kill(self, step_id: str, phase: str) -> None:
+        """The fault-injection hook (module docstring): SIGKILL this process at a step boundary."""
+        if (step_id, phase) in self._kill_points:
+            os.kill(os.getpid(), signal.SIGKILL)
 
     # ----------------------------------------------------------------------------------------
     # Run
@@ -166,18 +209,22 @@ class Executor:
     def execute(self, plan: Plan, runbook: Runbook, params: Mapping[str, Any], *,
                 completed_steps: set[str] | frozenset[str] = frozenset(),
                 started_without_outcome: str | None = None, confirm_rerun: ConfirmRerun | None = None,
-                approve: Approver | None = None, approved: bool = False) -> RunResult:
+                approve: Approver | None = None, approved: bool = False,
+                interrupted_action_finished: bool = False) -> RunResult:
         """Run ``plan`` (made from ``runbook`` and ``params``). Returns the result; raises only when the
         event sink raises (the journal could not record) or the plan does not belong to the runbook.
 
         ``approve`` is asked before the first mutating step when the runbook requires approval, and
         before each step marked ``approval: true``; without it (or when it answers None) the run
         stops in state ``waiting-approval``. ``approved=True`` says the runbook-level approval was
-        already given (a resumed, approved run).
+        already given (a resumed, approved run). ``started_without_outcome`` and
+        ``interrupted_action_finished`` describe the step a dead engine left half-way (module
+        docstring, "Resuming").
         """
         if plan.runbook != runbook.name or {s.id for s in plan.steps} != {s.id for s in runbook.steps}:
             raise PlanError(f"plan for {plan.runbook} does not match runbook {runbook.name}")
         self._plan, self._params, self._node = plan, dict(params), plan.node
+        self._baseline = dict(plan.baseline)
         self._runbook_steps = {s.id: s for s in runbook.steps}
         emit = self.events.emit
         emit("run.start", runbook=runbook.name, version=runbook.version, node=plan.node,
@@ -210,12 +257,18 @@ class Executor:
                     runbook_approved = True
             resumed = step.id == started_without_outcome
             emit("step.start", step=step.id, planned=planned.kind, why=planned.why, resumed=resumed)
-            outcome = self._run_step(step, planned.kind, planned.reason, resumed, confirm_rerun)
+            outcome = self._run_step(step, planned.kind, planned.reason, resumed, confirm_rerun,
+                                     action_finished=resumed and interrupted_action_finished)
             outcomes.append(outcome)
             emit("step.outcome", step=step.id, status=outcome.status.value, reason=outcome.reason,
                  attempts=outcome.attempts, started_at=outcome.started_at, finished_at=outcome.finished_at,
                  evidence=outcome.evidence)
+            self._test_kill(step.id, "after-outcome")
             status = outcome.status
+            if outcome.evidence.get("outage"):
+                return self._finish(runbook, RunState.INTERRUPTED, outcomes,
+                                    f"step {step.id}: {outcome.reason}; resume the run once "
+                                    "the API server and the host answer again")
             if status in (StepStatus.FAILED, StepStatus.TIMED_OUT, StepStatus.ROLLED_BACK):
                 return self._finish(runbook, RunState.FAILED, outcomes, f"step {step.id}: {outcome.reason}")
             if status is StepStatus.BLOCKED:
@@ -246,6 +299,8 @@ class Executor:
             emit("run.failed", reason=reason)
         elif state is RunState.CANCELLED:
             emit("run.cancelled", reason=reason)
+        elif state is RunState.INTERRUPTED:
+            emit("run.interrupted", reason=reason)
         report = self._report(runbook, outcomes) if state is not RunState.WAITING_APPROVAL else ""
         code = EXIT_FOR_STATE[state]
         emit("run.finish", state=state.value, exit_code=code, reason=reason)
@@ -255,12 +310,12 @@ class Executor:
     def _report(self, runbook: Runbook, outcomes: list[StepOutcome]) -> str:
         if not runbook.report:
             return ""
-        probes: set[chk.Probe] = {chk.NODE}
+        probes: set[chk.Probe] = {chk.NODE} | chk.template_probes(runbook.report)  # objects the report names too
         if "facts.host" in runbook.report:
             probes.add(chk.HOST)
         facts = self._gather(probes)
         try:
-            return render_text(runbook.report, self._params, facts)
+            return render_text(runbook.report, self._params, facts, baseline=self._baseline)
         except RunbookError as e:
             return f"(report could not be rendered: {e})"
 
@@ -272,19 +327,20 @@ class Executor:
         return gather_probes(probes, self._node, self.kube, self.nodes, clock=self.wall)
 
     def _run_step(self, step: Step, planned_kind: str, planned_reason: str, resumed: bool,
-                  confirm_rerun: ConfirmRerun | None) -> StepOutcome:
+                  confirm_rerun: ConfirmRerun | None, *, action_finished: bool = False) -> StepOutcome:
         started = self.wall()
         attempts = 0
         try:
             status, reason, evidence, attempts = self._step_body(step, planned_kind, planned_reason, resumed,
-                                                                 confirm_rerun)
+                                                                 confirm_rerun, action_finished)
         except _StepEnd as end:
             status, reason, evidence, attempts = end.status, end.reason, end.evidence, end.attempts
         return StepOutcome(step=step.id, status=status, reason=reason, attempts=attempts, started_at=started,
                            finished_at=self.wall(), evidence=_jsonable(evidence))
 
     def _step_body(self, step: Step, planned_kind: str, planned_reason: str, resumed: bool,
-                   confirm_rerun: ConfirmRerun | None) -> tuple[StepStatus, str, dict[str, Any], int]:
+                   confirm_rerun: ConfirmRerun | None,
+                   action_finished: bool = False) -> tuple[StepStatus, str, dict[str, Any], int]:
         params = self._params
         probes = chk.required_probes([*step.skip_if, *step.guards], params)
         if isinstance(step.action, KubeAction) and not isinstance(step.action.kube, KubeWait):
@@ -294,10 +350,16 @@ class Executor:
         if facts.errors:
             evidence["probe_errors"] = [f"{e.probe}: {e.message}" for e in facts.errors]
 
-        skip = [chk.evaluate(c, facts, params) for c in step.skip_if]
+        skip = [chk.evaluate(c, facts, params, baseline=self._baseline) for c in step.skip_if]
         if skip and all(r.holds is True for r in skip):
             return StepStatus.SKIPPED, "already done: " + "; ".join(r.observed for r in skip), evidence, 0
 
+        if resumed and action_finished:
+            # The interrupted attempt's action ran to its end (its result is in the journal): only
+            # its verification is missing. Verify with the step's timeouts; never act again.
+            evidence["resumed"] = "the action had finished before the interruption; verifying it"
+            return self._verified_outcome(step, None, None, evidence, "completed by the interrupted attempt "
+                                          "(verified on resume)")
         if resumed:
             verified = self._verify_all(step, None, wait=False)
             if verified is None:
@@ -307,6 +369,7 @@ class Executor:
                 why = (f"step {step.id} is not idempotent and its action started before the interruption "
                        f"without a recorded outcome; verify does not hold ({verified.observed})")
                 if confirm_rerun is None:
+                    evidence["needs_confirmation"] = True
                     return StepStatus.BLOCKED, why + "; re-running it needs confirmation", evidence, 0
                 if not confirm_rerun(step.id, why):
                     return StepStatus.CANCELLED, "re-run of a non-idempotent step refused", evidence, 0
@@ -320,21 +383,21 @@ class Executor:
 
         failing = []
         for g in step.guards:
-            r = chk.evaluate(g, facts, params)
-            self.events.emit("guard.result", step=step.id, check=chk.describe_bound(g, params, facts), holds=r.holds,
+            r = chk.evaluate(g, facts, params, baseline=self._baseline)
+            self.events.emit("guard.result", step=step.id, check=chk.describe_bound(g, params, facts, baseline=self._baseline), holds=r.holds,
                              observed=r.observed)
             if r.holds is not True:
                 failing.append((g, r))
         if failing:
-            evidence["guards"] = [{"check": chk.describe_bound(g, params, facts), "holds": r.holds,
+            evidence["guards"] = [{"check": chk.describe_bound(g, params, facts, baseline=self._baseline), "holds": r.holds,
                                    "observed": r.observed, "evidence": dict(r.evidence)} for g, r in failing]
-            reason = "; ".join(f"guard {chk.describe_bound(g, params, facts)} "
+            reason = "; ".join(f"guard {chk.describe_bound(g, params, facts, baseline=self._baseline)} "
                                + ("could not be evaluated: " if r.holds is None else "does not hold: ")
                                + r.observed for g, r in failing)
             return StepStatus.BLOCKED, reason, evidence, 0
 
         try:
-            action = chk.bind(step.action, params, facts)
+            action = chk.bind(step.action, params, facts, baseline=self._baseline)
         except RunbookError as e:
             return StepStatus.FAILED, f"action cannot be rendered: {e}", evidence, 0
 
@@ -344,24 +407,46 @@ class Executor:
             evidence["action"] = {"summary": act.summary, "ok": act.ok, "changed": act.changed, **act.evidence}
             if act.error:
                 evidence["action"]["error"] = act.error
+            if not act.ok and self.cancel.is_set():
+                # The operator stopped the action (the connector ended it): record, roll nothing back.
+                return StepStatus.CANCELLED, f"cancelled during the action: {act.error or act.summary}", evidence, 0
+            if not act.ok and act.outage:
+                # Nobody knows what the action did: no blind rollback; a resume re-evaluates the step.
+                evidence["outage"] = act.error or act.summary
+                return StepStatus.FAILED, f"action failed: {act.error or act.summary}", evidence, 0
             if not act.ok:
                 self._on_failure(step, StepStatus.FAILED, f"action failed: {act.error or act.summary}", evidence)
+            if not act.noop:
+                self._test_kill(step.id, "after-action")
 
         if self.cancel.is_set() and act is not None and not act.noop:
             quick = self._verify_all(step, act.host_facts, wait=False)
             note = "verification held" if quick is None else f"not verified yet ({quick.observed})"
             return StepStatus.CANCELLED, f"cancelled after the action finished; {note}", evidence, 1
 
-        failure = self._verify_all(step, act.host_facts if act else None, wait=True, evidence=evidence)
+        return self._verified_outcome(step, act, act.host_facts if act else None, evidence,
+                                      act.summary if act else "verified")
+
+    def _verified_outcome(self, step: Step, act: _ActResult | None, host_facts: HostFacts | None,
+                          evidence: dict[str, Any], summary: str) -> tuple[StepStatus, str, dict[str, Any], int]:
+        """Verify the step (with its timeouts) and turn the result into the step's outcome."""
+        failure = self._verify_all(step, host_facts, wait=True, evidence=evidence)
         attempts = int(evidence.get("verify_attempts", 0))
+        if failure is not None and failure.outage:
+            # The check could not be observed (API server or host away), which is not a failure
+            # of the step: no rollback; the run is interrupted and a resume verifies again.
+            evidence["outage"] = failure.observed
+            return (StepStatus.FAILED, f"verify {failure.check} could not be evaluated: {failure.observed}",
+                    evidence, attempts)
         if failure is not None:
             status = StepStatus.TIMED_OUT if failure.timed_out else StepStatus.FAILED
             what = "timed out" if failure.timed_out else "failed"
             self._on_failure(step, status, f"verify {failure.check} {what}: {failure.observed}", evidence,
                              attempts=attempts)
+        self._test_kill(step.id, "after-verify")
         if act is not None and act.noop:
             return StepStatus.SKIPPED, f"no-op: {act.summary}", evidence, attempts
-        return StepStatus.SUCCEEDED, (act.summary if act else "verified"), evidence, attempts
+        return StepStatus.SUCCEEDED, summary, evidence, attempts
 
     def _on_failure(self, step: Step, status: StepStatus, reason: str, evidence: dict[str, Any],
                     attempts: int = 0) -> None:
@@ -376,7 +461,7 @@ class Executor:
             probes: set[chk.Probe] = {chk.NODE} if isinstance(a, KubeAction) else set()
             facts = self._gather(probes)
             try:
-                bound = chk.bind(a, self._params, facts)
+                bound = chk.bind(a, self._params, facts, baseline=self._baseline)
             except RunbookError as e:
                 results.append({"ok": False, "error": f"cannot render rollback action: {e}"})
                 ok = False
@@ -412,6 +497,8 @@ class Executor:
             assert isinstance(effect, KubeEffect) and effect.wait_seconds is not None
             emit("action.intent", step=step_id, action="kube", verb="wait", command=effect.command,
                  summary=effect.summary, rollback=rollback)
+            if not rollback:
+                self._test_kill(step_id, "before-action")
             deadline = self.clock() + effect.wait_seconds
             while not self.cancel.is_set() and (left := deadline - self.clock()) > 0:
                 self.sleep(min(left, 1.0))
@@ -423,6 +510,7 @@ class Executor:
         node = facts.node
         intent_sent = False
         last_error = ""
+        outage = False
         for attempt in range(1, 4):
             if node is None or not node.exists:
                 err = "node does not exist" if node is not None else \
@@ -439,10 +527,13 @@ class Executor:
                 emit("action.intent", step=step_id, action="kube", verb=effect.verb, command=effect.command,
                      summary=effect.summary, rollback=rollback)
                 intent_sent = True
+                if not rollback:
+                    self._test_kill(step_id, "before-action")
             try:
                 evidence = self._apply_kube(effect)
             except RunbookError as e:
                 last_error = str(e)
+                outage = isinstance(e, KubeError) and e.retryable
                 status = getattr(e, "status", None)
                 # 409 Conflict / 422 failed `test` op: someone changed the node; re-read and recompute.
                 if status in (409, 422) and attempt < 3:
@@ -460,14 +551,15 @@ class Executor:
                  rollback=rollback, evidence=evidence)
             return _ActResult(ok=True, summary=effect.summary, changed=True, evidence=evidence)
         emit("action.result", step=step_id, ok=False, changed=False, summary="kube action failed", error=last_error,
-             rollback=rollback, evidence={})
-        return _ActResult(ok=False, summary="kube action failed", error=last_error)
+             rollback=rollback, evidence={"outage": True} if outage else {})
+        return _ActResult(ok=False, summary="kube action failed", error=last_error, outage=outage)
 
     def _apply_kube(self, effect: KubeEffect) -> dict[str, Any]:
         assert self.kube is not None
         if effect.pods is not None:
             sel = effect.pods
-            pods = self.kube.list_pods(node=self._node, label_selector=sel.selector, namespace=sel.namespace)
+            pods = select_pods(sel, self.kube.list_pods(node=self._node, label_selector=sel.selector,
+                                                        namespace=sel.namespace))
             done, failed = [], []
             for pod in pods:
                 try:
@@ -496,6 +588,8 @@ class Executor:
         summary = f"run playbook {spec.playbook} on {host}" + (" as root" if spec.become else "")
         emit("action.intent", step=step_id, action="ansible", verb="playbook", command=command, summary=summary,
              rollback=rollback)
+        if not rollback:
+            self._test_kill(step_id, "before-action")
         if self.nodes is None:
             err = "no inventory: playbook steps need --inventory"
             emit("action.result", step=step_id, ok=False, changed=False, summary=summary, error=err,
@@ -511,9 +605,10 @@ class Executor:
                                              become=spec.become, timeout=parse_duration(spec.timeout),
                                              on_event=on_event)
         except RunbookError as e:
+            unreachable = isinstance(e, HostError) and e.unreachable
             emit("action.result", step=step_id, ok=False, changed=False, summary=summary, error=str(e),
-                 rollback=rollback, evidence={})
-            return _ActResult(ok=False, summary=summary, error=str(e))
+                 rollback=rollback, evidence={"outage": True} if unreachable else {})
+            return _ActResult(ok=False, summary=summary, error=str(e), outage=unreachable)
         except Exception as e:
             err = f"{type(e).__name__}: {e}"
             emit("action.result", step=step_id, ok=False, changed=False, summary=summary, error=err,
@@ -526,7 +621,7 @@ class Executor:
              rollback=rollback, evidence=evidence)
         host_facts = result.host_facts.get(self._node) or result.host_facts.get(host)
         return _ActResult(ok=result.ok, summary=summary, changed=changed, error=error, evidence=evidence,
-                          host_facts=host_facts)
+                          host_facts=host_facts, outage=not result.ok and bool(result.unreachable_hosts))
 
     def _files_for_step(self, step_id: str) -> list[str]:
         """Host files the step's verify checks ask about, for the playbook's closing facts run."""
@@ -564,9 +659,9 @@ class Executor:
 
     def _verify(self, step_id: str, v: Verify, host_facts: HostFacts | None, *, wait: bool) -> _VerifyResult:
         params = self._params
-        text = chk.describe_bound(v.check, params)
+        text = chk.describe_bound(v.check, params, baseline=self._baseline)
         try:
-            timeout = verify_timeout(v.timeout, params) if wait else 0.0
+            timeout = verify_timeout(v.timeout, params, baseline=self._baseline) if wait else 0.0
         except RunbookError as e:
             return _VerifyResult(False, 0, False, str(e), text)
         emit = self.events.emit
@@ -575,6 +670,7 @@ class Executor:
         probes = chk.required_probes([v.check], params)
         attempts = 0
         last = chk.CheckResult(None, "not evaluated")
+        probe_failed = False  # the last attempt could not observe: its probe (watch, facts) failed
 
         def report(r: chk.CheckResult, source: str) -> None:
             emit("verify.attempt", step=step_id, check=text, attempt=attempts, holds=r.holds, observed=r.observed,
@@ -584,12 +680,14 @@ class Executor:
             emit("verify.result", step=step_id, check=text, holds=holds, attempts=attempts,
                  elapsed=round(self.clock() - start, 3), timed_out=timed_out)
             ev = {"evidence": dict(last.evidence)} if not holds and last.evidence else {}
-            return _VerifyResult(holds, attempts, timed_out, last.observed, text, ev)
+            return _VerifyResult(holds, attempts, timed_out, last.observed, text, ev,
+                                 outage=not holds and wait and last.holds is None and probe_failed)
 
         host_only = probes and all(p == chk.HOST or isinstance(p, chk.HostFile) for p in probes)
         if host_facts is not None and host_only:
             attempts += 1
-            last = chk.evaluate(v.check, Facts(node_name=self._node, host=host_facts, gathered_at=self.wall()), params)
+            last = chk.evaluate(v.check, Facts(node_name=self._node, host=host_facts, gathered_at=self.wall()), params,
+                                baseline=self._baseline)
             report(last, "playbook")
             if last.holds is True:
                 return done(True, False)
@@ -599,7 +697,7 @@ class Executor:
 
             def predicate(node: NodeFacts | None) -> bool:
                 nf = node if node is not None else NodeFacts(name=self._node, exists=False)
-                r = chk.evaluate(v.check, Facts(node_name=self._node, node=nf), params)
+                r = chk.evaluate(v.check, Facts(node_name=self._node, node=nf), params, baseline=self._baseline)
                 seen.append(r)
                 return r.holds is True
 
@@ -608,17 +706,19 @@ class Executor:
                 chunk = min(remaining, self.watch_chunk)
                 seen.clear()
                 attempts += 1
+                probe_failed = False
                 try:
                     ok, node = self.kube.wait_for_node(self._node, predicate, chunk)
                 except RunbookError as e:
                     ok, node = False, None
+                    probe_failed = True
                     seen.append(chk.CheckResult(None, f"watch failed: {e}", {"error": str(e)}))
                     if chunk > 0:
                         self.sleep(min(self.poll_interval, max(0.0, deadline - self.clock())))
                 if seen:
                     last = seen[-1]
                 elif node is not None:
-                    last = chk.evaluate(v.check, Facts(node_name=self._node, node=node), params)
+                    last = chk.evaluate(v.check, Facts(node_name=self._node, node=node), params, baseline=self._baseline)
                 report(last, "watch")
                 if ok:
                     return done(True, False)
@@ -629,10 +729,11 @@ class Executor:
         import tenacity
 
         def attempt_once() -> chk.CheckResult:
-            nonlocal attempts, last
+            nonlocal attempts, last, probe_failed
             attempts += 1
             facts = self._gather(probes)
-            last = chk.evaluate(v.check, facts, params)
+            last = chk.evaluate(v.check, facts, params, baseline=self._baseline)
+            probe_failed = bool(facts.errors)
             report(last, "poll")
             return last
 

@@ -1,9 +1,17 @@
 """The durable record of runs: an embedded SQLite journal, written ahead of every effect.
 
 Every run gets an id; every event (stage, step start, action intent, action result, verify
-attempt, outcome, approval) is appended with a sequence number. Writes are committed with
-``synchronous=FULL`` in WAL mode, so an outcome that was recorded survives a crash of the
-engine or of the machine. This module stores; it never decides what to do next.
+attempt, outcome, approval) is appended with a sequence number, each in its own committed
+transaction. The database runs in WAL mode with ``synchronous=FULL``: a commit returns only after
+the WAL is fsync'ed, so an event that was recorded survives a crash of the engine (SIGKILL) or of
+the machine (power loss), and ``action.intent`` is on disk before the effect it announces starts.
+This module stores; it never decides what to do next.
+
+A run records its owner (host, pid, the process's start time and the machine's boot id). A run
+left ``pending``/``running``/``waiting-approval`` by an owner that no longer exists on this
+machine (killed, crashed, machine rebooted) reads as ``interrupted``, however it died; so does a
+run the engine stopped because the API server or a host went away (stored ``interrupted``).
+:meth:`Journal.progress` tells a resume which steps are done and which one was left half-way.
 
 Secrets never reach the journal: :func:`redact` removes values whose keys look secret, and
 callers register known secret values (become password, tokens) with :meth:`Journal.add_secret`
@@ -29,6 +37,8 @@ from engine.errors import RunbookError, StalePlan, UsageError
 
 ACTIVE_STATES = ("pending", "waiting-approval", "running")
 FINAL_STATES = ("succeeded", "failed", "blocked", "cancelled")
+RESUMABLE_STATES = ("interrupted",)
+DONE_STEP_STATUSES = ("succeeded", "skipped")  # a step with one of these outcomes is never redone
 SECRET_KEY_MARKERS = ("password", "secret", "token", "authorization", "become_pass")
 
 _SCHEMA = """
@@ -98,20 +108,33 @@ def redact(value: Any, secrets: frozenset[str] = frozenset()) -> Any:
     return value
 
 
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
 def _process_start(pid: int) -> str | None:
-    """The kernel's start time of a process (field 22 of /proc/PID/stat), to tell PID reuse apart."""
+    """``BOOT_ID/START``: the machine's boot id and the kernel's start time of a process (field 22
+    of /proc/PID/stat), to tell a reused PID apart, also after a reboot."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return stat.rsplit(")", 1)[1].split()[19]
+    return f"{_boot_id()}/{stat.rsplit(')', 1)[1].split()[19]}"
 
 
 def process_alive(host: str | None, pid: int | None, start: str | None) -> bool | None:
     """True/False for a process on this machine; None when it ran on another machine."""
     if host != socket.gethostname() or pid is None:
         return None
-    return _process_start(pid) == start
+    now = _process_start(pid)
+    if now is None:
+        return False
+    if start is not None and "/" not in start:  # recorded by an older version: no boot id
+        return now.rsplit("/", 1)[1] == start
+    return now == start
 
 
 @dataclass(frozen=True)
@@ -158,6 +181,23 @@ class EventRecord:
 
     def as_dict(self) -> dict[str, Any]:
         return {"seq": self.seq, "time": _iso(self.ts), "kind": self.kind, "step": self.step, **self.data}
+
+
+@dataclass(frozen=True)
+class StepProgress:
+    """Where a run stands, from its events (for a resume).
+
+    ``completed``: steps whose last outcome is succeeded or skipped (never redone).
+    ``interrupted_step``: the step whose action was announced (``action.intent``) and that has no
+    successful outcome: its effect may or may not have happened. ``action_finished``: that
+    action's ``action.result`` was recorded ok after its last intent (it ran to its end; only its
+    verification is missing). ``rollback_started``: the step had started rolling back.
+    """
+
+    completed: frozenset[str]
+    interrupted_step: str | None = None
+    action_finished: bool = False
+    rollback_started: bool = False
 
 
 def _iso(ts: float | None) -> str | None:
@@ -222,12 +262,28 @@ class Journal:
             )
         return run_id
 
-    def claim(self, run_id: str) -> None:
-        """This process now owns the run (a resume after the engine died)."""
+    def claim(self, run_id: str) -> bool:
+        """Make this process the run's owner (a resume, a server recovering its runs).
+
+        Atomic: returns False, changing nothing, while another live process on this machine owns
+        the run (two resumes of one run never both proceed)."""
         pid = os.getpid()
+        me = (socket.gethostname(), pid, _process_start(pid))
         with self._tx() as db:
-            db.execute("UPDATE runs SET owner_host=?, owner_pid=?, owner_start=? WHERE id=?",
-                       (socket.gethostname(), pid, _process_start(pid), run_id))
+            row = db.execute("SELECT owner_host, owner_pid, owner_start FROM runs WHERE id=?",
+                             (run_id,)).fetchone()
+            if row is None:
+                raise UsageError(f"unknown run id {run_id!r}")
+            if tuple(row) != me and process_alive(*row) is True:
+                return False
+            db.execute("UPDATE runs SET owner_host=?, owner_pid=?, owner_start=? WHERE id=?", (*me, run_id))
+        return True
+
+    def disown(self, run_id: str) -> None:
+        """The run is parked on purpose (waiting for an approval): no process owns it, so its
+        owner exiting does not make it ``interrupted``."""
+        with self._tx() as db:
+            db.execute("UPDATE runs SET owner_pid=NULL, owner_start=NULL WHERE id=?", (run_id,))
 
     def set_plan(self, run_id: str, plan: Mapping[str, Any], digest: str) -> None:
         with self._tx() as db:
@@ -237,9 +293,9 @@ class Journal:
         now = time.time()
         with self._tx() as db:
             if state == "running":
-                db.execute("UPDATE runs SET state=?, started=COALESCE(started, ?) WHERE id=?",
-                           (state, now, run_id))
-            elif state in FINAL_STATES:
+                db.execute("UPDATE runs SET state=?, started=COALESCE(started, ?), finished=NULL,"
+                           " exit_code=NULL WHERE id=?", (state, now, run_id))
+            elif state in FINAL_STATES or state in RESUMABLE_STATES:
                 db.execute("UPDATE runs SET state=?, finished=?, exit_code=? WHERE id=?",
                            (state, now, exit_code, run_id))
             else:
@@ -287,7 +343,7 @@ class Journal:
 
     def _record(self, row: dict[str, Any]) -> RunRecord:
         state = row["state"]
-        if state in ACTIVE_STATES and state != "pending" and \
+        if state in ACTIVE_STATES and \
                 process_alive(row["owner_host"], row["owner_pid"], row["owner_start"]) is False:
             state = "interrupted"  # the engine that owned it is gone, however it died
         return RunRecord(
@@ -320,18 +376,44 @@ class Journal:
                 (run_id,)).fetchall()
         return [EventRecord(r[0], r[1], r[2], r[3], r[4], json.loads(r[5])) for r in rows]
 
-    def step_progress(self, run_id: str) -> tuple[set[str], str | None]:
-        """(steps with a recorded outcome, the step whose action started without an outcome)."""
+    def progress(self, run_id: str) -> StepProgress:
+        """Which steps are done and which one was left half-way (see :class:`StepProgress`).
+
+        Conservative on purpose: an intent from any earlier attempt of a step that never succeeded
+        still counts, so a non-idempotent action announced once is never silently redone."""
         done: set[str] = set()
-        started: str | None = None
+        intent: dict[str, bool] = {}  # step -> its action has finished ok after its last intent
+        rollback: set[str] = set()
+        order: list[str] = []
         for e in self.events(run_id):
-            if e.kind == "step.outcome" and e.step:
-                done.add(e.step)
-                if started == e.step:
-                    started = None
-            elif e.kind == "action.intent" and e.step:
-                started = e.step
-        return done, started
+            step = e.step
+            if not step:
+                continue
+            if e.kind == "step.start" and step not in order:
+                order.append(step)
+            elif e.kind == "step.outcome":
+                if e.data.get("status") in DONE_STEP_STATUSES:
+                    done.add(step)
+                    intent.pop(step, None)
+                    rollback.discard(step)
+                else:
+                    done.discard(step)
+            elif e.kind == "action.intent" and not e.data.get("rollback"):
+                intent[step] = False
+            elif e.kind == "action.result" and not e.data.get("rollback") and step in intent:
+                intent[step] = bool(e.data.get("ok"))
+            elif e.kind == "rollback.start":
+                rollback.add(step)
+        pending = [s for s in order if s in intent and s not in done]
+        current = pending[-1] if pending else None
+        return StepProgress(completed=frozenset(done), interrupted_step=current,
+                            action_finished=bool(current and intent[current]),
+                            rollback_started=current in rollback if current else False)
+
+    def step_progress(self, run_id: str) -> tuple[set[str], str | None]:
+        """(completed steps, the step whose action started without a successful outcome)."""
+        p = self.progress(run_id)
+        return set(p.completed), p.interrupted_step
 
 
 class JournalSink:

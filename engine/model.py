@@ -141,6 +141,7 @@ class ObjectsSpec(_Model):
     plural: str | None = None  # defaults to lower(kind) + "s"
     namespace: str | None = None  # all namespaces when omitted
     selector: str | None = None  # label selector
+    resource: str | None = None  # only objects asking for this extended resource (pods, VMs, VMIs)
     field: str | None = None  # dotted path into each object; all listed objects match when omitted
     equals: str | int | bool | None = None
     count: int | None = Field(default=None, ge=0)
@@ -360,6 +361,7 @@ class PatchSpec(_Model):
 class PodSelectorSpec(_Model):
     selector: str | None = None  # label selector; every pod on the node when omitted
     namespace: str | None = None  # every namespace when omitted
+    resource: str | None = None  # only pods whose containers request or limit this resource (nvidia.com/gpu)
     grace_seconds: int | None = Field(default=None, ge=0)  # delete_pods only
 
 
@@ -760,6 +762,9 @@ class Plan(_Model):
     preconditions: tuple[PreconditionResult, ...] = ()
     steps: tuple[PlannedStep, ...] = ()
     depends_on: dict[str, Any] = Field(default_factory=dict)  # fact path -> value a decision read
+    # The gathered facts (node, host) in the shape of ``facts``, kept when the runbook reads ``baseline``:
+    # verifications compare with them at run time ("no host CUDA job killed"). {} otherwise.
+    baseline: dict[str, Any] = Field(default_factory=dict)
     probe_errors: tuple[str, ...] = ()
     digest: str = ""  # sha256 of the canonical JSON of everything above
 

@@ -12,6 +12,12 @@ later guard "label is container" holds because an earlier step sets it.
 Every fact a decision read is recorded in ``Plan.depends_on`` with its value in the *gathered*
 facts (not the predicted ones): ``runbook apply`` re-gathers and refuses when any differs.
 Volatile readings (journal tails, heartbeats) are not recorded.
+
+A runbook whose templates or ``expr`` checks read ``baseline`` gets the gathered node and host facts
+kept in ``Plan.baseline`` (execution compares with them, e.g. "no host CUDA job killed"); the
+baseline paths its checks read are recorded in ``depends_on`` too (``baseline.host.cuda_processes``),
+so a saved plan whose baseline no longer holds is refused like any other drift. In planning,
+``baseline`` is the gathered facts while ``facts`` is the prediction.
 """
 
 from __future__ import annotations
@@ -51,42 +57,105 @@ def parse_iso(text: str) -> datetime:
     return datetime.fromisoformat(text.replace("Z", "+00:00"))
 
 
-def render_text(template: str, params: Mapping[str, Any], facts: Facts | None) -> str:
+def render_text(template: str, params: Mapping[str, Any], facts: Facts | None, *,
+                baseline: Mapping[str, Any] | None = None) -> str:
     """Render a message/report template; TemplateError on failure."""
     from engine.model import is_template
     from engine.templating import context, render
 
     if not is_template(template):
         return template
-    return render(template, context(params, facts))
+    return render(template, context(params, facts, baseline))
 
 
-def _message(template: str, params: Mapping[str, Any], facts: Facts, fallback: str) -> str:
+def _message(template: str, params: Mapping[str, Any], facts: Facts, fallback: str, *,
+             baseline: Mapping[str, Any] | None = None) -> str:
     if not template:
         return fallback
     try:
-        return " ".join(render_text(template, params, facts).split())
+        return " ".join(render_text(template, params, facts, baseline=baseline).split())
     except RunbookError as e:
         return f"{fallback} (message could not be rendered: {e})"
 
 
-def verify_timeout(timeout: str, params: Mapping[str, Any], facts: Facts | None = None) -> float:
+def verify_timeout(timeout: str, params: Mapping[str, Any], facts: Facts | None = None, *,
+                   baseline: Mapping[str, Any] | None = None) -> float:
     """A verify timeout (possibly templated, e.g. ``"{{ params.ready_timeout }}s"``) in seconds."""
-    text = render_text(timeout, params, facts)
+    text = render_text(timeout, params, facts, baseline=baseline)
     try:
         return parse_duration(text)
     except ValueError as e:
         raise RunbookError(f"timeout {timeout!r} rendered to {text!r}: {e}") from e
 
 
-def _evaluation(check: Any, result: chk.CheckResult, params: Mapping[str, Any], facts: Facts) -> CheckEvaluation:
-    return CheckEvaluation(check=chk.describe_bound(check, params, facts), holds=result.holds,
+def _evaluation(check: Any, result: chk.CheckResult, params: Mapping[str, Any], facts: Facts,
+                baseline: Mapping[str, Any]) -> CheckEvaluation:
+    return CheckEvaluation(check=chk.describe_bound(check, params, facts, baseline=baseline), holds=result.holds,
                            observed=result.observed)
+
+
+def _runbook_templates(runbook: Runbook) -> list[tuple[str, bool, bool]]:
+    """Every template string of a runbook: (source, is an expression, is part of a check)."""
+    out: list[tuple[str, bool, bool]] = []
+
+    def walk(value: Any, in_check: bool) -> None:
+        from pydantic import BaseModel
+
+        from engine.model import ExprCheck
+
+        if isinstance(value, ExprCheck):
+            out.append((value.expr, True, True))
+        elif isinstance(value, str):
+            if "{{" in value or "{%" in value:
+                out.append((value, False, in_check))
+        elif isinstance(value, BaseModel):
+            for name in type(value).model_fields:
+                walk(getattr(value, name), in_check)
+        elif isinstance(value, Mapping):
+            for k, v in value.items():
+                walk(k, in_check)
+                walk(v, in_check)
+        elif isinstance(value, list | tuple):
+            for v in value:
+                walk(v, in_check)
+
+    for p in runbook.preconditions:
+        walk(p.check, True)
+        walk(p.when, True)
+        walk(p.message, False)
+    for st in runbook.steps:
+        walk((st.skip_if, st.guards, tuple(v.check for v in st.verify)), True)
+        walk((st.action, st.why, tuple(v.timeout for v in st.verify), st.rollback_actions), False)
+    if runbook.report:
+        walk(runbook.report, False)
+    return out
+
+
+def reads_baseline(runbook: Runbook) -> bool:
+    """Whether any template or expression of the runbook reads ``baseline``."""
+    from engine.templating import names_used
+
+    return any("baseline" in src and "baseline" in names_used(src, expression=expr)
+               for src, expr, _ in _runbook_templates(runbook))
+
+
+def baseline_reads(runbook: Runbook, baseline: Mapping[str, Any]) -> dict[str, Any]:
+    """``depends_on`` entries for the baseline paths the runbook's checks read (not its report)."""
+    from engine.templating import baseline_paths, lookup
+
+    out: dict[str, Any] = {}
+    for src, expr, in_check in _runbook_templates(runbook):
+        if in_check and "baseline" in src:
+            for path in baseline_paths(src, expression=expr):
+                out["baseline." + ".".join(path)] = lookup(baseline, path)
+    return out
 
 
 class _Planner:
     def __init__(self, runbook: Runbook, params: Mapping[str, Any], facts: Facts, *, inventory_host: str,
                  inventory_cmd_hint: str, playbooks_hint: str) -> None:
+        from engine.templating import baseline_data
+
         self.runbook = runbook
         self.params = dict(params)
         self.facts = facts  # as gathered
@@ -95,17 +164,21 @@ class _Planner:
         self.inventory_host = inventory_host
         self.inventory_cmd_hint = inventory_cmd_hint
         self.playbooks_hint = playbooks_hint
+        # Plan-time facts for templates reading ``baseline`` (the gathered ones, never the prediction).
+        self.baseline: dict[str, Any] = baseline_data(facts) if reads_baseline(runbook) else {}
+        if self.baseline:
+            self.depends.update(baseline_reads(runbook, self.baseline))
 
     def read(self, check: Any) -> None:
         """Record what ``check`` reads, with the values in the gathered facts."""
-        self.depends.update(chk.evaluate(check, self.facts, self.params).reads)
+        self.depends.update(chk.evaluate(check, self.facts, self.params, baseline=self.baseline).reads)
 
     def preconditions(self) -> list[PreconditionResult]:
         out: list[PreconditionResult] = []
         for p in self.runbook.preconditions:
             evidence: dict[str, Any] = {}
             if p.when is not None:
-                w = chk.evaluate(p.when, self.facts, self.params)
+                w = chk.evaluate(p.when, self.facts, self.params, baseline=self.baseline)
                 self.depends.update(w.reads)
                 evidence["when"] = {"holds": w.holds, "observed": w.observed}
                 if w.holds is False:
@@ -113,13 +186,14 @@ class _Planner:
                                                   observed=f"does not apply: {w.observed}", on_fail=p.on_fail,
                                                   evidence=evidence))
                     continue
-            r = chk.evaluate(p.check, self.facts, self.params)
+            r = chk.evaluate(p.check, self.facts, self.params, baseline=self.baseline)
             self.depends.update(r.reads)
             evidence.update(_jsonable(r.evidence))
             message = ""
             if r.holds is not True:
-                fallback = f"{chk.describe_bound(p.check, self.params, self.facts)}: {r.observed}"
-                message = _message(p.message, self.params, self.facts, fallback)
+                fallback = f"{chk.describe_bound(p.check, self.params, self.facts, baseline=self.baseline)}: " \
+                    f"{r.observed}"
+                message = _message(p.message, self.params, self.facts, fallback, baseline=self.baseline)
                 if r.holds is None:
                     message = f"could not be evaluated ({r.observed}): {message}"
             out.append(PreconditionResult(id=p.id, applies=True, holds=r.holds, observed=r.observed,
@@ -127,7 +201,7 @@ class _Planner:
         return out
 
     def step(self, step: Step, kinds: Mapping[str, str], nothing_to_do: str | None) -> PlannedStep:
-        params, pred = self.params, self.pred
+        params, pred, baseline = self.params, self.pred, self.baseline
         base: dict[str, Any] = {
             "id": step.id, "why": " ".join(step.why.split()), "action": step.action.KEY,
             "requires": step.requires, "idempotent": step.idempotent, "approval": step.approval,
@@ -137,24 +211,27 @@ class _Planner:
         verify: list[PlannedVerify] = []
         for v in step.verify:
             try:
-                seconds = verify_timeout(v.timeout, params, pred)
+                seconds = verify_timeout(v.timeout, params, pred, baseline=baseline)
             except RunbookError as e:
                 problems.append(str(e))
                 seconds = 0.0
-            verify.append(PlannedVerify(check=chk.describe_bound(v.check, params, pred), timeout_seconds=seconds))
+            verify.append(PlannedVerify(check=chk.describe_bound(v.check, params, pred, baseline=baseline),
+                                        timeout_seconds=seconds))
         base["verify"] = tuple(verify)
 
-        skip = [chk.evaluate(c, pred, params) for c in step.skip_if]
+        skip = [chk.evaluate(c, pred, params, baseline=baseline) for c in step.skip_if]
         for c in step.skip_if:
             self.read(c)
-        base["skip_if"] = tuple(_evaluation(c, r, params, pred) for c, r in zip(step.skip_if, skip, strict=True))
-        guards = [chk.evaluate(c, pred, params) for c in step.guards]
+        base["skip_if"] = tuple(_evaluation(c, r, params, pred, baseline)
+                                for c, r in zip(step.skip_if, skip, strict=True))
+        guards = [chk.evaluate(c, pred, params, baseline=baseline) for c in step.guards]
         for c in step.guards:
             self.read(c)
-        base["guards"] = tuple(_evaluation(c, r, params, pred) for c, r in zip(step.guards, guards, strict=True))
+        base["guards"] = tuple(_evaluation(c, r, params, pred, baseline)
+                               for c, r in zip(step.guards, guards, strict=True))
 
         try:
-            action = chk.bind(step.action, params, pred)
+            action = chk.bind(step.action, params, pred, baseline=baseline)
         except RunbookError as e:
             action = None
             problems.append(f"action cannot be rendered: {e}")
@@ -179,7 +256,7 @@ class _Planner:
         failing = [(c, r) for c, r in zip(step.guards, guards, strict=True) if r.holds is not True]
         if failing:
             return blocked("; ".join(
-                f"guard {chk.describe_bound(c, params, pred)} "
+                f"guard {chk.describe_bound(c, params, pred, baseline=baseline)} "
                 + ("could not be evaluated: " if r.holds is None else "does not hold: ") + r.observed
                 for c, r in failing))
         assert action is not None
@@ -207,7 +284,7 @@ class _Planner:
             planned = PlannedStep(kind="change", summary=summary, **base)
         else:
             assert isinstance(action, CheckAction)
-            results = [chk.evaluate(v.check, pred, params) for v in step.verify]
+            results = [chk.evaluate(v.check, pred, params, baseline=baseline) for v in step.verify]
             for v in step.verify:
                 self.read(v.check)
             if results and all(r.holds is True for r in results):
@@ -216,7 +293,7 @@ class _Planner:
             planned = PlannedStep(kind="change", summary=f"wait up to {longest:g}s until "
                                   + "; ".join(v.check for v in verify), **base)
         for v in step.verify:
-            self.pred = chk.establish(v.check, self.pred, params)
+            self.pred = chk.establish(v.check, self.pred, params, baseline=baseline)
         return planned
 
     def _command(self, action: Any) -> str:
@@ -282,7 +359,7 @@ def plan_run(runbook: Runbook, params: Mapping[str, Any], facts: Facts, *, runbo
         node=facts.node_name, inventory_host=planner.inventory_host, created_at=iso(now),
         expires_at=iso(now + timedelta(seconds=ttl)), state=state, approval=runbook.approval,
         preconditions=tuple(pres), steps=tuple(steps), depends_on=_jsonable(planner.depends),
-        probe_errors=tuple(f"{e.probe}: {e.message}" for e in facts.errors),
+        baseline=_jsonable(planner.baseline), probe_errors=tuple(f"{e.probe}: {e.message}" for e in facts.errors),
     )
     return plan.sealed()
 
@@ -320,6 +397,8 @@ def _human(node: str, path: str) -> str:
         return f"node {node} {path[5:]}"
     if path.startswith("host."):
         return f"host of {node}: {path[5:]}"
+    if path.startswith("baseline."):
+        return f"{_human(node, path[len('baseline.'):])} (the plan's baseline)"
     return f"{node}: {path}"
 
 

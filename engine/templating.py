@@ -7,8 +7,11 @@
 * attribute walks to ``_private``/dunder names raise ``SecurityError`` (sandbox) and are also
   refused when a runbook is loaded (``template_problems``);
 * ``*`` and ``**`` are bounded so a template cannot allocate gigabytes;
-* the context is ``params`` and ``facts`` only, both plain read-only data (``facts_context``):
-  no object with a method that could reach I/O is ever handed to a template.
+* the context is ``params``, ``facts`` and ``baseline`` only, all plain read-only data
+  (``facts_context``): no object with a method that could reach I/O is ever handed to a template.
+  ``baseline`` has the shape of ``facts`` and holds the facts gathered when the plan was made
+  (``Plan.baseline``), so a verification can compare "now" with "before" (``facts.host.cuda_processes``
+  against ``baseline.host.cuda_processes``: no host CUDA job was killed).
 
 Param values are data: they are inserted into the output, never rendered themselves.
 """
@@ -32,6 +35,9 @@ _MAX_REPEAT = 100_000
 _MAX_EXPONENT = 1000
 _MAX_POWER_BITS = 100_000
 FACT_ROOTS = frozenset({"node_name", "node", "host", "objects", "errors"})
+BASELINE_ROOTS = frozenset({"node_name", "node", "host", "errors"})  # objects are not kept in plans
+# Readings that change on their own (journal lines): never recorded as what a plan depends on.
+VOLATILE_KEYS = frozenset({"journal_tail"})
 
 
 class TemplateError(RunbookError):
@@ -146,10 +152,10 @@ def _frozen(value: Any) -> Any:
     return value
 
 
-def facts_context(facts: Facts | None) -> Mapping[str, Any]:
-    """Facts as plain, read-only data for templates (no methods that could reach anything)."""
+def facts_data(facts: Facts | None) -> dict[str, Any]:
+    """Facts as plain JSON-like data (dicts, lists, scalars): the shape templates see as ``facts``."""
     if facts is None:
-        return MappingProxyType({})
+        return {}
     node: dict[str, Any] | None = None
     if facts.node is not None:
         n = facts.node
@@ -184,18 +190,45 @@ def facts_context(facts: Facts | None) -> Mapping[str, Any]:
             "cuda_processes": [{"pid": p.pid, "name": p.name} for p in h.cuda_processes],
             "cuda_process_count": len(h.cuda_processes),
         }
-    return _frozen({
+    return {
         "node_name": facts.node_name,
         "node": node,
         "host": host,
-        "objects": {k: [dict(o) for o in v] for k, v in facts.objects.items()},
+        "objects": {k: [_plain(o) for o in v] for k, v in facts.objects.items()},
         "errors": [{"probe": e.probe, "message": e.message} for e in facts.errors],
-    })
+    }
 
 
-def context(params: Mapping[str, Any], facts: Facts | None = None) -> dict[str, Any]:
-    """The whole template context: ``params`` and ``facts``, nothing else."""
-    return {"params": MappingProxyType(dict(params)), "facts": facts_context(facts)}
+def _plain(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+def facts_context(facts: Facts | None) -> Mapping[str, Any]:
+    """Facts as plain, read-only data for templates (no methods that could reach anything)."""
+    if facts is None:
+        return MappingProxyType({})
+    return _frozen(facts_data(facts))  # type: ignore[no-any-return]
+
+
+def baseline_data(facts: Facts | None) -> dict[str, Any]:
+    """What a plan keeps of its gathered facts as ``baseline`` (``Plan.baseline``): the node and the
+    host, in the shape of ``facts``; object lists are left out (they can be large)."""
+    data = facts_data(facts)
+    return {k: v for k, v in data.items() if k in BASELINE_ROOTS}
+
+
+def context(params: Mapping[str, Any], facts: Facts | None = None,
+            baseline: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The whole template context: ``params``, ``facts`` and ``baseline`` (plan-time facts), nothing else.
+
+    ``baseline`` is plain data (``baseline_data``); without one it is empty, so a template that
+    reads it fails (and a check over it is unknown: fail closed)."""
+    return {"params": MappingProxyType(dict(params)), "facts": facts_context(facts),
+            "baseline": _frozen(dict(baseline or {}))}
 
 
 # --------------------------------------------------------------------------------------------
@@ -207,8 +240,9 @@ def template_problems(source: str, *, params: Mapping[str, Any], expression: boo
                       extra_names: frozenset[str] = frozenset()) -> list[str]:
     """Problems of one template (or bare expression): syntax, unknown names, unsafe attributes.
 
-    Allowed names: ``params.<declared>``, ``facts.<node_name|node|host|objects|errors>``, the
-    sandbox's globals (``range``) and whatever the template itself binds (loop variables, set).
+    Allowed names: ``params.<declared>``, ``facts.<node_name|node|host|objects|errors>``,
+    ``baseline.<node_name|node|host|errors>``, the sandbox's globals (``range``) and whatever the
+    template itself binds (loop variables, set).
     """
     env = environment()
     try:
@@ -222,10 +256,10 @@ def template_problems(source: str, *, params: Mapping[str, Any], expression: boo
     problems: list[str] = []
     from jinja2 import meta
 
-    allowed = {"params", "facts"} | set(env.globals) | set(extra_names)
+    allowed = {"params", "facts", "baseline"} | set(env.globals) | set(extra_names)
     for name in sorted(meta.find_undeclared_variables(ast)):
         if name not in allowed:
-            problems.append(f"template refers to undefined name {name!r} (only params and facts)")
+            problems.append(f"template refers to undefined name {name!r} (only params, facts and baseline)")
     for node in ast.find_all((jnodes.Getattr, jnodes.Getitem)):
         attr = _attr_name(node)
         if attr is not None and attr.startswith("_"):
@@ -238,7 +272,86 @@ def template_problems(source: str, *, params: Mapping[str, Any], expression: boo
             elif target.name == "facts" and attr not in FACT_ROOTS:
                 problems.append(f"template refers to unknown fact {attr!r} "
                                 f"(facts has {', '.join(sorted(FACT_ROOTS))})")
+            elif target.name == "baseline" and attr not in BASELINE_ROOTS:
+                problems.append(f"template refers to unknown baseline fact {attr!r} "
+                                f"(baseline has {', '.join(sorted(BASELINE_ROOTS))}; plans keep no object lists)")
     return problems
+
+
+def _parse(source: str, expression: bool) -> jnodes.Template | None:
+    try:
+        return environment().parse("{{ " + source + " }}" if expression else source)
+    except jinja2.TemplateSyntaxError:
+        return None
+
+
+def _chain(node: jnodes.Node) -> tuple[str, list[str]] | None:
+    """``baseline.host.cuda_processes`` -> ("baseline", ["host", "cuda_processes"]); None otherwise."""
+    parts: list[str] = []
+    while isinstance(node, jnodes.Getattr | jnodes.Getitem):
+        attr = _attr_name(node)
+        if attr is None:
+            return None
+        parts.append(attr)
+        node = node.node
+    if not isinstance(node, jnodes.Name):
+        return None
+    return node.name, parts[::-1]
+
+
+def names_used(source: str, *, expression: bool = False) -> set[str]:
+    """The context names a template reads (``params``, ``facts``, ``baseline``)."""
+    ast = _parse(source, expression)
+    if ast is None:
+        return set()
+    from jinja2 import meta
+
+    return set(meta.find_undeclared_variables(ast))
+
+
+def baseline_paths(source: str, *, expression: bool = False) -> set[tuple[str, ...]]:
+    """The longest constant paths into ``baseline`` a template reads: ``{("host", "cuda_processes")}``."""
+    ast = _parse(source, expression)
+    if ast is None:
+        return set()
+    chains = [c for n in ast.find_all((jnodes.Getattr, jnodes.Getitem)) if (c := _chain(n)) and c[0] == "baseline"]
+    paths = {tuple(parts) for _, parts in chains if parts}
+    # keep only maximal paths: ("host",) is implied by ("host", "cuda_processes")
+    return {p for p in paths if not any(len(q) > len(p) and q[:len(p)] == p for q in paths)}
+
+
+def objects_keys(source: str, *, expression: bool = False) -> set[str]:
+    """Literal keys a template reads from ``facts.objects`` (``facts.objects['kubevirt.io/v1/...']``)."""
+    ast = _parse(source, expression)
+    if ast is None:
+        return set()
+    out: set[str] = set()
+    for n in ast.find_all(jnodes.Getitem):
+        c = _chain(n)
+        if c is not None and c[0] == "facts" and len(c[1]) >= 2 and c[1][0] == "objects":
+            out.add(c[1][1])
+    return out
+
+
+def lookup(data: Mapping[str, Any], path: tuple[str, ...]) -> Any:
+    """The value at ``path`` in plain data, or None; volatile keys (journal lines) are dropped."""
+    cur: Any = data
+    for part in path:
+        if isinstance(cur, Mapping) and part in cur:
+            cur = cur[part]
+        elif isinstance(cur, list | tuple) and part.isdigit() and int(part) < len(cur):
+            cur = cur[int(part)]
+        else:
+            return None
+    return _without_volatile(cur)
+
+
+def _without_volatile(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _without_volatile(v) for k, v in value.items() if k not in VOLATILE_KEYS}
+    if isinstance(value, list | tuple):
+        return [_without_volatile(v) for v in value]
+    return value
 
 
 def _attr_name(node: jnodes.Node) -> str | None:

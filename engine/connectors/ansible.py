@@ -3,10 +3,11 @@
 ``AnsibleConnector`` implements ``engine.connectors.base.NodeAutomation``. One instance serves one
 runbook run (or one CLI invocation) and owns:
 
-* a private data dir (mode 0700) holding ``ANSIBLE_HOME``, ``ANSIBLE_LOCAL_TEMP``, the SSH
-  control-path dir and an empty ``ansible.cfg``: the user's own Ansible state and config are
-  never read or written, and SSH connections (``ControlPersist``) are reused across the steps of
-  the run. ``close()`` ends the control masters and removes the dir.
+* a private data dir (mode 0700, made on first use) holding ``ANSIBLE_HOME``,
+  ``ANSIBLE_LOCAL_TEMP``, the SSH control-path dir and an empty ``ansible.cfg``: the user's own
+  Ansible state and config are never read or written, and SSH connections (``ControlPersist``)
+  are reused across the steps of the run. ``close()`` (or interpreter exit) ends the control
+  masters and removes the dir.
 * the become password, in memory only. It reaches ``ansible-playbook`` through its
   ``--ask-become-pass`` prompt (ansible-runner's ``passwords=``, pexpect): never through the
   environment, a command line or a file. ansible-runner copies the whole environment into
@@ -56,6 +57,8 @@ FACTS_FORMAT_VERSION = 1
 RUN_MARKER = "RUNBOOK_ANSIBLE_RUN"  # in the environment of every process of one run
 SECRET_ENV = ("RUNBOOK_BECOME_PASSWORD",)  # blanked in the child environment
 _BECOME_PROMPT = r"BECOME password[^:\n]*:\s*$"
+DIR_PREFIX = "runbook-ansible-"
+OWNER_FILE = "owner"  # "<pid> <start time>" of the process that made a private data dir
 
 # ============================================================================ facts (pure)
 
@@ -397,24 +400,39 @@ class AnsibleConnector:
         self.facts_become = become_password is not None if facts_become is None else facts_become
         self.facts_timeout = facts_timeout
         self._cancel = threading.Event()
-        self._dir = Path(tempfile.mkdtemp(prefix="runbook-ansible-"))
-        os.chmod(self._dir, 0o700)
-        for sub in ("home", "tmp", "cp", "artifacts"):
-            (self._dir / sub).mkdir(mode=0o700)
-        (self._dir / "ansible.cfg").write_text(
-            "# written by runbook: isolates its runs from the user's ansible.cfg\n[defaults]\n")
-        self._finalizer = weakref.finalize(self, _cleanup, self._dir)
+        self._closed = False
+        self._lock = threading.Lock()
+        self._dir_path: Path | None = None  # made on first use: a connector never used leaves nothing
+        self._finalizer: weakref.finalize[Any, Any] | None = None
 
     # ------------------------------------------------------------------ protocol
 
     @property
     def private_data_dir(self) -> Path:
-        return self._dir
+        """The private data dir (mode 0700), made on first use and removed by ``close()``."""
+        with self._lock:
+            if self._dir_path is None:
+                if self._closed:
+                    raise HostError("the Ansible connector is closed")
+                sweep_stale_private_dirs()
+                path = Path(tempfile.mkdtemp(prefix=DIR_PREFIX))
+                (path / OWNER_FILE).write_text(_process_identity(os.getpid()) or "")
+                for sub in ("home", "tmp", "cp", "artifacts"):
+                    (path / sub).mkdir(mode=0o700)
+                (path / "ansible.cfg").write_text(
+                    "# written by runbook: isolates its runs from the user's ansible.cfg\n[defaults]\n")
+                self._finalizer = weakref.finalize(self, _cleanup, path)
+                self._dir_path = path
+            return self._dir_path
+
+    @property
+    def _dir(self) -> Path:
+        return self.private_data_dir
 
     def inventory_host(self, node: str) -> str:
         return self.inventory.host_for_node(node)
 
-    def gather_facts(self, nodes: Sequence[str], *,
+    def gather_facts(self, nodes: Sequence[str],
                      files: Sequence[str] = ()) -> Mapping[str, HostFacts | Exception]:
         """One read-only ``node-facts.yml`` run for all nodes; per node, facts or a ``HostError``
         (``unreachable=True`` when SSH could not connect). ``files``: paths to report on."""
@@ -467,7 +485,7 @@ class AnsibleConnector:
                       timeout: float = 300, check: bool = False,
                       on_event: Callable[[TaskEvent], None] | None = None,
                       read_only: bool = False) -> PlaybookResult:
-        if self._finalizer.alive is False:
+        if self._closed:
             raise HostError("the Ansible connector is closed")
         path = playbook if playbook.is_absolute() else self.playbooks_dir / playbook
         if not path.is_file():
@@ -544,8 +562,12 @@ class AnsibleConnector:
         self._cancel.set()
 
     def close(self) -> None:
-        """End the SSH control masters and remove the private data dir."""
-        self._finalizer()
+        """End the SSH control masters and remove the private data dir. Idempotent."""
+        with self._lock:
+            self._closed = True
+            finalizer = self._finalizer
+        if finalizer is not None:
+            finalizer()
 
     def __enter__(self) -> AnsibleConnector:
         return self
@@ -717,6 +739,35 @@ def _remove_stale_sockets(cp_dir: Path) -> None:
                 path.unlink()
         finally:
             s.close()
+
+
+def _process_identity(pid: int) -> str | None:
+    """``"<pid> <start time>"`` of a live process (start time tells a reused pid apart), else None."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[-1].split()
+    return f"{pid} {fields[19]}" if len(fields) > 19 else None
+
+
+def sweep_stale_private_dirs(tmp: Path | None = None) -> list[Path]:
+    """Remove the private data dirs of connectors whose process died without ``close()``
+    (SIGKILL, an unhandled SIGTERM), with their leftover ssh control masters. Only dirs with an
+    owner file whose process is gone are touched; returns them."""
+    removed = []
+    for path in Path(tmp or tempfile.gettempdir()).glob(f"{DIR_PREFIX}*"):
+        try:
+            if not path.is_dir() or path.stat().st_uid != os.getuid():
+                continue
+            owner = (path / OWNER_FILE).read_text().split()
+        except OSError:
+            continue
+        if len(owner) != 2 or not owner[0].isdigit() or _process_identity(int(owner[0])) == " ".join(owner):
+            continue
+        _cleanup(path)
+        removed.append(path)
+    return removed
 
 
 def _cleanup(private_dir: Path) -> None:

@@ -24,6 +24,9 @@ class PodRef:
     node: str = ""
     labels: Mapping[str, str] = field(default_factory=dict)
     phase: str = ""
+    # Resources the pod asks for (resource -> quantity, e.g. {"nvidia.com/gpu": "1"}): per container its
+    # request, or its limit where it gives none (extended resources are often limit-only), summed.
+    requests: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -103,7 +103,23 @@ def pod_ref_from_dict(obj: Mapping[str, Any]) -> PodRef:
         node=(obj.get("spec") or {}).get("nodeName") or "",
         labels=_frozen(meta.get("labels")),
         phase=(obj.get("status") or {}).get("phase") or "",
+        requests=_pod_requests(obj.get("spec") or {}),
     )
+
+
+def _pod_requests(spec: Mapping[str, Any]) -> Mapping[str, str]:
+    """What the pod's containers ask for, resource -> quantity: per container its request, else its
+    limit. Several containers: whole numbers are summed (extended resources such as nvidia.com/gpu
+    are always whole); other quantities are joined with ``+`` (``"500m+1"``) for the engine to sum."""
+    asked: dict[str, list[str]] = {}
+    for c in spec.get("containers") or ():
+        res = (c or {}).get("resources") or {}
+        for k, v in {**(res.get("limits") or {}), **(res.get("requests") or {})}.items():
+            asked.setdefault(str(k), []).append(str(v).strip())
+    out: dict[str, str] = {}
+    for k, values in asked.items():
+        out[k] = str(sum(int(v) for v in values)) if all(v.isdigit() for v in values) else "+".join(values)
+    return MappingProxyType(out)
 
 
 def lease_record_from_dict(obj: Mapping[str, Any]) -> LeaseRecord:

@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 import secrets
 import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -346,6 +349,57 @@ def test_the_users_ansible_configuration_and_home_are_left_alone(omen2: NodeHost
     with AnsibleConnector(omen2.inventory_path, playbooks) as automation:
         assert automation.run_playbook(Path("sleep.yml"), ["omen2"]).ok
     assert list(home.iterdir()) == []  # no ~/.ansible, no ~/.ssh/known_hosts entries
+
+
+def test_a_connector_that_never_runs_leaves_nothing_behind(tmp_path: Path) -> None:
+    (tmp_path / "inv.yml").write_text("all:\n  hosts:\n    omen2:\n")
+    before = set(Path(tempfile.gettempdir()).glob("runbook-ansible-*"))
+    automation = AnsibleConnector(tmp_path / "inv.yml", PLAYBOOKS)
+    automation.close()
+    assert set(Path(tempfile.gettempdir()).glob("runbook-ansible-*")) <= before
+    with pytest.raises(HostError, match="closed"):
+        automation.run_playbook(Path("node-facts.yml"), ["omen2"])
+
+
+def processes_of_dir(folder: Path) -> list[tuple[int, str]]:
+    mark = str(folder).encode()
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            cmdline = Path(f"/proc/{name}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if mark in cmdline and int(name) != os.getpid():
+            found.append((int(name), cmdline.replace(b"\0", b" ").decode(errors="replace")))
+    return found
+
+
+def test_the_leftovers_of_a_killed_run_are_swept_by_the_next_connector(omen2: NodeHostSet,
+                                                                       tmp_path: Path) -> None:
+    """A runbook process killed with SIGKILL cannot close(): its dir and ssh master must not pile up."""
+    script = tmp_path / "killed.py"
+    script.write_text(f"""
+import os, signal, sys
+from pathlib import Path
+from engine.connectors.ansible import AnsibleConnector
+automation = AnsibleConnector(Path({str(omen2.inventory_path)!r}), Path({str(PLAYBOOKS)!r}))
+automation.gather_facts(["omen2"])
+print(automation.private_data_dir, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+""")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=REPO, timeout=120)
+    left = Path(out.stdout.strip())
+    assert left.is_dir(), out.stderr
+    master = [p for p in processes_of_dir(left) if "[mux]" in p[1]]
+    assert master, "the killed run's ssh control master should still be there"
+    with AnsibleConnector(omen2.inventory_path, PLAYBOOKS) as automation:
+        automation.private_data_dir  # noqa: B018  (made on first use: sweeps first)
+        assert not left.exists()
+        assert processes_of_dir(left) == []
+        mine = automation.private_data_dir
+    assert not mine.exists()
 
 
 def test_a_playbook_that_does_not_exist_is_a_host_error(omen2: NodeHostSet) -> None:

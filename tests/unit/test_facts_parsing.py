@@ -24,7 +24,13 @@ from engine.connectors.ansible import (
     unhandled_swap_sources,
     unified_diffs,
 )
-from engine.connectors.kube import format_microtime, lease_record_from_dict, node_facts_from_dict, parse_time
+from engine.connectors.kube import (
+    format_microtime,
+    lease_record_from_dict,
+    node_facts_from_dict,
+    parse_time,
+    pod_ref_from_dict,
+)
 from engine.errors import HostError
 from engine.facts import SwapDevice
 
@@ -282,3 +288,16 @@ def test_a_lease_as_the_api_serves_it_becomes_a_lease_record() -> None:
                  "acquireTime": "2026-07-10T15:39:51.000000Z", "renewTime": "2026-07-10T15:40:01.500000Z"}})
     assert (lease.holder, lease.duration_seconds, lease.resource_version) == ("runbook/abc", 60, "7")
     assert lease.renew_time - lease.acquire_time == pytest.approx(10.5)
+
+
+def test_a_pod_as_the_api_serves_it_becomes_a_pod_ref_with_what_it_asks_for() -> None:
+    pod = pod_ref_from_dict({
+        "metadata": {"namespace": "ml", "name": "train", "labels": {"app": "torch"}},
+        "spec": {"nodeName": "omen2", "containers": [
+            {"name": "a", "resources": {"limits": {"nvidia.com/gpu": "1"}, "requests": {"cpu": "500m"}}},
+            {"name": "b", "resources": {"requests": {"nvidia.com/gpu": "1", "cpu": "1"}}}]},
+        "status": {"phase": "Running"}})
+    assert (pod.namespace, pod.name, pod.node, pod.phase) == ("ml", "train", "omen2", "Running")
+    assert pod.labels["app"] == "torch"
+    assert pod.requests["nvidia.com/gpu"] == "2"  # a limit-only extended resource counts
+    assert pod.requests["cpu"] == "500m+1"

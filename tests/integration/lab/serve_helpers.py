@@ -21,7 +21,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +84,7 @@ class Server:
     ref: ProcessRef
     log_path: Path
     journal: Path
+    leftovers: list[ProcessRef] = field(default_factory=list)
 
     def log_tail(self, lines: int = 40) -> str:
         try:
@@ -142,18 +143,30 @@ class Server:
                 raise AssertionError(f"timed out waiting for {what}; runs: {runs}\nserver log:\n{self.log_tail()}")
             time.sleep(0.3)
 
-    def stop(self, timeout: float = 20.0) -> None:
-        """SIGTERM (the server drains), SIGKILL after ``timeout``; then whatever it started, too."""
-        below = descendants(self.proc.pid)
+    def stop(self, timeout: float = 20.0) -> list[ProcessRef]:
+        """SIGTERM (the server drains for ``shutdown_grace``), SIGKILL after ``timeout``; then stop
+        whatever it started that outlived it. Returns those leftovers (empty after a clean stop)."""
+        seen: set[ProcessRef] = set()
         if self.proc.poll() is None:
+            seen.update(descendants(self.proc.pid))
             self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
+            deadline = time.monotonic() + timeout
+            while self.proc.poll() is None and time.monotonic() < deadline:
+                seen.update(descendants(self.proc.pid))  # children started while it drains
+                time.sleep(0.05)
+            if self.proc.poll() is None:
+                seen.update(descendants(self.proc.pid))
                 self.proc.kill()
-                self.proc.wait(10)
-        # Why: a run's ansible-playbook calls setsid; if the server was killed mid-run it would outlive it.
-        stop_processes([r for r in below if r.alive()], timeout=5, reap=reap_child)
+            self.proc.wait(10)
+        # Why: a run's ansible-playbook calls setsid; a server stopped mid-run would leave it behind.
+        leftovers = [r for r in seen if r.alive()]
+        stop_processes(leftovers, timeout=5, reap=reap_child)
+        self.leftovers = leftovers
+        return leftovers
+
+    def stopped_cleanly(self) -> bool:
+        """uvicorn drains, then re-raises the SIGTERM it caught: exit 0 or "killed by SIGTERM"."""
+        return self.proc.returncode in (0, -signal.SIGTERM) and "Application shutdown complete" in self.log_tail(200)
 
 
 def write_config(path: Path, config: Mapping[str, Any]) -> Path:
@@ -269,11 +282,15 @@ def fire(am_url: str, node: str, alertname: str = "KubeNodeNotReady") -> None:
 # -- what the lab shows ---------------------------------------------------------------------------------
 
 
+def lab_status_all(sh: Callable[..., Any]) -> list[dict[str, Any]]:
+    """``runbook lab status -o json``'s nodes."""
+    nodes: list[dict[str, Any]] = json.loads(sh("runbook lab status -o json", check=True).stdout)["nodes"]
+    return nodes
+
+
 def lab_status(sh: Callable[..., Any], node: str = "omen2") -> dict[str, Any]:
     """``runbook lab status -o json``'s entry for ``node``."""
-    status = json.loads(sh("runbook lab status -o json", check=True).stdout)
-    entry: dict[str, Any] = next(n for n in status["nodes"] if n["name"] == node)
-    return entry
+    return next(n for n in lab_status_all(sh) if n["name"] == node)
 
 
 def node_json(sh: Callable[..., Any], node: str = "omen2") -> dict[str, Any]:

@@ -25,9 +25,9 @@ from serve_helpers import (
     Server,
     alertmanager,
     alertmanager_binary,
-    descendants,
     fire,
     lab_status,
+    lab_status_all,
     node_json,
     ready_status,
     serving,
@@ -48,6 +48,8 @@ PERMISSIVE = {"max_unhealthy_nodes": 8, "max_unhealthy_gpus": 100}
 AUTO = {"mode_overrides": {RUNBOOK: "auto"}}
 PLAN_TIMEOUT = 90  # an approve-mode plan previews the playbooks in check mode over SSH
 RUN_TIMEOUT = 240  # relabel, swap off, kubelet back, GPU advertised
+# Tests that stop the server while a plan is being made (check mode only) do not wait for it.
+QUICK_STOP = {"shutdown_grace": "1s"}
 
 
 # -- fixtures and probes ------------------------------------------------------------------------------
@@ -128,6 +130,14 @@ def metric(server: Server, name: str, **labels: str) -> float | None:
     return None
 
 
+def webhooks(server: Server, endpoint: str, outcome: str) -> float | None:
+    return metric(server, "runbook_serve_webhook_requests_total", endpoint=endpoint, outcome=outcome)
+
+
+def blocked(server: Server, reason: str) -> float | None:
+    return metric(server, "runbook_serve_runs_blocked_total", runbook=RUNBOOK, reason=reason)
+
+
 # -- the incident stays as it is ---------------------------------------------------------------------------
 
 
@@ -136,8 +146,7 @@ def test_the_real_server_refuses_alerts_without_the_token(lab: Any, tmp_path: Pa
         assert server.alert(omen2_alert(), headers={}).status_code == 401
         assert server.alert(omen2_alert(), headers={"Authorization": "Bearer wrong"}).status_code == 401
         assert server.runs() == []
-        assert metric(server, "runbook_serve_webhook_requests_total", endpoint="alertmanager",
-                      outcome="unauthorized") == 2
+        assert webhooks(server, "alertmanager", "unauthorized") == 2
 
 
 def test_forged_and_unsigned_pagerduty_webhooks_start_nothing(unchanged_lab: Any, sh: Any, tmp_path: Path) -> None:
@@ -150,7 +159,7 @@ def test_forged_and_unsigned_pagerduty_webhooks_start_nothing(unchanged_lab: Any
                  "title": "Node omen2 is NotReady",
                  "service": {"id": "PF9KMXH", "summary": "GPU nodes", "type": "service_reference"}}}}).encode()
     headers = {"Content-Type": "application/json", "X-Webhook-Id": "wh-forged-1"}
-    with serving(unchanged_lab.env(), tmp_path, config, pd_secret=PD_SECRET) as server:
+    with serving(unchanged_lab.env(), tmp_path, {**config, **QUICK_STOP}, pd_secret=PD_SECRET) as server:
         forged = server.post("/hooks/pagerduty", content=body,
                              headers={**headers, "X-PagerDuty-Signature": sign(body, "not-the-secret")})
         assert forged.status_code == 403, forged.text
@@ -164,22 +173,24 @@ def test_forged_and_unsigned_pagerduty_webhooks_start_nothing(unchanged_lab: Any
                                headers={**headers, "X-PagerDuty-Signature": sign(body, PD_SECRET)})
         assert tampered.status_code == 403, tampered.text
         assert server.runs() == []
-        assert metric(server, "runbook_serve_webhook_requests_total", endpoint="pagerduty", outcome="forbidden") == 2
-        assert metric(server, "runbook_serve_webhook_requests_total", endpoint="pagerduty", outcome="bad-request") == 2
+        assert webhooks(server, "pagerduty", "forbidden") == 2
+        assert webhooks(server, "pagerduty", "bad-request") == 2
         # control: the same delivery, properly signed, does start the run (so the refusals were the signature's)
         signed = {**headers, "X-Webhook-Id": "wh-signed-1",
                   "X-PagerDuty-Signature": f"v1={'0' * 64}, {sign(body, PD_SECRET)}"}
         run_id = started(server.post("/hooks/pagerduty", content=body, headers=signed))["run_id"]
         replay = server.post("/hooks/pagerduty", content=body, headers=signed)
         assert (replay.status_code, replay.json()["status"]) == (200, "duplicate"), replay.text
-        run = server.wait_state(run_id, ("waiting-approval",), PLAN_TIMEOUT)
-        assert (run["source"], run["params"]["node"], len(server.runs())) == ("pagerduty", "omen2", 1)
+        run = server.run(run_id)
+        assert (run["source"], run["params"]["node"], run["approval_required"]) == ("pagerduty", "omen2", True)
+        assert len(server.runs()) == 1
+        # stopped while it plans (check mode only): SIGTERM ends it after shutdown_grace
     omen2_untouched(unchanged_lab, sh)
 
 
 def test_twenty_concurrent_identical_alerts_start_exactly_one_run(unchanged_lab: Any, sh: Any,
                                                                    tmp_path: Path) -> None:
-    with serving(unchanged_lab.env(), tmp_path, {"workers": 4}) as server:
+    with serving(unchanged_lab.env(), tmp_path, QUICK_STOP) as server:
         payload = omen2_alert()
         gate = threading.Barrier(20)
 
@@ -192,10 +203,11 @@ def test_twenty_concurrent_identical_alerts_start_exactly_one_run(unchanged_lab:
         outcomes = sorted(a.json()["decisions"][0]["outcome"] for a in answers)
         assert outcomes == ["duplicate"] * 19 + ["started"], [a.text for a in answers]
         assert sorted(a.status_code for a in answers) == [200] * 19 + [202]
+        # runs are created on the request path: once every answer is in, the count is final
         runs = server.runs()
         assert len(runs) == 1 and runs[0]["nodes"] == ["omen2"], runs
-        server.wait_state(runs[0]["id"], ("waiting-approval",), PLAN_TIMEOUT)
-        assert len(server.runs()) == 1
+        assert runs[0]["id"] == next(a.json()["runs"][0] for a in answers if a.status_code == 202)
+        assert server.get("/healthz").json()["breaker"]["active_nodes"] == {"omen2": runs[0]["id"]}
     omen2_untouched(unchanged_lab, sh)
 
 
@@ -211,8 +223,33 @@ def test_default_breaker_turns_an_auto_trigger_into_a_plan_for_a_person(unchange
         assert any(w.startswith("breaker: 4 of 8 nodes are unhealthy") and "above 2" in w
                    for w in run["warnings"]), run["warnings"]
         assert not any(e["kind"] in ("step.start", "action.intent", "lock.acquired") for e in run["events"])
-        assert metric(server, "runbook_serve_runs_blocked_total", reason="breaker", runbook="gpu-node-recovery") == 1
+        assert blocked(server, "breaker") == 1
         assert metric(server, "runbook_serve_breaker_open", key="unhealthy", kind="cluster") == 1
+    omen2_untouched(unchanged_lab, sh)
+
+
+def test_an_alert_storm_over_every_node_starts_no_automatic_run_and_no_more_than_the_approval_budget(
+        unchanged_lab: Any, sh: Any, tmp_path: Path) -> None:
+    nodes = [n["name"] for n in lab_status_all(sh)]
+    assert len(nodes) == 8
+    config = {**AUTO, **QUICK_STOP, "breaker": {"max_pending_approvals": 3}}
+    with serving(unchanged_lab.env(), tmp_path, config) as server:
+        r = server.alert(webhook(*(alert(n) for n in nodes)))
+        assert r.status_code == 202, r.text
+        decisions = r.json()["decisions"]
+        outcomes = sorted(d["outcome"] for d in decisions)
+        assert outcomes == ["blocked"] * 5 + ["started"] * 3, decisions
+        assert all(d["mode"] == "approve" for d in decisions)  # the breaker turned every auto run down
+        assert all(any("4 of 8 nodes are unhealthy" in w for w in d["warnings"])
+                   for d in decisions if d["outcome"] == "started")
+        assert all("not paging for approval" in d["reason"] for d in decisions if d["outcome"] == "blocked")
+        assert len(server.runs()) == 3
+        assert metric(server, "runbook_serve_runs_started_total", runbook=RUNBOOK, mode="auto") is None
+        assert metric(server, "runbook_serve_runs_started_total", runbook=RUNBOOK, mode="approve") == 3
+        assert blocked(server, "approvals-limit") == 5
+        # the storm goes on: re-sent pages start nothing more
+        again = server.alert(webhook(*(alert(n) for n in nodes)))
+        assert again.status_code == 200 and len(server.runs()) == 3, again.text
     omen2_untouched(unchanged_lab, sh)
 
 
@@ -229,7 +266,7 @@ def test_a_node_lease_held_by_a_cli_run_blocks_the_servers_run(unchanged_lab: An
             assert holder_for(cli_run) in reason and f"{DEFAULT_NAMESPACE}/{lease_name('omen2')}" in reason, run
             assert run["exit_code"] == 3
             assert not any(e["kind"] in ("step.start", "action.intent", "lock.acquired") for e in run["events"])
-            assert metric(server, "runbook_serve_runs_blocked_total", reason="run-blocked", runbook="gpu-node-recovery") == 1
+            assert blocked(server, "run-blocked") == 1
             # nothing new starts on omen2 while the page is re-sent (node cooldown after the blocked run)
             again = server.alert(omen2_alert("fp-omen2-resent"))
             assert again.json()["decisions"][0]["outcome"] == "duplicate", again.text
@@ -261,71 +298,65 @@ def test_auto_mode_with_permissive_breaker_recovers_omen2_end_to_end(fresh_lab: 
     assert kube.read_lease(DEFAULT_NAMESPACE, lease_name("omen2")) is None  # released at the end
 
 
-def test_approve_mode_waits_refuses_a_wrong_digest_and_completes_with_the_right_one(
+def test_approve_mode_waits_refuses_a_wrong_digest_survives_a_restart_and_completes_with_the_right_one(
         fresh_lab: Any, sh: Any, tmp_path: Path) -> None:
-    with serving(fresh_lab.env(), tmp_path) as server:  # the runbook's own mode: approve
-        decision = started(server.alert(omen2_alert()))
+    """Approve mode (the runbook's own), and restart survival, in one recovery of omen2."""
+    journal = tmp_path / "journal.sqlite"
+    with serving(fresh_lab.env(), tmp_path, journal=journal, name="first") as first:
+        decision = started(first.alert(omen2_alert()))
         assert decision["mode"] == "approve"
         run_id = decision["run_id"]
-        run = server.wait_state(run_id, ("waiting-approval",), PLAN_TIMEOUT)
+        run = first.wait_state(run_id, ("waiting-approval",), PLAN_TIMEOUT)
         digest = run["plan_digest"]
         assert run["approval_required"] is True and len(digest) == 64
         assert [s["id"] for s in run["plan"]["steps"]] == ["relabel-container", "swap-off", "restart-kubelet"]
 
-        wrong = server.approve(run_id, "0" * 64)
+        wrong = first.approve(run_id, "0" * 64)
         assert wrong.status_code == 409 and digest in wrong.text, wrong.text
-        no_token = server.post(f"/runs/{run_id}/approve", json={"plan_digest": digest})
+        no_token = first.post(f"/runs/{run_id}/approve", json={"plan_digest": digest})
         assert no_token.status_code == 401
         time.sleep(1.0)  # nothing may run after a refused approval
-        run = server.run(run_id)
+        run = first.run(run_id)
         assert (run["state"], run["approved_by"]) == ("waiting-approval", None)
+        assert first.get("/healthz").json()["workers"]["running"] == 0
         omen2_untouched(fresh_lab, sh)
 
-        right = server.approve(run_id, digest)
-        assert right.status_code == 202 and right.json()["queued"] is True, right.text
-        run = server.wait_state(run_id, ("succeeded",), RUN_TIMEOUT)
-        assert run["approved_by"] == "alice" and run["plan_digest"] == digest
-    omen2_recovered(fresh_lab, sh)
+        assert first.stop() == []  # nothing was running: nothing to clean up after it
+        assert first.stopped_cleanly(), first.log_tail()
 
-
-def test_a_run_waiting_for_approval_survives_a_server_restart(fresh_lab: Any, sh: Any, tmp_path: Path) -> None:
-    journal = tmp_path / "journal.sqlite"
-    with serving(fresh_lab.env(), tmp_path, journal=journal, name="first") as first:
-        run_id = started(first.alert(omen2_alert()))["run_id"]
-        digest = first.wait_state(run_id, ("waiting-approval",), PLAN_TIMEOUT)["plan_digest"]
-        first.stop()
-        assert first.proc.returncode == 0, first.log_tail()
-        assert descendants(first.proc.pid) == []
     with serving(fresh_lab.env(), tmp_path, journal=journal, name="second") as second:
         run = second.run(run_id)
-        assert (run["state"], run["plan_digest"]) == ("waiting-approval", digest)
+        assert (run["state"], run["plan_digest"], run["approved_by"]) == ("waiting-approval", digest, None)
         assert run_id in second.get("/healthz").json()["breaker"]["waiting_approval"]
         # the re-sent page is still a duplicate: the new server knows the run from the journal
         again = second.alert(omen2_alert())
         assert again.json()["decisions"][0]["outcome"] == "duplicate", again.text
         assert len(second.runs()) == 1
-        approved = second.approve(run_id, digest, by="bob")
-        assert approved.status_code == 202 and approved.json()["queued"] is True, approved.text
+        assert second.approve(run_id, "f" * 64).status_code == 409
+
+        right = second.approve(run_id, digest, by="bob")
+        assert right.status_code == 202 and right.json()["queued"] is True, right.text
         run = second.wait_state(run_id, ("succeeded",), RUN_TIMEOUT)
-        assert run["approved_by"] == "bob"
+        assert (run["approved_by"], run["plan_digest"], run["exit_code"]) == ("bob", digest, 0)
+        kinds = [e["kind"] for e in run["events"]]
+        assert kinds.index("approval.granted") < kinds.index("lock.acquired") < kinds.index("step.start")
     omen2_recovered(fresh_lab, sh)
 
 
-def test_a_real_alertmanager_pages_the_server_and_the_approved_run_recovers_omen2(
+def test_a_real_alertmanager_pages_the_server_and_the_run_recovers_omen2(
         fresh_lab: Any, sh: Any, tmp_path: Path) -> None:
     alertmanager_binary()  # skip (outside CI) before anything starts
-    with serving(fresh_lab.env(), tmp_path) as server, alertmanager(tmp_path / "am", server.url) as am:
+    with serving(fresh_lab.env(), tmp_path, {**AUTO, "breaker": PERMISSIVE}) as server, \
+            alertmanager(tmp_path / "am", server.url) as am:
         fire(am, "omen2")
-        runs = server.wait_runs(lambda rs: any(r["state"] == "waiting-approval" for r in rs),
-                                PLAN_TIMEOUT, "the paged run to wait for approval")
+        runs = server.wait_runs(bool, 30, "Alertmanager's webhook to start a run")
         (run,) = runs
         assert (run["runbook"], run["nodes"], run["source"], run["approval_required"]) == (
-            RUNBOOK, ["omen2"], "alertmanager", True)
-        assert run["plan_digest"]
+            RUNBOOK, ["omen2"], "alertmanager", False)
         detail = server.run(run["id"])
-        assert "fingerprint" in detail["reason"] and "KubeNodeNotReady" in detail["reason"]
-        assert metric(server, "runbook_serve_webhook_requests_total", endpoint="alertmanager", outcome="started") == 1
-        assert metric(server, "runbook_serve_webhook_requests_total", endpoint="alertmanager", outcome="unauthorized") is None
-        assert server.approve(run["id"], run["plan_digest"]).status_code == 202
-        server.wait_state(run["id"], ("succeeded",), RUN_TIMEOUT)
+        assert "KubeNodeNotReady" in detail["reason"] and "fingerprint" in detail["reason"]
+        assert webhooks(server, "alertmanager", "started") == 1  # bearer credentials accepted
+        assert webhooks(server, "alertmanager", "unauthorized") is None
+        run = server.wait_state(run["id"], ("succeeded",), RUN_TIMEOUT)
+        assert run["plan_digest"] and run["exit_code"] == 0
     omen2_recovered(fresh_lab, sh)

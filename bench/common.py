@@ -1,0 +1,305 @@
+"""Shared pieces of the benchmarks: metric records, statistics, timed commands, the bench's own lab.
+
+Everything the benchmarks start runs with the real executables of this Python's scripts folder
+first on ``PATH`` (``runbook``, ``ansible``, ``ansible-playbook``, ``kubectl``): a version
+manager's shims (pyenv) add 0.1-0.3 s to every call and would distort both sides.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "bench"
+RESULTS = BENCH / "results"
+SCENARIOS = BENCH / "scenarios"
+BIN = Path(sys.executable).parent  # the interpreter's scripts folder: runbook, ansible, kubectl
+DEFAULT_LAB_DIR = "/tmp/bench-lab"
+DEFAULT_FLEET_LAB_DIR = "/tmp/bench-lab-fleet"
+DEFAULT_JOURNAL = "/tmp/bench-journal.sqlite"
+DEFAULT_WORK_DIR = "/tmp/bench-work"
+
+# The contract of issue 9: names, units and targets.
+TARGETS: dict[str, tuple[str, float, str]] = {
+    "p1_recovery_vs_checked_script_ratio": ("<=", 0.7, "ratio"),
+    "p1_recovery_vs_bare_script_ratio": ("<=", 1.25, "ratio"),
+    "p2_verify_reaction_ratio": ("<=", 1.0, "ratio"),
+    "p2_verify_reaction_ms": ("<=", 50.0, "ms"),
+    "p3_help_s": ("<=", 0.3, "s"),
+    "p3_validate_s": ("<=", 0.6, "s"),
+    "p4_plan_1_s": ("<=", 3.0, "s"),
+    "p4_plan_100_vs_ansible_ratio": ("<=", 1.5, "ratio"),
+    "p5_webhook_rps": (">=", 1000.0, "req/s"),
+    "p5_webhook_p99_ms": ("<=", 50.0, "ms"),
+    "p6_rss_mb": ("<=", 150.0, "MB"),
+}
+METRICS = tuple(TARGETS)
+
+
+def log(message: str) -> None:
+    """Progress goes to stderr: stdout carries only the metrics' JSON lines."""
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class Metric:
+    metric: str
+    value: float | None
+    runs: int
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def unit(self) -> str:
+        return TARGETS[self.metric][2]
+
+    def meets_target(self) -> bool | None:
+        if self.value is None:
+            return None
+        op, target, _ = TARGETS[self.metric]
+        return self.value <= target if op == "<=" else self.value >= target
+
+    def as_json(self) -> dict[str, Any]:
+        op, target, _ = TARGETS[self.metric]
+        detail = {"target": f"{op} {target:g}", "meets_target": self.meets_target(), **self.detail}
+        value = None if self.value is None else round(self.value, 4)
+        return {"metric": self.metric, "value": value, "unit": self.unit, "runs": self.runs, "detail": detail}
+
+
+def median(values: Sequence[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def summary(values: Sequence[float], digits: int = 3) -> dict[str, Any]:
+    """Median, min, max and every sample (rounded): what a reader needs to judge the noise."""
+    if not values:
+        return {"median": None, "samples": []}
+    return {"median": round(statistics.median(values), digits), "min": round(min(values), digits),
+            "max": round(max(values), digits), "samples": [round(v, digits) for v in values]}
+
+
+def loadavg() -> list[float]:
+    with contextlib.suppress(OSError):
+        return [round(x, 2) for x in os.getloadavg()]
+    return []
+
+
+def rotations(names: Sequence[str], runs: int) -> Iterator[tuple[int, str]]:
+    """Alternating order A B C, B C A, C A B, ...: no variant always runs first after a reset."""
+    for i in range(runs):
+        k = i % len(names)
+        for name in [*names[k:], *names[:k]]:
+            yield i, name
+
+
+@dataclass
+class Timed:
+    seconds: float
+    rc: int
+    output: str  # stdout + stderr (tail)
+
+
+def run_timed(cmd: Sequence[str], *, env: Mapping[str, str], cwd: Path = ROOT, timeout: float = 600,
+              log_path: Path | None = None) -> Timed:
+    """Wall time of one command, from spawn to exit (stdout/stderr to a file, never a pipe we drain late)."""
+    with tempfile.TemporaryFile("w+b") if log_path is None else open(log_path, "w+b") as out:
+        start = time.perf_counter()
+        proc = subprocess.Popen(list(cmd), env=dict(env), cwd=cwd, stdin=subprocess.DEVNULL, stdout=out,
+                                stderr=subprocess.STDOUT)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            rc = -9
+        seconds = time.perf_counter() - start
+        out.seek(0)
+        text = out.read().decode("utf-8", "replace")
+    return Timed(seconds, rc, text[-4000:])
+
+
+def base_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PATH"] = os.pathsep.join([str(BIN), env.get("PATH", "")])
+    env.setdefault("NO_COLOR", "1")
+    env.update(extra or {})
+    return env
+
+
+def runbook_cmd(*args: str) -> list[str]:
+    """The installed console script (not a shim); ``python -m engine.cli`` when there is none."""
+    script = BIN / "runbook"
+    return [str(script), *args] if script.exists() else [sys.executable, "-m", "engine.cli", *args]
+
+
+# ---------------------------------------------------------------------------------------------- the lab
+
+
+class BenchLab:
+    """One lab folder driven through ``runbook lab`` (up / env / status / reset / down)."""
+
+    def __init__(self, lab_dir: str | Path, scenario: Path | None = None) -> None:
+        self.dir = Path(lab_dir)
+        self.scenario = scenario
+        self._env: dict[str, str] | None = None
+
+    def _cli(self, *args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
+        env = base_env({"RUNBOOK_LAB_DIR": str(self.dir)})
+        return subprocess.run(runbook_cmd("lab", *args), env=env, cwd=ROOT, capture_output=True, text=True,
+                              timeout=timeout, check=False)
+
+    def status(self) -> dict[str, Any] | None:
+        r = self._cli("status", "-o", "json", timeout=120)
+        if r.returncode != 0:
+            return None
+        try:
+            return dict(json.loads(r.stdout))
+        except ValueError:
+            return None
+
+    def running(self) -> bool:
+        s = self.status()
+        return bool(s and s.get("running"))
+
+    def up(self) -> float:
+        """Bring the lab up (idempotent); returns seconds spent."""
+        start = time.perf_counter()
+        current = self.status()
+        if current and current.get("running"):
+            wanted = str(self.scenario.resolve()) if self.scenario else None
+            if wanted is None or current.get("scenario") == wanted:
+                return 0.0
+            log(f"lab {self.dir} runs another scenario: taking it down")
+            self.down()
+        elif current is not None or (self.dir / "lab.json").exists():
+            self.down()
+        log(f"lab up in {self.dir}" + (f" with {self.scenario.name}" if self.scenario else ""))
+        args = ["up", "--timeout", "600"] + (["--scenario", str(self.scenario)] if self.scenario else [])
+        r = self._cli(*args)
+        if r.returncode != 0:
+            raise RuntimeError(f"runbook lab up failed (rc {r.returncode}): {r.stderr.strip()[-2000:]}")
+        self._env = None
+        return time.perf_counter() - start
+
+    def reset(self) -> float:
+        start = time.perf_counter()
+        r = self._cli("reset", timeout=300)
+        if r.returncode != 0:
+            raise RuntimeError(f"runbook lab reset failed (rc {r.returncode}): {r.stderr.strip()[-2000:]}")
+        return time.perf_counter() - start
+
+    def down(self) -> None:
+        self._cli("down", timeout=300)
+        self._env = None
+
+    def env(self) -> dict[str, str]:
+        """KUBECONFIG, RUNBOOK_INVENTORY, RUNBOOK_BECOME_PASSWORD, KUBECACHEDIR, RUNBOOK_LAB_DIR."""
+        if self._env is None:
+            r = self._cli("env", timeout=60)
+            if r.returncode != 0:
+                raise RuntimeError(f"runbook lab env failed: {r.stderr.strip()}")
+            env: dict[str, str] = {}
+            for line in r.stdout.splitlines():
+                words = shlex.split(line)
+                if len(words) == 2 and words[0] == "export" and "=" in words[1]:
+                    key, value = words[1].split("=", 1)
+                    env[key] = value
+            self._env = env
+        return dict(self._env)
+
+    def record(self) -> dict[str, Any]:
+        return dict(json.loads((self.dir / "lab.json").read_text()))
+
+    def timing(self) -> dict[str, Any]:
+        """The scenario's compressed clock: the delays both sides of a comparison live with."""
+        from engine.lab.scenario import load_scenario
+
+        scenario = load_scenario(self.record()["scenario"])
+        return {"scenario": scenario.name, **scenario.timing.model_dump()}
+
+    def node(self, name: str) -> dict[str, Any]:
+        s = self.status() or {}
+        return next((n for n in s.get("nodes", []) if n["name"] == name), {})
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.5) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(Exception):
+            if predicate():
+                return True
+        time.sleep(interval)
+    return False
+
+
+@contextlib.contextmanager
+def ssh_control_dir() -> Iterator[Path]:
+    """A fresh SSH control-path folder for one baseline run (a cold start, as the engine has), whose
+    control masters are ended afterwards through their own sockets (``ssh -O exit``)."""
+    folder = Path(tempfile.mkdtemp(prefix="bench-cp-"))
+    try:
+        yield folder
+    finally:
+        for sock in folder.iterdir():
+            subprocess.run(["ssh", "-o", f"ControlPath={sock}", "-O", "exit", "bench-control-master"],
+                           capture_output=True, timeout=10, check=False)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def write_results(metrics: Sequence[Metric], meta: Mapping[str, Any], results_dir: Path = RESULTS) -> Path:
+    results_dir.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    doc = {**meta, "metrics": [m.as_json() for m in metrics]}
+    path = results_dir / f"{stamp}.json"
+    text = json.dumps(doc, indent=2) + "\n"
+    path.write_text(text)
+    (results_dir / "latest.json").write_text(text)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------- context
+
+
+@dataclass
+class Context:
+    """What every benchmark gets: sizes, where the labs and the journal live, where logs go."""
+
+    quick: bool = False
+    runs: int = 5
+    lab_dir: Path = Path(DEFAULT_LAB_DIR)
+    fleet_lab_dir: Path = Path(DEFAULT_FLEET_LAB_DIR)
+    journal: Path = Path(DEFAULT_JOURNAL)
+    work_dir: Path = Path(DEFAULT_WORK_DIR)
+    keep_fleet_lab: bool = False
+    _lab: BenchLab | None = None
+
+    def lab(self) -> BenchLab:
+        """The incident lab (default scenario), brought up on first use."""
+        if self._lab is None:
+            lab = BenchLab(self.lab_dir)
+            seconds = lab.up()
+            if seconds:
+                log(f"lab up in {seconds:.0f} s")
+            self._lab = lab
+        return self._lab
+
+    def lab_env(self, lab: BenchLab | None = None) -> dict[str, str]:
+        """The environment of a command run against the lab (as after ``eval "$(runbook lab env)"``)."""
+        lab = lab or self.lab()
+        return base_env({**lab.env(), "RUNBOOK_JOURNAL": str(self.journal)})
+
+    def log_path(self, name: str) -> Path:
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        return self.work_dir / name
