@@ -11,7 +11,7 @@ from __future__ import annotations
 import signal
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -151,21 +151,34 @@ def _print_plans(plans: Sequence[Plan], fmt: str) -> None:
 
 
 @contextmanager
-def cancellation() -> Iterator[threading.Event]:
-    """SIGINT/SIGTERM set the event: the engine stops between actions and records it.
+def cancellation(on_abort: Callable[[], None] | None = None) -> Iterator[threading.Event]:
+    """SIGINT/SIGTERM stop a run safely, and it is recorded either way.
 
-    A second SIGINT while stopping raises KeyboardInterrupt (the operator insists)."""
+    The first signal sets the event: the current action finishes, its outcome is recorded and
+    the engine stops before the next one (exit 4). The second (SIGINT or SIGTERM) calls
+    ``on_abort``: the Ansible connector ends the running playbook's whole process tree, and the
+    step is recorded as cancelled. A third SIGINT raises KeyboardInterrupt (the run is left
+    ``interrupted``, resumable). The Lease is released and child processes are ended on every path.
+    """
     cancel = threading.Event()
     if threading.current_thread() is not threading.main_thread():
         yield cancel
         return
+    received = 0
 
     def handler(signum: int, _frame: Any) -> None:
-        if cancel.is_set() and signum == signal.SIGINT:
+        nonlocal received
+        received += 1
+        name = signal.Signals(signum).name
+        if received == 1:
+            cancel.set()
+            print(f"\n{name}: stopping after the current action (again to stop the action now)", file=sys.stderr)
+        elif received == 2:
+            print(f"\n{name}: stopping the current action now", file=sys.stderr)
+            if on_abort is not None:
+                on_abort()
+        elif signum == signal.SIGINT:
             raise KeyboardInterrupt
-        cancel.set()
-        print(f"\n{signal.Signals(signum).name}: stopping after the current action "
-              "(Ctrl-C again to abort at once)", file=sys.stderr)
 
     old_int = signal.signal(signal.SIGINT, handler)
     old_term = signal.signal(signal.SIGTERM, handler)
@@ -193,6 +206,8 @@ def _print_result(result: RunResult, run_id: str | None, fmt: str) -> None:
         print(output.dump_json(output.result_json(result, run_id)))
     else:
         output.print_result_table(result, run_id)
+    if result.state is RunState.INTERRUPTED and run_id:
+        print(f"run {run_id} is interrupted and resumable: `runbook resume {run_id}`", file=sys.stderr)
 
 
 def _execute_plans(service: RunService, prepared: list[api.PreparedRun], plans: list[Plan], *, yes: bool,
@@ -218,7 +233,7 @@ def _execute_plans(service: RunService, prepared: list[api.PreparedRun], plans: 
                 f"({', '.join(p.node for p in changing)})?", yes)
     by_node = {p.node: (prep, p) for prep, p in zip(prepared, plans, strict=True)}
     results: list[tuple[str, RunResult]] = []
-    with cancellation() as cancel:
+    with cancellation(on_abort=service.settings.abort_actions) as cancel:
         batches = fleet_batches([p.node for p in plans], max_parallel)
         for i, batch in enumerate(batches):
             if cancel.is_set():
@@ -290,33 +305,50 @@ def approve(settings: Settings, run_id: str, digest: str, approved_by: str | Non
 
 
 def resume(settings: Settings, run_id: str, *, yes: bool, output: str) -> int:
+    """Continue an ``interrupted`` run (or an approved one waiting for approval) where it stopped."""
+    from engine.journal import FINAL_STATES
+
     service = _service(settings)
     try:
-        rec = service.journal.get_run(run_id)
-        if rec.state in ("succeeded", "failed", "blocked", "cancelled"):
-            print(f"run {run_id} already finished: {rec.state} (exit {rec.exit_code})")
+        journal = service.journal
+        rec = journal.get_run(run_id)
+        if rec.state in FINAL_STATES:
+            print(f"run {run_id} already finished: {rec.state} (exit {rec.exit_code}); nothing to resume")
             return ExitCode.OK
-        if rec.state == "running":
-            raise UsageError(f"run {run_id} is still running (pid {rec.owner_pid} on {rec.owner_host})")
-        prepared, the_plan = service.prepare_from_record(run_id)
+        if rec.state in ("running", "pending"):
+            raise UsageError(f"run {run_id} is still {rec.state} (pid {rec.owner_pid} on {rec.owner_host})")
+        if rec.plan is None:
+            # Interrupted before it was planned (a server that died with a queued run): plan now.
+            prepared = api.prepare_run(service.load(rec.runbook), dict(rec.params))
+            the_plan = service.plan(prepared)
+            service.record_plan(run_id, the_plan)
+            _print_plans([the_plan], "text" if output != "json" else "json")
+        else:
+            prepared, the_plan = service.prepare_from_record(run_id)
         approved = rec.approved_digest == the_plan.digest
         if rec.state == "waiting-approval" and not approved:
             print(f"run {run_id} is waiting for approval of plan {the_plan.digest}")
             return ExitCode.BLOCKED
+        progress = journal.progress(run_id)
+        left = [s.id for s in the_plan.steps if s.id not in progress.completed]
+        note = f"; step {progress.interrupted_step} was left half-way" if progress.interrupted_step else ""
+        print(f"resuming run {run_id} ({rec.runbook} on {prepared.node}): steps left: "
+              f"{', '.join(left) or 'none'}{note}", file=sys.stderr)
+        confirm(f"Resume run {run_id}?", yes)
 
-        def confirm_rerun(step: str, why: str) -> bool:
-            if yes:
-                return False  # --yes never re-runs a non-idempotent action on its own
-            try:
-                confirm(f"step {step}: {why}. Run it again?", False)
-            except (Cancelled, UsageError):
-                return False
-            return True
+        def ask_rerun(step: str, why: str) -> bool:
+            # --yes confirms the plan, not doing a non-idempotent action twice: always ask a person.
+            import click
 
-        with cancellation() as cancel:
+            return bool(click.confirm(f"step {step}: {why}. Run it again?", default=False, err=True))
+
+        with cancellation(on_abort=settings.abort_actions) as cancel:
             result = service.execute(run_id, prepared, the_plan, cancel=cancel, approved=approved, resume=True,
-                                     confirm_rerun=confirm_rerun)
+                                     confirm_rerun=ask_rerun if sys.stdin.isatty() else None)
         _print_result(result, run_id, output)
+        if result.outcomes and result.outcomes[-1].evidence.get("needs_confirmation"):
+            print(f"step {result.outcomes[-1].step} is not idempotent: confirm re-running it with "
+                  f"`runbook resume {run_id}` on a terminal, or finish it by hand", file=sys.stderr)
         return result.exit_code
     finally:
         settings.close()

@@ -261,7 +261,10 @@ def describe(check: Any) -> str:
     if isinstance(c, CudaProcessesCheck):
         s = c.cuda_processes
         parts = ([f">= {s.min}"] if s.min is not None else []) + ([f"<= {s.max}"] if s.max is not None else [])
-        return f"CUDA processes {' and '.join(parts)}"
+        text = f"CUDA processes {' and '.join(parts)}" if parts else ""
+        if s.none_killed:
+            text = (text + "; " if text else "") + "no host CUDA process killed since the plan"
+        return text
     if isinstance(c, FileCheck):
         f = c.file
         if f.contains is not None:
@@ -332,6 +335,8 @@ def evaluate(check: Any, facts: Facts, params: Mapping[str, Any] | None = None, 
 def _evaluate(c: Any, facts: Facts, params: Mapping[str, Any], baseline: Mapping[str, Any] | None) -> CheckResult:
     if isinstance(c, AllCheck | AnyCheck | NotCheck):
         return _evaluate_combinator(c, facts, params, baseline)
+    if isinstance(c, CudaProcessesCheck) and c.cuda_processes.none_killed:
+        return _evaluate_cuda_survivors(c, facts, baseline)
     if isinstance(c, NODE_CHECKS):
         return _evaluate_node(c, facts)
     if isinstance(c, HOST_CHECKS):
@@ -479,6 +484,37 @@ def _evaluate_host(c: Any, facts: Facts) -> CheckResult:
             observed = f"file {f.path} {'exists' if ff.exists else 'does not exist'}"
         return _result(holds, observed, reads, sha256=ff.sha256)
     raise TypeError(f"not a host check: {c!r}")
+
+
+def _evaluate_cuda_survivors(c: CudaProcessesCheck, facts: Facts, baseline: Mapping[str, Any] | None) -> CheckResult:
+    """``cuda_processes: {none_killed: true}`` (and its min/max): the baseline's CUDA pids all still run."""
+    bounds = c.cuda_processes
+    before = ((baseline or {}).get("host") or {}).get("cuda_processes")
+    if before is None:
+        return CheckResult(None, "no baseline host facts to compare with (the plan kept none)",
+                           {"error": "no baseline"})
+    host = facts.host
+    if host is None:
+        return _unknown("host facts", facts, HOST)
+    now = {p.pid for p in host.cuda_processes}
+    gone = [p for p in before if int(p.get("pid", -1)) not in now]
+    pids = sorted(int(p.get("pid", -1)) for p in before)
+    reads = {"baseline.host.cuda_processes": pids}
+    n = len(host.cuda_processes)
+    holds = not gone and (bounds.min is None or n >= bounds.min) and (bounds.max is None or n <= bounds.max)
+    if gone:
+        observed = "CUDA processes gone since the plan: " + ", ".join(f"{p.get('pid')} {p.get('name', '')}".strip()
+                                                                      for p in gone)
+    else:
+        observed = f"{n} CUDA process{'es' if n != 1 else ''}; all {len(before)} from the plan still run"
+    return _result(holds, observed, reads, killed=[f"{p.get('pid')} {p.get('name', '')}".strip() for p in gone],
+                   processes=[f"{p.pid} {p.name}" for p in host.cuda_processes][:20])
+
+
+def uses_baseline(check: Any) -> bool:
+    """Whether a check compares with the plan's baseline (``cuda_processes: {none_killed: true}``);
+    ``expr`` checks and templates reading ``baseline`` are found by ``planning.reads_baseline``."""
+    return any(isinstance(x, CudaProcessesCheck) and x.cuda_processes.none_killed for x in iter_checks(check))
 
 
 def field_value(obj: Mapping[str, Any], path: str) -> Any:

@@ -114,7 +114,7 @@ TEST_KILL_ENV = "RUNBOOK_TEST_KILL_AT"
 KILL_PHASES = ("before-action", "after-action", "after-verify", "after-outcome")
 
 
-def test_kill_points(value: str | None = None) -> frozenset[tuple[str, str]]:
+def fault_injection_points(value: str | None = None) -> frozenset[tuple[str, str]]:
     """The (step, phase) pairs of ``RUNBOOK_TEST_KILL_AT`` (a fault-injection test hook)."""
     raw = os.environ.get(TEST_KILL_ENV, "") if value is None else value
     points = set()
@@ -195,7 +195,7 @@ class Executor:
         self._params: dict[str, Any] = {}
         self._node = ""
         self._baseline: dict[str, Any] = {}  # the plan's baseline: plan-time facts for ``baseline.*`` templates
-        self._kill_points = test_kill_points()
+        self._kill_points = fault_injection_points()
 
     def _test_kill(self, step_id: str, phase: str) -> None:
         """The fault-injection hook (module docstring): SIGKILL this process at a step boundary."""
@@ -275,7 +275,9 @@ class Executor:
                 return self._finish(runbook, RunState.BLOCKED, outcomes, f"step {step.id}: {outcome.reason}")
             if status is StepStatus.CANCELLED:
                 return self._finish(runbook, RunState.CANCELLED, outcomes, f"step {step.id}: {outcome.reason}")
-        if outcomes and all(o.status is StepStatus.SKIPPED for o in outcomes):
+        if completed_steps or started_without_outcome:
+            reason = "resumed: every remaining step succeeded or was already done"
+        elif outcomes and all(o.status is StepStatus.SKIPPED for o in outcomes):
             reason = "nothing to do: every step was already done"
         else:
             reason = "every step succeeded or was already done"
@@ -384,13 +386,15 @@ class Executor:
         failing = []
         for g in step.guards:
             r = chk.evaluate(g, facts, params, baseline=self._baseline)
-            self.events.emit("guard.result", step=step.id, check=chk.describe_bound(g, params, facts, baseline=self._baseline), holds=r.holds,
+            self.events.emit("guard.result", step=step.id,
+                             check=chk.describe_bound(g, params, facts, baseline=self._baseline), holds=r.holds,
                              observed=r.observed)
             if r.holds is not True:
                 failing.append((g, r))
         if failing:
-            evidence["guards"] = [{"check": chk.describe_bound(g, params, facts, baseline=self._baseline), "holds": r.holds,
-                                   "observed": r.observed, "evidence": dict(r.evidence)} for g, r in failing]
+            evidence["guards"] = [{"check": chk.describe_bound(g, params, facts, baseline=self._baseline),
+                                   "holds": r.holds, "observed": r.observed, "evidence": dict(r.evidence)}
+                                  for g, r in failing]
             reason = "; ".join(f"guard {chk.describe_bound(g, params, facts, baseline=self._baseline)} "
                                + ("could not be evaluated: " if r.holds is None else "does not hold: ")
                                + r.observed for g, r in failing)
@@ -718,7 +722,8 @@ class Executor:
                 if seen:
                     last = seen[-1]
                 elif node is not None:
-                    last = chk.evaluate(v.check, Facts(node_name=self._node, node=node), params, baseline=self._baseline)
+                    last = chk.evaluate(v.check, Facts(node_name=self._node, node=node), params,
+                                        baseline=self._baseline)
                 report(last, "watch")
                 if ok:
                     return done(True, False)

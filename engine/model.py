@@ -178,11 +178,14 @@ class JournalSpec(_Model):
 class CudaProcessesSpec(_Model):
     min: int | None = Field(default=None, ge=0)
     max: int | None = Field(default=None, ge=0)
+    # Every host CUDA process of the plan's baseline (the facts the plan was made from) still runs,
+    # by pid: "no host CUDA job killed". Unknown without a baseline (fail closed).
+    none_killed: Literal[True] | None = None
 
     @model_validator(mode="after")
     def _some_bound(self) -> CudaProcessesSpec:
-        if self.min is None and self.max is None:
-            raise ValueError("cuda_processes needs 'min' or 'max'")
+        if self.min is None and self.max is None and self.none_killed is None:
+            raise ValueError("cuda_processes needs 'min', 'max' or 'none_killed: true'")
         return self
 
 

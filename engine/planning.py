@@ -132,9 +132,12 @@ def _runbook_templates(runbook: Runbook) -> list[tuple[str, bool, bool]]:
 
 
 def reads_baseline(runbook: Runbook) -> bool:
-    """Whether any template or expression of the runbook reads ``baseline``."""
+    """Whether any check, template or expression of the runbook reads ``baseline``."""
+    from engine.probes import runbook_checks
     from engine.templating import names_used
 
+    if any(chk.uses_baseline(c) for c in runbook_checks(runbook)):
+        return True
     return any("baseline" in src and "baseline" in names_used(src, expression=expr)
                for src, expr, _ in _runbook_templates(runbook))
 
@@ -168,6 +171,12 @@ class _Planner:
         self.baseline: dict[str, Any] = baseline_data(facts) if reads_baseline(runbook) else {}
         if self.baseline:
             self.depends.update(baseline_reads(runbook, self.baseline))
+            from engine.probes import runbook_checks
+
+            for c in runbook_checks(runbook):
+                if chk.uses_baseline(c):
+                    self.depends.update({k: v for k, v in chk.evaluate(c, facts, self.params, baseline=self.baseline)
+                                         .reads.items() if k.startswith("baseline.")})
 
     def read(self, check: Any) -> None:
         """Record what ``check`` reads, with the values in the gathered facts."""

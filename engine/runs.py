@@ -1,10 +1,16 @@
 """The life of one run, shared by the CLI and the server: record -> lock -> execute -> record.
 
 A run is created in the journal with its plan and digest, takes the node's Lease, executes
-through ``engine.api.run`` with every event written to the journal before it takes effect
-(write-ahead), and ends with its final state recorded and the Lease released. Approvals,
+through ``engine.execution.Executor`` with every event written to the journal before it takes
+effect (write-ahead), and ends with its final state recorded and the Lease released. Approvals,
 resumes after a crash and the server's ``RunStarter`` all go through :class:`RunService`, so
 there is one path, not one per front-end. Printing belongs to the caller (``engine.app``).
+
+Resuming (``execute(..., resume=True)``): the run is claimed atomically (two resumes of one run
+never both proceed), the journal says which steps are done and which one was left half-way
+(``Journal.progress``), and the same run id takes over its own node Lease. A run that cannot
+continue for now stays ``interrupted`` (resumable): the API server or a host went away mid-run,
+its Lease is held by another run, or a non-idempotent step needs a confirmation nobody could give.
 """
 
 from __future__ import annotations
@@ -14,13 +20,13 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from engine import api
 from engine.checks import HOST
-from engine.errors import LockHeld, RunbookError, StalePlan, UsageError
-from engine.journal import Journal, JournalSink
+from engine.errors import ExitCode, LockHeld, RunbookError, StalePlan, UsageError
+from engine.journal import Journal, JournalSink, StepProgress
 from engine.locks import DEFAULT_TTL_SECONDS, NodeLock, acquire_node_lock
 from engine.model import AnsibleAction, Plan, RunResult, RunState
 from engine.output import Fanout
@@ -56,6 +62,8 @@ class RunService:
     lock_wait: float = 0.0
     lock_ttl: int = DEFAULT_TTL_SECONDS
     approval_timeout: float = 3600.0
+    # Executor keyword arguments (clock, sleep, wall, poll_interval): tests run on fake time.
+    executor_options: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.journal: Journal = self.settings.open_journal()
@@ -128,24 +136,31 @@ class RunService:
         """Take the node's Lease, execute, record the final state, release the Lease."""
         kube, nodes = self.connectors(prepared.loaded, prepared.params)
         journal = self.journal
-        completed: set[str] = set()
-        started: str | None = None
+        progress = StepProgress(completed=frozenset())
         if resume:
-            journal.claim(run_id)
-            completed, started = journal.step_progress(run_id)
-            journal.append(run_id, "run.resume", completed=sorted(completed), started_without_outcome=started)
+            if not journal.claim(run_id):
+                rec = journal.get_run(run_id)
+                raise UsageError(f"run {run_id} is being executed by another process "
+                                 f"(pid {rec.owner_pid} on {rec.owner_host})")
+            progress = journal.progress(run_id)
+            journal.append(run_id, "run.resume", completed=sorted(progress.completed),
+                           started_without_outcome=progress.interrupted_step,
+                           action_finished=progress.action_finished)
+            if progress.rollback_started:
+                return self._stop(run_id, prepared, plan, RunState.FAILED, ExitCode.FAILED,
+                                  f"step {progress.interrupted_step} failed and the engine died while rolling "
+                                  "it back; nothing was done on resume: check the node and finish by hand")
         journal.set_state(run_id, RunState.RUNNING.value)
         lock: NodeLock | None = None
         try:
             lock = acquire_node_lock(kube, prepared.node, run_id, ttl=self.lock_ttl, wait=self.lock_wait)
             lock.start_renewing()
             journal.append(run_id, "lock.acquired", node=prepared.node, lease=lock.lease.name,
-                           namespace=lock.lease.namespace)
+                           namespace=lock.lease.namespace, resumed=resume)
         except LockHeld as e:
-            journal.append(run_id, "run.blocked", reason=str(e))
-            journal.set_state(run_id, RunState.BLOCKED.value, exit_code=e.exit_code)
-            return RunResult(state=RunState.BLOCKED, exit_code=e.exit_code, runbook=prepared.loaded.name,
-                             node=prepared.node, plan_digest=plan.digest, reason=str(e))
+            # A resume that finds the node taken stays resumable; a new run is simply blocked.
+            state = RunState.INTERRUPTED if resume else RunState.BLOCKED
+            return self._stop(run_id, prepared, plan, state, e.exit_code, str(e), event="run.blocked")
 
         def approver(step: str | None) -> bool | None:
             if not wait_approval:
@@ -158,10 +173,13 @@ class RunService:
 
         sink = Fanout(JournalSink(journal, run_id), self.live)
         try:
-            result = api.run(prepared, plan, kube, nodes, events=sink, cancel=cancel, approve=approver,
-                             approved=approved, confirm_rerun=confirm_rerun, completed_steps=completed,
-                             started_without_outcome=started,
-                             inventory_cmd_hint=str(self.settings.inventory or "INVENTORY"))
+            result = self._run_executor(prepared, plan, kube, nodes, sink, cancel=cancel, approve=approver,
+                                        approved=approved, confirm_rerun=confirm_rerun, progress=progress)
+        except (KeyboardInterrupt, SystemExit) as e:
+            # The operator insisted (a third Ctrl-C): the run is not finished, and resumable.
+            journal.append(run_id, "run.error", error=f"{type(e).__name__}: stopped at once by the operator")
+            journal.set_state(run_id, RunState.INTERRUPTED.value, exit_code=ExitCode.CANCELLED)
+            raise
         except BaseException as e:
             # The journal could not record, or the engine itself broke: the run is not finished.
             journal.append(run_id, "run.error", error=f"{type(e).__name__}: {e}")
@@ -171,12 +189,41 @@ class RunService:
         finally:
             if lock is not None:
                 lock.release()
-                journal.append(run_id, "lock.released", node=prepared.node)
+                journal.append(run_id, "lock.released", node=prepared.node, lost_to=lock.lost)
         if result.state is RunState.WAITING_APPROVAL:
             journal.set_state(run_id, RunState.WAITING_APPROVAL.value)
+            journal.disown(run_id)  # parked on purpose: not "interrupted" when this process exits
+        elif result.state is RunState.BLOCKED and result.outcomes and \
+                result.outcomes[-1].evidence.get("needs_confirmation"):
+            journal.append(run_id, "run.resumable", reason=result.reason)
+            journal.set_state(run_id, RunState.INTERRUPTED.value, exit_code=result.exit_code)
         else:
             journal.set_state(run_id, result.state.value, exit_code=result.exit_code)
         return result
+
+    def _run_executor(self, prepared: api.PreparedRun, plan: Plan, kube: KubeAPI, nodes: NodeAutomation | None,
+                      sink: Any, *, cancel: threading.Event | None, approve: Callable[[str | None], bool | None],
+                      approved: bool, confirm_rerun: Callable[[str, str], bool] | None,
+                      progress: StepProgress) -> RunResult:
+        """``engine.api.run``, plus where a resumed run's half-done step stands."""
+        from engine.execution import Executor
+
+        executor = Executor(kube, nodes, events=sink, playbooks_dir=prepared.loaded.playbooks_dir, cancel=cancel,
+                            inventory_cmd_hint=str(self.settings.inventory or "INVENTORY"),
+                            **dict(self.executor_options))
+        return executor.execute(plan, prepared.runbook, prepared.params, completed_steps=progress.completed,
+                                started_without_outcome=progress.interrupted_step, confirm_rerun=confirm_rerun,
+                                approve=approve, approved=approved,
+                                interrupted_action_finished=progress.action_finished)
+
+    def _stop(self, run_id: str, prepared: api.PreparedRun, plan: Plan, state: RunState, exit_code: int,
+              reason: str, *, event: str | None = None) -> RunResult:
+        """End (or park, for ``interrupted``) a run before the executor starts."""
+        default = {RunState.FAILED: "run.failed", RunState.BLOCKED: "run.blocked"}.get(state, "run.interrupted")
+        self.journal.append(run_id, event or default, reason=reason)
+        self.journal.set_state(run_id, state.value, exit_code=exit_code)
+        return RunResult(state=state, exit_code=exit_code, runbook=prepared.loaded.name, node=prepared.node,
+                         plan_digest=plan.digest, reason=reason)
 
     def prepare_from_record(self, run_id: str) -> tuple[api.PreparedRun, Plan]:
         """Rebuild a recorded run (resume, approvals): same runbook, params and plan."""

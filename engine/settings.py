@@ -32,15 +32,23 @@ class Settings:
     _cache: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def become_password(self) -> str | None:
+        """``--become-password-file``, else ``--ask-become-pass`` (a prompt), else
+        ``RUNBOOK_BECOME_PASSWORD``. Kept in memory only; the journal masks it wherever it appears."""
         if "become" not in self._cache:
             value: str | None = os.environ.get("RUNBOOK_BECOME_PASSWORD")
             if self.become_password_file is not None:
-                value = self.become_password_file.read_text().rstrip("\n")
+                try:
+                    value = self.become_password_file.read_text().rstrip("\n")
+                except (OSError, UnicodeDecodeError) as e:
+                    raise UsageError(f"{self.become_password_file}: cannot read the become password: "
+                                     f"{type(e).__name__}") from None
             elif self.ask_become_pass:
                 import getpass
 
                 value = getpass.getpass("BECOME password: ")
             self._cache["become"] = value
+            if "journal" in self._cache:
+                self._cache["journal"].add_secret(value)
         return self._cache["become"]
 
     def kube(self) -> KubeAPI:
@@ -75,6 +83,13 @@ class Settings:
                          os.environ.get("RUNBOOK_BECOME_PASSWORD"))
             self._cache["journal"] = j
         return self._cache["journal"]
+
+    def abort_actions(self) -> None:
+        """Stop the running playbook now (its whole process tree); later playbooks are refused.
+        Safe to call from a signal handler."""
+        nodes = self._cache.get("nodes")
+        if nodes is not None and hasattr(nodes, "cancel"):
+            nodes.cancel()
 
     def close(self) -> None:
         nodes = self._cache.pop("nodes", None)

@@ -211,7 +211,7 @@ def facts_context(facts: Facts | None) -> Mapping[str, Any]:
     """Facts as plain, read-only data for templates (no methods that could reach anything)."""
     if facts is None:
         return MappingProxyType({})
-    return _frozen(facts_data(facts))  # type: ignore[no-any-return]
+    return _frozen(facts_data(facts))
 
 
 def baseline_data(facts: Facts | None) -> dict[str, Any]:
@@ -259,7 +259,7 @@ def template_problems(source: str, *, params: Mapping[str, Any], expression: boo
     allowed = {"params", "facts", "baseline"} | set(env.globals) | set(extra_names)
     for name in sorted(meta.find_undeclared_variables(ast)):
         if name not in allowed:
-            problems.append(f"template refers to undefined name {name!r} (only params, facts and baseline)")
+            problems.append(f"template refers to undefined name {name!r} (only params and facts)")
     for node in ast.find_all((jnodes.Getattr, jnodes.Getitem)):
         attr = _attr_name(node)
         if attr is not None and attr.startswith("_"):
@@ -321,7 +321,8 @@ def baseline_paths(source: str, *, expression: bool = False) -> set[tuple[str, .
 
 
 def objects_keys(source: str, *, expression: bool = False) -> set[str]:
-    """Literal keys a template reads from ``facts.objects`` (``facts.objects['kubevirt.io/v1/...']``)."""
+    """Literal keys a template reads from ``facts.objects`` (``facts.objects['kubevirt.io/v1/...']`` or
+    ``facts.objects.get('kubevirt.io/v1/...', [])``)."""
     ast = _parse(source, expression)
     if ast is None:
         return set()
@@ -330,6 +331,13 @@ def objects_keys(source: str, *, expression: bool = False) -> set[str]:
         c = _chain(n)
         if c is not None and c[0] == "facts" and len(c[1]) >= 2 and c[1][0] == "objects":
             out.add(c[1][1])
+    for call in ast.find_all(jnodes.Call):  # facts.objects.get('key', [])
+        target = call.node
+        if isinstance(target, jnodes.Getattr) and target.attr == "get" and call.args \
+                and isinstance(call.args[0], jnodes.Const) and isinstance(call.args[0].value, str):
+            c = _chain(target.node)
+            if c is not None and c == ("facts", ["objects"]):
+                out.add(call.args[0].value)
     return out
 
 

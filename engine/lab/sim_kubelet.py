@@ -19,6 +19,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from engine.lab.hoststate import proc_swaps_text
+
 UNIT = "kubelet"
 DESCRIPTION = "kubelet: The Kubernetes Node Agent"
 SWAP_ERROR = ('run.go:72] "command failed" err="failed to run Kubelet: running with swap on is not '
@@ -42,8 +44,6 @@ def _systemd(ts: float, msg: str) -> Entry:
 
 
 def proc_swaps_lines(state: dict[str, Any]) -> list[str]:
-    from engine.lab.hoststate import proc_swaps_text
-
     return proc_swaps_text(state).rstrip("\n").split("\n")
 
 
@@ -87,7 +87,8 @@ def _exit(state: dict[str, Any], now: float, lines: list[str], restart_seconds: 
     return entries
 
 
-def _up(state: dict[str, Any], now: float) -> list[Entry]:
+def come_up(state: dict[str, Any], now: float) -> list[Entry]:
+    """kubelet started: it heartbeats (``healthy``) unless a ``no-heartbeat`` fault holds."""
     unit = state["units"][UNIT]
     pid = int(unit.get("main_pid", 0))
     blocked = heartbeat_blocked(state)
@@ -133,7 +134,7 @@ def step(state: dict[str, Any], now: float, start_seconds: float, restart_second
         return []
     if unit["active"] == "active" and kubelet.get("evaluated_generation") != unit.get("generation", 0):
         lines = failure_lines(state, now, int(unit.get("main_pid", 0)))
-        return _exit(state, now, lines, restart_seconds) if lines else _up(state, now)
+        return _exit(state, now, lines, restart_seconds) if lines else come_up(state, now)
     if unit["active"] == "active":  # a no-heartbeat fault appeared or cleared while running
         kubelet["healthy"] = heartbeat_blocked(state) is None
         kubelet["healthy_since"] = now
@@ -148,7 +149,7 @@ def step(state: dict[str, Any], now: float, start_seconds: float, restart_second
     unit.pop("next_restart_at", None)
     # an automatic retry fails at once (so `is-active` keeps printing "activating"), or comes up
     lines = failure_lines(state, now, int(unit["main_pid"]))
-    return entries + (_exit(state, now, lines, restart_seconds) if lines else _up(state, now))
+    return entries + (_exit(state, now, lines, restart_seconds) if lines else come_up(state, now))
 
 
 def crash_history(state: dict[str, Any], now: float, tries: int, restart_seconds: float) -> list[Entry]:

@@ -90,9 +90,8 @@ def host_state(node: Node, scenario: Scenario, now: float) -> tuple[Obj, list[Ob
     }
     if host.kubelet.stopped:
         kubelet_unit.update(active="inactive", sub="dead", desired="stopped")
-    elif starts_ready(node):
-        state["kubelet"].update(healthy=True, healthy_since=now - 3600)
-        journal += sim_kubelet._up(state, now - 3600)
+    elif sim_kubelet.failure_lines(state, now, 0) is None:  # kubelet runs (maybe unable to post status)
+        journal += sim_kubelet.come_up(state, now - 3600)
     else:
         journal += sim_kubelet.crash_history(state, now, 3, timing.kubelet_restart_seconds)
     return state, journal

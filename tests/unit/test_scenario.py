@@ -148,3 +148,54 @@ def test_vm_manifests_request_their_host_devices() -> None:
     devices = manifest["spec"]["template"]["spec"]["domain"]["devices"]["hostDevices"]
     assert devices == [{"name": "gpu1", "deviceName": "nvidia.com/GB202_GEFORCE_RTX_5090"}]
     assert manifest["metadata"]["annotations"][sim_kubevirt.UNSCHEDULABLE_SINCE] == "2001-05-20T01:46:40Z"
+
+
+def _vm(run_strategy: str = "Always") -> dict:
+    return {"metadata": {"name": "gpu-fedora", "namespace": "gpu-vms"}, "spec": {"runStrategy": run_strategy}}
+
+
+def test_printable_status_follows_kubevirts_precedence() -> None:
+    unschedulable = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable"}
+    paused = {"type": "Paused", "status": "True"}
+    vmi = lambda phase, *conds: {"metadata": {}, "status": {"phase": phase, "conditions": list(conds)}}  # noqa: E731
+    assert sim_kubevirt.printable_status(_vm("Halted"), None) == "Stopped"
+    assert sim_kubevirt.printable_status(_vm(), None) == "Starting"
+    assert sim_kubevirt.printable_status(_vm(), vmi("Scheduling", unschedulable)) == "ErrorUnschedulable"
+    assert sim_kubevirt.printable_status(_vm(), vmi("Running")) == "Running"
+    assert sim_kubevirt.printable_status(_vm(), vmi("Running", paused)) == "Paused"
+    deleting = {"metadata": {"deletionTimestamp": "2025-07-10T00:00:00Z"}, "status": {"phase": "Running"}}
+    assert sim_kubevirt.printable_status(_vm(), deleting) == "Stopping"
+
+
+def test_the_vmi_copies_the_launcher_pods_unschedulable_condition_with_the_recorded_age() -> None:
+    pod = {"spec": {}, "status": {"phase": "Pending", "conditions": [
+        {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": "0/8 nodes are available"}]}}
+    status = sim_kubevirt.vmi_status(pod, False, "2025-03-20T00:00:00Z", "2025-07-10T00:00:00Z", None)
+    scheduled = next(c for c in status["conditions"] if c["type"] == "PodScheduled")
+    assert (scheduled["reason"], scheduled["message"]) == ("Unschedulable", "0/8 nodes are available")
+    assert scheduled["lastTransitionTime"] == "2025-03-20T00:00:00Z"
+
+
+def test_the_operator_swaps_deploy_labels_from_the_workload_label() -> None:
+    sc = load_scenario()
+    labels = {"feature.node.kubernetes.io/pci-10de.present": "true",
+              "nvidia.com/gpu.workload.config": "container", "nvidia.com/gpu.deploy.vfio-manager": "true"}
+    patch = sim_gpu.label_changes(labels, {"pci_devices": []}, sc, gfd_running=False)
+    assert patch["nvidia.com/gpu.deploy.vfio-manager"] is None
+    assert patch["nvidia.com/gpu.deploy.device-plugin"] == "true" and patch["nvidia.com/gpu.present"] == "true"
+    gone = sim_gpu.label_changes({"nvidia.com/gpu.present": "true", "nvidia.com/gpu.deploy.driver": "true"},
+                                 {"pci_devices": []}, sc, gfd_running=False)
+    assert gone == {"nvidia.com/gpu.present": "false", "nvidia.com/gpu.deploy.driver": None}
+
+
+def test_vfio_manager_rebinds_the_gpu_and_kills_host_cuda_jobs() -> None:
+    sc = load_scenario()
+    host, _ = sim_seed.host_state(sc.node("omen2"), sc, 1e9)
+    assert sim_gpu.advertised(host, sc, "container", {"device-plugin"}) == {"nvidia.com/gpu": 1}
+    assert sim_gpu.driver_effects(host, "vm-passthrough", vfio_manager_running=True) == (True, 1)
+    assert host["cuda_jobs"] == [] and host["cuda_jobs_killed"] == 1
+    assert sim_gpu.advertised(host, sc, "vm-passthrough", {"sandbox-device-plugin"}) == {
+        "nvidia.com/GB202_GEFORCE_RTX_5090": 1}
+    assert sim_gpu.advertised(host, sc, "container", {"device-plugin"}) == {"nvidia.com/gpu": 0}
+    assert sim_gpu.driver_effects(host, "container", vfio_manager_running=False) == (True, 0)
+    assert sim_gpu.displays(host)[0]["driver"] == "none"  # preStop unbound it; nothing rebinds nvidia

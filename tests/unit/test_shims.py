@@ -200,3 +200,16 @@ def test_read_only_tools_work_without_the_state_lock_being_writable(host: HostSt
     for tool, args in (("journalctl", ["-u", "kubelet", "-n", "1"]), ("lspci", ["-nn"]),
                        ("swapon", ["--show"]), ("systemctl", ["is-active", "kubelet"])):
         assert run(host, tool, *args).stderr == "", tool
+
+
+def test_a_no_heartbeat_fault_keeps_kubelet_active_but_silent(tmp_path: Path) -> None:
+    sc = load_scenario()
+    node = sc.node("worker-1").model_copy(update={"host": sc.node("worker-1").host.model_copy(update={
+        "kubelet": sc.node("gpu-3090-3").host.kubelet.model_copy(update={"fault": sc.node(
+            "gpu-3090-3").host.kubelet.fault.model_copy(update={"mode": "no-heartbeat"})})})})
+    state, journal = host_state(node, sc, NOW)
+    hs = HostState(tmp_path / "state")
+    hs.initialise(state, journal)
+    assert hs.read()["units"]["kubelet"]["active"] == "active"  # it runs...
+    assert hs.read()["kubelet"]["healthy"] is False  # ...but posts no heartbeat
+    assert "bootstrap client certificate" in run(hs, "journalctl", "-u", "kubelet").stdout

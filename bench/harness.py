@@ -1,0 +1,131 @@
+"""``bench/run``: run the benchmarks, print one JSON object per metric, write bench/results/.
+
+    bench/run [--quick] [--only p1,p3,...] [--runs N] [--p5-fake] [--no-write] ...
+
+Exit status: 0 when every selected benchmark produced its metrics (missed targets included:
+benchmarks are not tests), 1 when one of them could not run (its metrics then have value null
+and ``detail.error``), 2 on bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+from bench.common import (
+    DEFAULT_FLEET_LAB_DIR,
+    DEFAULT_JOURNAL,
+    DEFAULT_LAB_DIR,
+    DEFAULT_WORK_DIR,
+    RESULTS,
+    Context,
+    Metric,
+    loadavg,
+    log,
+    write_results,
+)
+
+# benchmark -> the metrics it produces (P6 is measured during P1's engine runs)
+PRODUCES: dict[str, tuple[str, ...]] = {
+    "p3": ("p3_help_s", "p3_validate_s"),
+    "p2": ("p2_verify_reaction_ratio", "p2_verify_reaction_ms"),
+    "p4": ("p4_plan_1_s", "p4_plan_100_vs_ansible_ratio"),
+    "p1": ("p1_recovery_vs_checked_script_ratio", "p1_recovery_vs_bare_script_ratio", "p6_rss_mb"),
+    "p5": ("p5_webhook_rps", "p5_webhook_p99_ms"),
+}
+ORDER = ("p3", "p2", "p4", "p1", "p5")  # cheapest first; the real server last
+
+
+def _runner(name: str, args: argparse.Namespace) -> Callable[[Context], list[Metric]]:
+    if name == "p1":
+        from bench import p1_recovery
+
+        return p1_recovery.run
+    if name == "p2":
+        from bench import p2_verify
+
+        return p2_verify.run
+    if name == "p3":
+        from bench import p3_cold
+
+        return p3_cold.run
+    if name == "p4":
+        from bench import p4_plan
+
+        return p4_plan.run
+    from bench import p5_webhook
+
+    return lambda ctx: p5_webhook.run(ctx, fake=args.p5_fake)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="bench/run", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="CI smoke: 1-2 runs each, a 10-node fleet, short rounds")
+    p.add_argument("--only", default="", help="comma-separated benchmarks: p1,p2,p3,p4,p5,p6 (p6 runs p1)")
+    p.add_argument("--runs", type=int, default=5, help="repetitions per variant (>= 5 unless --quick)")
+    p.add_argument("--lab-dir", type=Path, default=Path(DEFAULT_LAB_DIR))
+    p.add_argument("--fleet-lab-dir", type=Path, default=Path(DEFAULT_FLEET_LAB_DIR))
+    p.add_argument("--journal", type=Path, default=Path(DEFAULT_JOURNAL))
+    p.add_argument("--work-dir", type=Path, default=Path(DEFAULT_WORK_DIR), help="per-run logs")
+    p.add_argument("--results-dir", type=Path, default=RESULTS)
+    p.add_argument("--keep-fleet-lab", action="store_true", help="leave P4's 100-node lab running")
+    p.add_argument("--p5-fake", action="store_true", help="P5 against bench.fake_serve (no lab needed)")
+    p.add_argument("--no-write", action="store_true", help="print the metrics only")
+    args = p.parse_args(argv)
+    wanted = {w.strip().lower() for w in args.only.split(",") if w.strip()}
+    unknown = wanted - {*PRODUCES, "p6"}
+    if unknown:
+        p.error(f"unknown benchmark(s): {', '.join(sorted(unknown))}")
+    if "p6" in wanted:
+        wanted = (wanted - {"p6"}) | {"p1"}
+    args.selected = [b for b in ORDER if not wanted or b in wanted]
+    if not args.quick and args.runs < 5:
+        p.error("--runs must be >= 5 (use --quick for a smoke run)")
+    if args.quick:
+        args.runs = 1
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    ctx = Context(quick=args.quick, runs=args.runs, lab_dir=args.lab_dir, fleet_lab_dir=args.fleet_lab_dir,
+                  journal=args.journal, work_dir=args.work_dir, keep_fleet_lab=args.keep_fleet_lab)
+    started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    metrics: list[Metric] = []
+    failed = False
+    only_p6 = "p6" in args.only.lower() and "p1" not in args.only.lower()
+    for name in args.selected:
+        log(f"{name}: start (load {loadavg()})")
+        t0 = time.perf_counter()
+        try:
+            produced = _runner(name, args)(ctx)
+        except Exception as e:
+            failed = True
+            log(f"{name}: FAILED: {e}")
+            traceback.print_exc(file=sys.stderr)
+            produced = [Metric(m, None, 0, {"error": f"{type(e).__name__}: {e}"}) for m in PRODUCES[name]]
+        if name == "p1" and only_p6:
+            produced = [m for m in produced if m.metric == "p6_rss_mb"]
+        log(f"{name}: done in {time.perf_counter() - t0:.0f} s")
+        for m in produced:
+            print(json.dumps(m.as_json()), flush=True)
+        metrics.extend(produced)
+    if not args.no_write:
+        meta = {"started": started, "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "quick": args.quick,
+                "runs": args.runs, "benchmarks": args.selected, "host": platform.node(),
+                "python": platform.python_version(), "cpus": _cpus(), "loadavg_end": loadavg()}
+        path = write_results(metrics, meta, args.results_dir)
+        log(f"results: {path} (and {args.results_dir / 'latest.json'})")
+    return 1 if failed else 0
+
+
+def _cpus() -> int:
+    import os
+
+    return os.cpu_count() or 0
