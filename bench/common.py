@@ -23,6 +23,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+# The engine under test: this checkout, or (``bench/run --tree DIR``) another copy of the project,
+# e.g. ``git archive HEAD | tar -x -C DIR``: a stable snapshot while others edit this tree.
+ENGINE_ROOT = Path(os.environ.get("BENCH_ENGINE_TREE") or ROOT).resolve()
 BENCH = ROOT / "bench"
 RESULTS = BENCH / "results"
 SCENARIOS = BENCH / "scenarios"
@@ -111,7 +114,7 @@ class Timed:
     output: str  # stdout + stderr (tail)
 
 
-def run_timed(cmd: Sequence[str], *, env: Mapping[str, str], cwd: Path = ROOT, timeout: float = 600,
+def run_timed(cmd: Sequence[str], *, env: Mapping[str, str], cwd: Path = ENGINE_ROOT, timeout: float = 600,
               log_path: Path | None = None) -> Timed:
     """Wall time of one command, from spawn to exit (stdout/stderr to a file, never a pipe we drain late)."""
     with tempfile.TemporaryFile("w+b") if log_path is None else open(log_path, "w+b") as out:
@@ -134,6 +137,9 @@ def base_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env["PATH"] = os.pathsep.join([str(BIN), env.get("PATH", "")])
     env.setdefault("NO_COLOR", "1")
+    env["RUNBOOK_PLAYBOOKS_DIR"] = str(ENGINE_ROOT / "playbooks")  # the baseline scripts' playbooks
+    if ENGINE_ROOT != ROOT:  # the engine from the other tree, the bench package from this one
+        env["PYTHONPATH"] = os.pathsep.join([str(ENGINE_ROOT), str(ROOT)])
     env.update(extra or {})
     return env
 
@@ -157,7 +163,7 @@ class BenchLab:
 
     def _cli(self, *args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
         env = base_env({"RUNBOOK_LAB_DIR": str(self.dir)})
-        return subprocess.run(runbook_cmd("lab", *args), env=env, cwd=ROOT, capture_output=True, text=True,
+        return subprocess.run(runbook_cmd("lab", *args), env=env, cwd=ENGINE_ROOT, capture_output=True, text=True,
                               timeout=timeout, check=False)
 
     def status(self) -> dict[str, Any] | None:

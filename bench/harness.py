@@ -23,6 +23,7 @@ from bench.common import (
     DEFAULT_JOURNAL,
     DEFAULT_LAB_DIR,
     DEFAULT_WORK_DIR,
+    ENGINE_ROOT,
     RESULTS,
     Context,
     Metric,
@@ -77,6 +78,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--keep-fleet-lab", action="store_true", help="leave P4's 100-node lab running")
     p.add_argument("--p5-fake", action="store_true", help="P5 against bench.fake_serve (no lab needed)")
     p.add_argument("--no-write", action="store_true", help="print the metrics only")
+    p.add_argument("--tree", type=Path, default=None,
+                   help="benchmark the engine of another copy of the project (e.g. a snapshot of HEAD)")
     args = p.parse_args(argv)
     wanted = {w.strip().lower() for w in args.only.split(",") if w.strip()}
     unknown = wanted - {*PRODUCES, "p6"}
@@ -119,10 +122,23 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_write:
         meta = {"started": started, "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "quick": args.quick,
                 "runs": args.runs, "benchmarks": args.selected, "host": platform.node(),
-                "python": platform.python_version(), "cpus": _cpus(), "loadavg_end": loadavg()}
+                "python": platform.python_version(), "cpus": _cpus(), "loadavg_end": loadavg(),
+                "engine_tree": str(ENGINE_ROOT), "engine_commit": _commit()}
         path = write_results(metrics, meta, args.results_dir)
         log(f"results: {path} (and {args.results_dir / 'latest.json'})")
     return 1 if failed else 0
+
+
+def _commit() -> str:
+    """HEAD of the engine's tree, ``+dirty`` when it has local changes ("" outside git)."""
+    import subprocess
+
+    def git(*args: str) -> str:
+        r = subprocess.run(["git", "-C", str(ENGINE_ROOT), *args], capture_output=True, text=True, check=False)
+        return r.stdout.strip() if r.returncode == 0 else ""
+
+    head = git("rev-parse", "--short", "HEAD")
+    return head + ("+dirty" if head and git("status", "--porcelain", "--untracked-files=no") else "")
 
 
 def _cpus() -> int:

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import ROOT, Context, Metric, log, median, summary
+from bench.common import ENGINE_ROOT, ROOT, Context, Metric, log, median, summary
 
 RUNBOOK = ROOT / "bench" / "runbooks" / "bench-wait-ready.yaml"
 SETTLE_S = 1.5
@@ -79,7 +79,7 @@ def _one(i: int, kube_admin: Any, kube_engine: Any, journal: Any, env: dict[str,
             kubectl_done["rc"] = kubectl.wait()
             kubectl_done["at"] = time.perf_counter()
 
-        loaded = api.load(RUNBOOK, playbooks_dir=ROOT / "playbooks")
+        loaded = api.load(RUNBOOK, playbooks_dir=ENGINE_ROOT / "playbooks")
         prepared = api.prepare_run(loaded, {}, node=name)
         run_id = journal.create_run(loaded.name, prepared.params, [name], source="bench")
         sink = _TimingSink(journal, run_id)

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import ROOT, Context, Metric, base_env, loadavg, log, median, runbook_cmd, summary
+from bench.common import ENGINE_ROOT, Context, Metric, base_env, loadavg, log, median, runbook_cmd, summary
 
 TOKEN = "bench-p5-token"
 CONNECTIONS = 8
@@ -144,7 +144,7 @@ def server(ctx: Context, fake: bool, work: Path) -> Any:
         env = {**ctx.lab_env(), "RUNBOOK_WEBHOOK_TOKEN": TOKEN, "RUNBOOK_JOURNAL": str(work / "serve.sqlite")}
         cmd = runbook_cmd("serve", "--listen", listen)
     with open(work / "serve.log", "wb") as out:
-        proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=out,
+        proc = subprocess.Popen(cmd, env=env, cwd=ENGINE_ROOT, stdin=subprocess.DEVNULL, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://{listen}"
     try:

@@ -628,7 +628,9 @@ def establish(check: Any, facts: Facts, params: Mapping[str, Any] | None = None,
         for part in c.all_:
             facts = establish(part, facts, params, baseline=baseline)
         return facts
-    if isinstance(c, AnyCheck | NotCheck | ExprCheck | JournalContainsCheck | ObjectsCheck | NodeExistsCheck):
+    if isinstance(c, ObjectsCheck):
+        return _establish_objects(c, facts)
+    if isinstance(c, AnyCheck | NotCheck | ExprCheck | JournalContainsCheck | NodeExistsCheck):
         return facts
     if isinstance(c, NODE_CHECKS):
         node = facts.node
@@ -640,6 +642,26 @@ def establish(check: Any, facts: Facts, params: Mapping[str, Any] | None = None,
             return facts
         return replace(facts, host=_establish_host(c, facts.host))
     return facts
+
+
+def _establish_objects(c: ObjectsCheck, facts: Facts) -> Facts:
+    """"No such object" (``max: 0`` / ``count: 0``) is predictable: the matching objects are gone (an
+    evicted pod). Objects cannot be invented, so every other bound leaves the facts as they are."""
+    s = c.objects
+    if not (s.max == 0 or s.count == 0):
+        return facts
+    key = ObjectsQuery.of(s).key
+    objs = facts.objects.get(key)
+    if objs is None:
+        return facts  # unknown stays unknown
+
+    def matches(o: Mapping[str, Any]) -> bool:
+        if s.resource and not asks_for(o, s.resource):
+            return False
+        return s.field is None or field_value(o, s.field) == s.equals
+
+    kept = tuple(o for o in objs if not matches(o))
+    return facts if len(kept) == len(objs) else replace(facts, objects={**facts.objects, key: kept})
 
 
 def _set_condition(node: NodeFacts, type_: str, status: str) -> NodeFacts:

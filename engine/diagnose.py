@@ -99,7 +99,8 @@ def waiting_vms(vms: Sequence[Mapping[str, Any]], resources: Sequence[str]) -> l
         if not asked or printable in ("Running", "Stopped", "Paused"):
             continue
         meta = vm.get("metadata") or {}
-        scheduled = next((c for c in status.get("conditions") or () if c.get("type") == "PodScheduled"), {})
+        scheduled: Mapping[str, Any] = next(
+            (c for c in status.get("conditions") or () if c.get("type") == "PodScheduled"), {})
         out.append({"vm": f"{meta.get('namespace', '')}/{meta.get('name', '')}", "status": printable,
                     "asks_for": asked, "why": scheduled.get("message", ""),
                     "since": scheduled.get("lastTransitionTime", "")})
@@ -187,8 +188,8 @@ def explain(node_name: str, node: NodeFacts | None, host: HostFacts | Exception 
 
     kubelet_state = host.service("kubelet").state if host is not None else "unknown"
     if node.ready and kubelet_state in ("active", "unknown"):
-        kubelet = f"kubelet {kubelet_state}" if host is not None else "no host facts"
-        chain = [f"node {node_name} is Ready ({kubelet}, workload {workload or 'unset'})"]
+        seen = f"kubelet {kubelet_state}" if host is not None else "no host facts"
+        chain = [f"node {node_name} is Ready ({seen}, workload {workload or 'unset'})"]
         if waiting and workload != "vm-passthrough":
             notes.append(f"{vm_link} wait for this node's GPU while it serves containers "
                          f"({', '.join(resources)}); switch it with: runbook run {SWITCH} --node {node_name} "

@@ -1,15 +1,17 @@
 """Rendering plans, run results, run history and live progress for people and machines.
 
-Text goes through ``rich`` on a terminal (colour unless ``NO_COLOR``) and falls back to plain
-lines when stdout is not a TTY. ``json`` prints one machine-readable document. ``markdown`` is
-for tickets and pull requests: a step table, the diffs, and a Mermaid diagram of step order.
-Nothing here decides anything or talks to outside systems.
+Text is coloured on a terminal (unless ``NO_COLOR``) and plain lines when stdout is not a TTY.
+``json`` prints one machine-readable document (a plan is ``Plan.model_dump``, format
+``runbook-plan/v1``, documented in docs/runbooks.md). ``markdown`` is for tickets and pull
+requests: a step table, the diffs, and a Mermaid diagram of step order. Nothing here decides
+anything or talks to outside systems.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -20,6 +22,8 @@ if TYPE_CHECKING:
     from engine.model import Plan, RunResult
 
 DECISION_MARK = {"change": "~", "no-op": "=", "blocked": "!"}
+DECISION_COLOR = {"change": "33", "no-op": "32", "blocked": "31"}  # ANSI: yellow, green, red
+STATE_COLOR = {"ready": "33", "nothing-to-do": "32", "blocked": "1;31"}
 STATUS_STYLE = {"succeeded": "green", "skipped": "cyan", "failed": "red", "timed-out": "red",
                 "blocked": "yellow", "rolled-back": "magenta", "cancelled": "yellow"}
 
@@ -35,9 +39,39 @@ def dump_json(doc: Any) -> str:
 # -- plans ----------------------------------------------------------------------------------
 
 
-def plan_text(plan: Plan) -> str:
-    lines = [f"Plan for {plan.runbook} {plan.version} on node {plan.node}  (digest {plan.digest[:12]})",
-             f"state: {plan.state.value}; created {plan.created_at}, expires {plan.expires_at}"]
+def preview_gist(preview: str) -> str:
+    """One line saying what a step's preview shows: ``diff of /etc/fstab (-1 +1)``, ``kubelet will be
+    restarted`` (a check-mode task's message), ``server dry-run accepted``; "" for no preview."""
+    text = preview.strip()
+    if not text:
+        return ""
+    lines = text.splitlines()
+    files = [ln[4:].strip() for ln in lines if ln.startswith("--- ")]
+    if files:
+        minus = sum(1 for ln in lines if ln.startswith("-") and not ln.startswith("--- "))
+        plus = sum(1 for ln in lines if ln.startswith("+") and not ln.startswith("+++ "))
+        return f"diff of {', '.join(dict.fromkeys(files))} (-{minus} +{plus})"
+    if lines[0].startswith("check mode: would change:"):
+        said = [ln.split(": ", 1)[1] if ": " in ln else ln for ln in lines[1:] if ln.strip()]
+        return "; ".join(said) or "would change"
+    if lines[0].startswith("server dry-run accepted"):
+        return "server dry-run accepted"
+    return _one_line(lines[0])
+
+
+def _paint(text: str, code: str | None, color: bool) -> str:
+    return f"\x1b[{code}m{text}\x1b[0m" if color and code else text
+
+
+def plan_text(plan: Plan, *, color: bool = False) -> str:
+    """The plan for a terminal: preconditions, then per step the decision (``~`` change, ``=`` no-op,
+    ``!`` blocked), what changes, the command, guards with their current values, the verifications
+    that follow, and the dry-run preview (fstab diff, "kubelet will be restarted")."""
+    state = _paint(plan.state.value, STATE_COLOR.get(plan.state.value), color)
+    lines = [_paint(f"Plan for {plan.runbook} {plan.version} on node {plan.node}", "1", color)
+             + f"  (digest {plan.digest[:12]})",
+             f"state: {state}; created {plan.created_at}, expires {plan.expires_at}",
+             f"params: {', '.join(f'{k}={v}' for k, v in plan.params.items())}"]
     if plan.probe_errors:
         lines.append("probe errors (checks over them fail closed):")
         lines += [f"  ! {e}" for e in plan.probe_errors]
@@ -46,10 +80,13 @@ def plan_text(plan: Plan) -> str:
         for p in plan.preconditions:
             mark = "-" if not p.applies else ("ok" if p.holds else ("??" if p.holds is None else "FAIL"))
             detail = p.message if not p.passed and p.message else p.observed
-            lines.append(f"  [{mark:>4}] {p.id}: {detail}" if detail else f"  [{mark:>4}] {p.id}")
+            mark_text = _paint(f"[{mark:>4}]", "31" if mark in ("FAIL", "??") else None, color)
+            lines.append(f"  {mark_text} {p.id}: {detail}" if detail else f"  {mark_text} {p.id}")
     lines.append("steps:")
     for i, s in enumerate(plan.steps, 1):
-        lines.append(f"  {i}. [{DECISION_MARK[s.kind]}] {s.id} ({s.action}): {s.summary}")
+        mark = _paint(f"[{DECISION_MARK[s.kind]}]", DECISION_COLOR[s.kind], color)
+        gist = preview_gist(s.preview) if s.kind == "change" and s.action == "ansible" else ""
+        lines.append(f"  {i}. {mark} {s.id} ({s.action}): {s.summary}" + (f" -- {gist}" if gist else ""))
         if s.why and s.kind == "change":
             lines.append(f"       why: {_one_line(s.why)}")
         if s.command:
@@ -62,9 +99,12 @@ def plan_text(plan: Plan) -> str:
             lines.append(f"       then verify: {v.check} (within {v.timeout_seconds:g}s)")
         if s.preview:
             lines.append("       preview:")
-            lines += [f"         {ln}" for ln in s.preview.rstrip().splitlines()]
+            for ln in s.preview.rstrip().splitlines():
+                code = "31" if ln.startswith("-") and not ln.startswith("---") else \
+                    "32" if ln.startswith("+") and not ln.startswith("+++") else None
+                lines.append(f"         {_paint(ln, code, color)}")
     if plan.state.value == "blocked":
-        lines.append("BLOCKED:")
+        lines.append(_paint("BLOCKED:", "1;31", color))
         lines += [f"  {r}" for r in plan.blocked_reasons]
     elif plan.state.value == "nothing-to-do":
         lines.append("Nothing to do: every step is a no-op.")
@@ -72,11 +112,19 @@ def plan_text(plan: Plan) -> str:
 
 
 def plan_markdown(plan: Plan) -> str:
+    """The plan for a ticket or pull request (GitHub-flavoured Markdown): summary, preconditions, the
+    step table, a Mermaid diagram of the step order, then per step its changes, guards, verifications
+    and the dry-run preview in a fenced block (``diff`` for unified diffs)."""
     out = [f"# Plan: `{plan.runbook}` {plan.version} on `{plan.node}`", "",
            f"- state: **{plan.state.value}**",
            f"- digest: `{plan.digest}`",
+           f"- runbook digest: `{plan.runbook_digest}`",
            f"- created: {plan.created_at}; expires: {plan.expires_at}",
            f"- params: {', '.join(f'`{k}={v}`' for k, v in plan.params.items())}", ""]
+    if plan.approval:
+        out += [f"Approval required: `runbook approve RUN_ID --plan-digest {plan.digest}`", ""]
+    if plan.probe_errors:
+        out += ["## Probe errors", ""] + [f"- {_cell(e)}" for e in plan.probe_errors] + [""]
     if plan.preconditions:
         out += ["## Preconditions", "", "| precondition | applies | holds | observed |", "|---|---|---|---|"]
         for p in plan.preconditions:
@@ -86,7 +134,10 @@ def plan_markdown(plan: Plan) -> str:
     out += ["## Steps", "", "| # | step | action | decision | what happens | command |",
             "|---|---|---|---|---|---|"]
     for i, s in enumerate(plan.steps, 1):
-        out.append(f"| {i} | {s.id} | {s.action} | {s.kind} | {_cell(s.summary)} | `{_cell(s.command)}` |")
+        gist = preview_gist(s.preview) if s.kind == "change" and s.action == "ansible" else ""
+        what = s.summary + (f": {gist}" if gist else "")
+        command = f"`{_cell(s.command)}`" if s.command else ""
+        out.append(f"| {i} | {s.id} | {s.action} | {s.kind} | {_cell(what)} | {command} |")
     out += ["", "## Step order", "", "```mermaid", "graph TD"]
     for s in plan.steps:
         out.append(f'  {_mid(s.id)}["{s.id}: {s.kind}"]')
@@ -97,34 +148,44 @@ def plan_markdown(plan: Plan) -> str:
             out.append(f"  {_mid(r)} -. requires .-> {_mid(s.id)}")
     out += ["```", ""]
     for s in plan.steps:
-        out += [f"### {s.id}", ""]
+        out += [f"### {s.id}", "", f"**{s.kind}**: {_cell(s.summary)}", ""]
         if s.why:
             out += [_one_line(s.why), ""]
         for c in s.changes:
             out.append(f"- change `{c.path}`: `{_val(c.before)}` -> `{_val(c.after)}`")
         for g in s.guards:
             out.append(f"- guard `{g.check}`: {_holds(g.holds)} ({_cell(g.observed)})")
+        for k in s.skip_if:
+            out.append(f"- skip if `{k.check}`: {_holds(k.holds)} ({_cell(k.observed)})")
         for v in s.verify:
             out.append(f"- verify `{v.check}` within {v.timeout_seconds:g}s")
         if s.preview:
-            out += ["", "```diff", s.preview.rstrip(), "```"]
+            fence = "diff" if _is_diff(s.preview) else "text"
+            out += ["", f"```{fence}", s.preview.rstrip().replace("```", "``\u200b`"), "```"]
         out.append("")
     if plan.state.value == "blocked":
-        out += ["## Blocked", ""] + [f"- {r}" for r in plan.blocked_reasons]
+        out += ["## Blocked", ""] + [f"- {_cell(r)}" for r in plan.blocked_reasons]
     return "\n".join(out) + "\n"
+
+
+def _is_diff(text: str) -> bool:
+    return bool(re.search(r"^(--- |\+\+\+ |@@ )", text, flags=re.MULTILINE))
 
 
 def plan_json(plan: Plan) -> dict[str, Any]:
     return plan.model_dump(mode="json")
 
 
-def render_plans(plans: Sequence[Plan], output: str) -> str:
+def render_plans(plans: Sequence[Plan], output: str, *, color: bool | None = None) -> str:
+    """Plans as ``json`` (one document; ``{"plans": [...]}`` for several), ``markdown`` or ``text``
+    (coloured when ``color``, by default when stdout is a terminal)."""
     if output == "json":
         docs = [plan_json(p) for p in plans]
         return dump_json(docs[0] if len(docs) == 1 else {"plans": docs})
     if output == "markdown":
         return "\n".join(plan_markdown(p) for p in plans)
-    return "\n\n".join(plan_text(p) for p in plans)
+    paint = use_color() if color is None else color
+    return "\n\n".join(plan_text(p, color=paint) for p in plans)
 
 
 # -- results --------------------------------------------------------------------------------
@@ -182,11 +243,12 @@ def print_result_table(result: RunResult, run_id: str | None, stream: TextIO = s
 def runs_text(runs: Sequence[RunRecord]) -> str:
     if not runs:
         return "no runs recorded"
-    rows = [("ID", "RUNBOOK", "NODES", "STATE", "STARTED", "FINISHED", "PLAN")]
+    # Runs waiting for approval show their whole plan digest: `runbook approve ID --plan-digest DIGEST`.
+    rows = [("ID", "RUNBOOK", "NODES", "STATE", "STARTED", "FINISHED", "PLAN DIGEST (to approve)")]
     for r in runs:
         s = r.summary()
         rows.append((r.id, r.runbook, ",".join(r.nodes), r.state, s["started"] or "", s["finished"] or "",
-                     (r.plan_digest or "")[:12] if r.state == "waiting-approval" else ""))
+                     (r.plan_digest or "") if r.state == "waiting-approval" else ""))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows)
 

@@ -62,8 +62,18 @@ def gather_host_facts(nodes: NodeAutomation, names: Sequence[str],
                       files: Sequence[str] = ()) -> Mapping[str, HostFacts | Exception]:
     """One read-only facts run for all ``names``; asks about ``files`` when the connector can."""
     if files and "files" in inspect.signature(nodes.gather_facts).parameters:
-        return nodes.gather_facts(list(names), files=list(files))  # type: ignore[call-arg]
+        return nodes.gather_facts(list(names), files=list(files))
     return nodes.gather_facts(list(names))
+
+
+def recent_host_facts(nodes: NodeAutomation, names: Sequence[str], max_age: float,
+                      files: Sequence[str] = ()) -> Mapping[str, HostFacts]:
+    """Host facts at most ``max_age`` seconds old that the connector already holds (the facts the
+    previous playbook published at its end, or the last facts run): {} when it keeps none."""
+    recent = getattr(nodes, "recent_facts", None)
+    if max_age <= 0 or recent is None:
+        return {}
+    return dict(recent(list(names), max_age=max_age, files=list(files)))
 
 
 def _read_node(kube: KubeAPI, node: str) -> NodeFacts:
@@ -96,14 +106,20 @@ def _run_parallel(tasks: dict[str, Callable[[], Any]]) -> dict[str, Any | BaseEx
 
 
 def gather_probes(probes: Iterable[Probe], node: str, kube: KubeAPI | None, nodes: NodeAutomation | None,
-                  *, clock: Clock = time.time) -> Facts:
-    """Facts for one node: exactly the given probes, run in parallel."""
-    return gather_probes_many(probes, [node], kube, nodes, clock=clock)[node]
+                  *, clock: Clock = time.time, host_max_age: float = 0.0) -> Facts:
+    """Facts for one node: exactly the given probes, run in parallel (see ``gather_probes_many``)."""
+    return gather_probes_many(probes, [node], kube, nodes, clock=clock, host_max_age=host_max_age)[node]
 
 
 def gather_probes_many(probes: Iterable[Probe], node_names: Sequence[str], kube: KubeAPI | None,
-                       nodes: NodeAutomation | None, *, clock: Clock = time.time) -> dict[str, Facts]:
-    """Facts for many nodes: node reads and object lists in parallel, one host-facts run for all."""
+                       nodes: NodeAutomation | None, *, clock: Clock = time.time,
+                       host_max_age: float = 0.0) -> dict[str, Facts]:
+    """Facts for many nodes: node reads and object lists in parallel, one host-facts run for all.
+
+    ``host_max_age`` > 0: host facts the connector received at most that many seconds ago (the
+    closing facts of the playbook that just ran) are used instead of a new facts run, for the nodes
+    that have them. Node and object reads always go to the API. The default (0) always gathers anew.
+    """
     wanted = set(probes)
     if any(isinstance(p, HostFile) for p in wanted):
         wanted.add(HOST)
@@ -115,9 +131,13 @@ def gather_probes_many(probes: Iterable[Probe], node_names: Sequence[str], kube:
     if kube is not None:
         for q in queries:
             tasks[f"objects:{q.key}"] = (lambda q=q: _list(kube, q))  # type: ignore[misc]
+    reused: Mapping[str, HostFacts] = {}
     if HOST in wanted and nodes is not None:
         files = _host_files(wanted)
-        tasks["hosts"] = lambda: gather_host_facts(nodes, node_names, files)
+        reused = recent_host_facts(nodes, node_names, host_max_age, files)
+        missing = [n for n in node_names if n not in reused]
+        if missing:
+            tasks["hosts"] = lambda: gather_host_facts(nodes, missing, files)
     results = _run_parallel(tasks)
     now = clock()
 
@@ -151,6 +171,8 @@ def gather_probes_many(probes: Iterable[Probe], node_names: Sequence[str], kube:
         if HOST in wanted:
             if nodes is None:
                 errors.append(ProbeError(HOST, "no inventory: host facts need --inventory"))
+            elif n in reused:
+                host_facts = reused[n]
             elif isinstance(hosts, BaseException):
                 errors.append(_error(HOST, hosts))
             elif hosts is not None:

@@ -10,7 +10,7 @@ set -euo pipefail
 
 NODE=${1:-omen2}
 INV=${RUNBOOK_INVENTORY:?set RUNBOOK_INVENTORY (eval "\$(runbook lab env)")}
-PLAYBOOKS=$(cd "$(dirname "$0")/../../playbooks" && pwd)
+PLAYBOOKS=${RUNBOOK_PLAYBOOKS_DIR:-$(cd "$(dirname "$0")/../../playbooks" && pwd)}
 
 kubectl label node "$NODE" nvidia.com/gpu.workload.config=container --overwrite
 ansible-playbook -i "$INV" "$PLAYBOOKS/swap-off.yml" --limit "$NODE" -e "target=$NODE"

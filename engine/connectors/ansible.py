@@ -323,6 +323,11 @@ class _RunState:
     unreachable: dict[str, str] = field(default_factory=dict)
     diffs: dict[str, list[str]] = field(default_factory=dict)
     facts: dict[str, Mapping[str, Any]] = field(default_factory=dict)
+    # per node, the monotonic time the task before the facts' set_stats (the probe task) started:
+    # the facts are at most that old. Without task-start events, the run's own start.
+    facts_at: dict[str, float] = field(default_factory=dict)
+    started: float = field(default_factory=time.monotonic)
+    task_starts: dict[str, list[float]] = field(default_factory=dict)  # the last two, per node
     tasks: list[TaskEvent] = field(default_factory=list)
     output: list[str] = field(default_factory=list)  # ansible's own error lines (no host)
     callback_error: BaseException | None = None
@@ -339,6 +344,11 @@ class _RunState:
         if not host:
             return True
         node = self.node_of(str(host))
+        if kind == "runner_on_start":
+            starts = self.task_starts.setdefault(node, [])
+            starts.append(time.monotonic())
+            del starts[:-2]
+            return True
         res = data.get("res") or {}
         if not isinstance(res, Mapping):
             res = {}
@@ -356,6 +366,8 @@ class _RunState:
             if isinstance(stats, Mapping) and isinstance(stats.get("data"), Mapping) and \
                     isinstance(stats["data"].get("runbook_facts"), Mapping):
                 self.facts[node] = stats["data"]["runbook_facts"]
+                starts = self.task_starts.get(node, [])
+                self.facts_at[node] = starts[-2] if len(starts) >= 2 else self.started
             if res.get("changed"):
                 status = "changed"
                 self.changed[node] = True
@@ -404,6 +416,9 @@ class AnsibleConnector:
         self._lock = threading.Lock()
         self._dir_path: Path | None = None  # made on first use: a connector never used leaves nothing
         self._finalizer: weakref.finalize[Any, Any] | None = None
+        # node -> (monotonic time, facts): the latest host facts a run returned (recent_facts)
+        self._recent: dict[str, tuple[float, HostFacts]] = {}
+        self._recent_lock = threading.Lock()
 
     # ------------------------------------------------------------------ protocol
 
@@ -466,6 +481,42 @@ class AnsibleConnector:
                                           f"(status {result.status}, rc {result.rc})", host=node)
         return results
 
+    def recent_facts(self, nodes: Sequence[str], *, max_age: float,
+                     files: Sequence[str] = ()) -> dict[str, HostFacts]:
+        """The latest facts this connector received for each node (from a facts run or from the
+        facts a playbook publishes at its end), if at most ``max_age`` seconds old, counted from the
+        start of the task that probed them, and reporting on every path in ``files``. Nodes without
+        such facts are left out. Every run on a node forgets its facts first, so a run that ends
+        without facts (failed early, timed out, cancelled, Ansible could not start) leaves none.
+
+        For callers that may use facts this fresh instead of gathering again (the checks before a
+        step, right after the previous step's playbook); a verification poll must gather anew.
+        """
+        if max_age <= 0:
+            return {}
+        now = time.monotonic()
+        out: dict[str, HostFacts] = {}
+        with self._recent_lock:
+            for node in nodes:
+                entry = self._recent.get(node)
+                if entry is None:
+                    continue
+                at, facts = entry
+                if now - at <= max_age and all(str(f) in facts.files for f in files):
+                    out[node] = facts
+        return out
+
+    def _forget(self, nodes: Iterable[str]) -> None:
+        with self._recent_lock:
+            for node in nodes:
+                self._recent.pop(node, None)
+
+    def _remember(self, facts: Mapping[str, HostFacts], facts_at: Mapping[str, float]) -> None:
+        with self._recent_lock:
+            for node, value in facts.items():
+                if node in facts_at:
+                    self._recent[node] = (facts_at[node], value)
+
     def run_playbook(self, playbook: Path, nodes: Sequence[str], *,
                      extravars: Mapping[str, Any] | None = None, become: bool = True,
                      timeout: float = 300, check: bool = False,
@@ -523,7 +574,7 @@ class AnsibleConnector:
             forks=max(1, min(self.forks, len(hosts))),
             extravars=evars,
             cmdline=" ".join(cmdline) or None,
-            envvars=self._envvars(run_id, pipelining=read_only),
+            envvars=self._envvars(run_id, pipelining=read_only or check),
             passwords={_BECOME_PROMPT: self._become_password} if use_password else None,
             event_handler=state.handle,
             cancel_callback=lambda: self._cancel.is_set(),
@@ -531,6 +582,7 @@ class AnsibleConnector:
             suppress_env_files=True,  # else extravars/passwords would be written to env/
             quiet=True,
         )
+        self._forget([*nodes, *(self.inventory.node_for_host(h) for h in hosts)])  # the run may change them
         outcome = self._run(kwargs, run_id, timeout)
         facts: dict[str, HostFacts] = {}
         for node, data in state.facts.items():
@@ -538,6 +590,8 @@ class AnsibleConnector:
                 facts[node] = parse_runbook_facts(str(data.get("host") or node), data)
             except HostError as e:
                 state.failed.setdefault(node, str(e))
+        if outcome[0] not in ("timeout", "canceled"):  # a killed run may change hosts after its facts
+            self._remember(facts, state.facts_at)
         status, rc = outcome
         if status == "failed" and not state.failed and not state.unreachable:
             # Ansible stopped before any host ran (syntax error, bad inventory, ...)
@@ -579,9 +633,11 @@ class AnsibleConnector:
 
     def _envvars(self, run_id: str, *, pipelining: bool) -> dict[str, str]:
         """The child's environment additions. Pipelining (one SSH round trip per task, ~25 %
-        faster) only for read-only runs: without it, a become task runs on a tty, so when a
-        timeout or cancel kills the control master the remote command gets SIGHUP and ends
-        instead of finishing unobserved."""
+        faster) only for runs that change nothing (facts runs, ``--check`` previews): without it,
+        a become task runs on a tty, so when a timeout or cancel kills the control master the
+        remote command gets SIGHUP and ends instead of finishing unobserved. A read-only command
+        finishing unobserved is harmless (a preview's ``check_mode: false`` tasks must be read-only
+        anyway: previews are read-only by contract)."""
         d = self._dir
         env = {
             "ANSIBLE_CONFIG": str(d / "ansible.cfg"),
