@@ -186,7 +186,9 @@ steps:
   - id: look
     action: {check: {}}
     verify: [{check: {node_ready: true}}]
-report: "{% for vm in facts.objects['kubevirt.io/v1/virtualmachines'] %}{{ vm.metadata.name }}={{ vm.status.printableStatus }} {% endfor %}"
+report: >-
+  {% for vm in facts.objects['kubevirt.io/v1/virtualmachines'] %}{{ vm.metadata.name
+  }}={{ vm.status.printableStatus }} {% endfor %}
 """, "vms.yaml", playbooks_dir=PLAYBOOKS)
     clock = FakeClock()
     kube = FakeKube([healthy_node()], clock=clock)

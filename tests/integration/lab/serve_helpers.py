@@ -177,7 +177,7 @@ def write_config(path: Path, config: Mapping[str, Any]) -> Path:
 @contextmanager
 def serving(env: Mapping[str, str], workdir: Path, config: Mapping[str, Any] | None = None, *,
             journal: Path | None = None, name: str = "serve", pd_secret: str | None = None,
-            token: str | None = TOKEN, timeout: float = 30.0) -> Iterator[Server]:
+            token: str | None = TOKEN, timeout: float = 90.0) -> Iterator[Server]:
     """``runbook serve --listen 127.0.0.1:PORT --config CFG`` with the lab's environment; stopped on exit."""
     workdir.mkdir(parents=True, exist_ok=True)
     cfg = write_config(workdir / f"{name}.yaml", config or {})

@@ -39,15 +39,17 @@ from engine.locks import DEFAULT_NAMESPACE, acquire_node_lock, holder_for, lease
 from engine.serve.pagerduty import sign
 from engine.serve.testing import alert, webhook
 
-pytestmark = [pytest.mark.integration, pytest.mark.lab, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.integration, pytest.mark.lab, pytest.mark.timeout(900)]
 
 RUNBOOK = "gpu-node-recovery"
 WORKLOAD = "nvidia.com/gpu.workload.config"
 # The incident has 4 of 8 nodes NotReady: these thresholds let an automatic run through.
 PERMISSIVE = {"max_unhealthy_nodes": 8, "max_unhealthy_gpus": 100}
 AUTO = {"mode_overrides": {RUNBOOK: "auto"}}
-PLAN_TIMEOUT = 90  # an approve-mode plan previews the playbooks in check mode over SSH
-RUN_TIMEOUT = 240  # relabel, swap off, kubelet back, GPU advertised
+# Deadlines, not expectations: on an idle machine a preview plan takes ~5-10 s and a recovery ~15 s,
+# but a shared 2-core CI machine under load has taken 10 times that.
+PLAN_TIMEOUT = 240  # an approve-mode plan previews the playbooks in check mode over SSH
+RUN_TIMEOUT = 360  # relabel, swap off, kubelet back, GPU advertised
 # Tests that stop the server while a plan is being made (check mode only) do not wait for it.
 QUICK_STOP = {"shutdown_grace": "1s"}
 
@@ -290,9 +292,10 @@ def test_auto_mode_with_permissive_breaker_recovers_omen2_end_to_end(fresh_lab: 
                                                                      tmp_path: Path) -> None:
     with serving(fresh_lab.env(), tmp_path, {**AUTO, "breaker": PERMISSIVE}) as server:
         t0 = time.monotonic()
-        r = server.alert(omen2_alert())
-        assert time.monotonic() - t0 < 2.0  # answered at once; the run executes in a worker
-        decision = started(r)
+        decision = started(server.alert(omen2_alert()))
+        # answered before the run ends: it executes in a worker (unit tests measure the latency)
+        assert time.monotonic() - t0 < 10.0
+        assert server.run(decision["run_id"])["state"] in ("pending", "running")
         assert decision["mode"] == "auto" and not decision.get("warnings")
         run = server.wait_state(decision["run_id"], ("succeeded",), RUN_TIMEOUT)
         assert (run["source"], run["approval_required"], run["exit_code"]) == ("alertmanager", False, 0)
@@ -354,7 +357,7 @@ def test_a_real_alertmanager_pages_the_server_and_the_run_recovers_omen2(
     with serving(fresh_lab.env(), tmp_path, {**AUTO, "breaker": PERMISSIVE}) as server, \
             alertmanager(tmp_path / "am", server.url) as am:
         fire(am, "omen2")
-        runs = server.wait_runs(bool, 30, "Alertmanager's webhook to start a run")
+        runs = server.wait_runs(bool, 90, "Alertmanager's webhook to start a run")
         (run,) = runs
         assert (run["runbook"], run["nodes"], run["source"], run["approval_required"]) == (
             RUNBOOK, ["omen2"], "alertmanager", False)

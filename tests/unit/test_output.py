@@ -1,0 +1,127 @@
+"""Rendering plans for terminals, machines and tickets; run history with the digests to approve."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fakes import FakeKube, FakeNodes, incident_host, incident_node
+from markdown_it import MarkdownIt
+
+from engine import output, probes
+from engine.loader import load_runbook
+from engine.model import Plan
+from engine.planning import plan_run, with_previews
+
+DATA = Path(__file__).parent / "data"
+RUNBOOK = load_runbook(DATA / "runbooks" / "gpu-recovery.yaml", playbooks_dir=DATA / "playbooks")
+NOW = datetime(2026, 7, 10, 15, 40, tzinfo=UTC)
+FSTAB_DIFF = """--- /etc/fstab
++++ /etc/fstab
+@@ -1,2 +1,2 @@
+ UUID=5b1f / ext4 errors=remount-ro 0 1
+-/swapfile none swap sw 0 0
++# /swapfile none swap sw 0 0"""
+RESTART = ("check mode: would change:\n"
+           "Report the planned restart (check mode): would restart kubelet on omen2: kubelet will be restarted")
+
+
+@pytest.fixture(scope="module")
+def plan() -> Plan:
+    kube, nodes = FakeKube([incident_node()]), FakeNodes({"omen2": incident_host()})
+    params = {"node": "omen2", "workload": "container", "ready_timeout": 180}
+    p = plan_run(RUNBOOK, params, probes.gather(RUNBOOK, params, "omen2", kube, nodes),
+                 runbook_digest="d" * 64, now=NOW)
+    return with_previews(p, {"relabel-container": "server dry-run accepted: label ...", "swap-off": FSTAB_DIFF,
+                             "restart-kubelet": RESTART})
+
+
+def test_preview_gists_say_what_a_playbook_step_will_change() -> None:
+    assert output.preview_gist(FSTAB_DIFF) == "diff of /etc/fstab (-1 +1)"
+    assert output.preview_gist(RESTART) == "would restart kubelet on omen2: kubelet will be restarted"
+    assert output.preview_gist("server dry-run accepted: label a -> b") == "server dry-run accepted"
+    assert output.preview_gist("") == ""
+
+
+def test_text_lists_each_step_with_its_change_command_guards_verifications_and_preview(plan: Plan) -> None:
+    text = output.plan_text(plan)
+    assert "1. [~] relabel-container (kube): label nvidia.com/gpu.workload.config: vm-passthrough -> container" in text
+    assert "2. [~] swap-off (ansible): run playbook swap-off.yml on omen2 as root -- diff of /etc/fstab (-1 +1)" in text
+    assert "kubelet will be restarted" in text
+    assert "command: kubectl label node omen2 nvidia.com/gpu.workload.config=container --overwrite" in text
+    assert "guard: label nvidia.com/gpu.workload.config = container = yes" in text
+    assert "then verify: node is Ready (within 180s)" in text
+    assert "-/swapfile none swap sw 0 0" in text and "\x1b[" not in text
+
+
+def test_text_is_coloured_only_when_asked(plan: Plan) -> None:
+    coloured = output.plan_text(plan, color=True)
+    assert "\x1b[33m[~]\x1b[0m" in coloured and "\x1b[31m-/swapfile" in coloured
+    assert output.render_plans([plan], "text", color=False) == output.plan_text(plan)
+
+
+def test_json_is_the_plan_model_and_round_trips(plan: Plan) -> None:
+    doc = json.loads(output.render_plans([plan], "json"))
+    assert doc["format"] == "runbook-plan/v1" and doc["digest"] == plan.digest
+    assert Plan.model_validate(doc) == plan
+    assert set(doc) >= {"runbook", "runbook_digest", "params", "node", "created_at", "expires_at", "state",
+                        "preconditions", "steps", "depends_on", "baseline", "probe_errors", "digest"}
+    two = json.loads(output.render_plans([plan, plan], "json"))
+    assert list(two) == ["plans"] and len(two["plans"]) == 2
+
+
+def _tokens(markdown: str) -> list[Any]:
+    return MarkdownIt("commonmark").enable("table").parse(markdown)
+
+
+def test_markdown_parses_into_a_step_table_diffs_and_a_step_order_diagram(plan: Plan) -> None:
+    md = output.plan_markdown(plan)
+    tokens = _tokens(md)
+    fences = {t.info: t.content for t in tokens if t.type == "fence"}
+    assert "-/swapfile none swap sw 0 0" in fences["diff"]
+    assert "kubelet will be restarted" in fences["text"]
+    assert "s_relabel_container --> s_swap_off" in fences["mermaid"]
+    rows: list[list[str]] = []
+    row: list[str] = []
+    in_table = False
+    for t in tokens:
+        if t.type == "table_open":
+            in_table, rows = True, []
+        elif t.type == "table_close" and in_table:
+            if rows and rows[0][:2] == ["#", "step"]:
+                break
+            in_table = False
+        elif t.type == "tr_open":
+            row = []
+        elif t.type == "tr_close":
+            rows.append(row)
+        elif t.type == "inline" and in_table:
+            row.append(t.content)
+    assert rows[0] == ["#", "step", "action", "decision", "what happens", "command"]
+    assert [r[1] for r in rows[1:]] == ["relabel-container", "swap-off", "restart-kubelet"]
+    assert rows[1][4] == "label nvidia.com/gpu.workload.config: vm-passthrough -> container"
+    assert rows[2][4].endswith("diff of /etc/fstab (-1 +1)")
+    assert rows[3][4].endswith("kubelet will be restarted")
+
+
+def test_markdown_cells_escape_pipes() -> None:
+    assert output._cell("a | b\nc") == "a \\| b c"
+
+
+class _Run:
+    def __init__(self, state: str, digest: str) -> None:
+        self.id, self.runbook, self.nodes, self.state, self.plan_digest = "r-1", "gpu-node-recovery", ["omen2"], \
+            state, digest
+
+    def summary(self) -> dict[str, Any]:
+        return {"started": "2026-07-10T15:40:00Z", "finished": None}
+
+
+def test_runs_waiting_for_approval_show_the_whole_digest_to_approve() -> None:
+    digest = "a" * 64
+    text = output.runs_text([_Run("waiting-approval", digest), _Run("succeeded", "b" * 64)])  # type: ignore[list-item]
+    assert digest in text and "b" * 12 not in text
+    assert "PLAN DIGEST (to approve)" in text.splitlines()[0]
