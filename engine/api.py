@@ -162,6 +162,9 @@ def preview_plan(p: Plan, prepared: PreparedRun, kube: KubeAPI | None, nodes: No
             if node is None or not node.exists:
                 continue
             effect = kube_effect(action.kube, node)
+            if isinstance(effect, KubeEffect) and effect.pods is not None:
+                previews[step.id] = _preview_pods(kube, prepared.node, effect)
+                continue
             if not isinstance(effect, KubeEffect) or effect.patch is None:
                 continue
             try:
@@ -193,6 +196,31 @@ def preview_plan(p: Plan, prepared: PreparedRun, kube: KubeAPI | None, nodes: No
                 changed = any(result.changed.values())
                 previews[step.id] = "check mode: " + ("would change (no diff reported)" if changed else "no changes")
     return planning.with_previews(p, previews) if previews else p
+
+
+def _preview_pods(kube: KubeAPI, node: str, effect: Any) -> str:
+    """Which pods an evict/delete_pods step would act on now, each tried with a server-side dry run."""
+    from engine.actions import select_pods
+
+    sel = effect.pods
+    try:
+        pods = select_pods(sel, kube.list_pods(node=node, label_selector=sel.selector, namespace=sel.namespace))
+    except RunbookError as e:
+        return f"server dry-run unavailable: {e}"
+    verb = "evict" if effect.verb == "evict" else "delete"
+    if not pods:
+        return f"server dry-run: no pod to {verb} now ({effect.summary})"
+    lines = []
+    for pod in pods:
+        try:
+            if verb == "evict":
+                kube.evict_pod(pod, dry_run=True)
+            else:
+                kube.delete_pod(pod, dry_run=True, grace_seconds=sel.grace_seconds)
+            lines.append(f"server dry-run accepted: {verb} {pod.namespace}/{pod.name}")
+        except RunbookError as e:
+            lines.append(f"server dry-run REJECTED: {verb} {pod.namespace}/{pod.name}: {e}")
+    return "\n".join(lines)
 
 
 def _seconds(duration: str) -> float:

@@ -31,7 +31,8 @@ def holder_for(run_id: str) -> str:
 
 @dataclass
 class NodeLock:
-    """A held Lease. ``release()`` is idempotent; a background thread renews it at TTL/3."""
+    """A held Lease. ``release()`` is idempotent; a background thread renews it at TTL/3 and calls
+    ``on_lost`` if it finds another holder (our renewals failed for longer than the TTL)."""
 
     kube: KubeAPI
     node: str
@@ -41,6 +42,7 @@ class NodeLock:
     _stop: threading.Event | None = None
     _thread: threading.Thread | None = None
     lost: str | None = None  # set when a renewal found another holder
+    on_lost: Callable[[str], None] | None = None  # told the new holder (the run must stop acting)
 
     def start_renewing(self) -> None:
         self._stop = threading.Event()
@@ -56,6 +58,8 @@ class NodeLock:
                 current = self.kube.read_lease(self.lease.namespace, self.lease.name)
                 if current is None or current.holder != holder_for(self.run_id):
                     self.lost = current.holder if current else "(deleted)"
+                    if self.on_lost is not None:
+                        self.on_lost(self.lost)
                     return
                 self.lease = current
             except KubeError:

@@ -40,8 +40,8 @@ def dump_json(doc: Any) -> str:
 
 
 def preview_gist(preview: str) -> str:
-    """One line saying what a step's preview shows: ``diff of /etc/fstab (-1 +1)``, ``kubelet will be
-    restarted`` (a check-mode task's message), ``server dry-run accepted``; "" for no preview."""
+    """One line saying what a step's preview shows: ``diff of /etc/fstab (-1 +1)``, ``would restart
+    kubelet on omen2`` (a check-mode task's message), ``server dry-run accepted``; "" for no preview."""
     text = preview.strip()
     if not text:
         return ""
@@ -66,7 +66,7 @@ def _paint(text: str, code: str | None, color: bool) -> str:
 def plan_text(plan: Plan, *, color: bool = False) -> str:
     """The plan for a terminal: preconditions, then per step the decision (``~`` change, ``=`` no-op,
     ``!`` blocked), what changes, the command, guards with their current values, the verifications
-    that follow, and the dry-run preview (fstab diff, "kubelet will be restarted")."""
+    that follow, and the dry-run preview (the fstab diff, "would restart kubelet on omen2")."""
     state = _paint(plan.state.value, STATE_COLOR.get(plan.state.value), color)
     lines = [_paint(f"Plan for {plan.runbook} {plan.version} on node {plan.node}", "1", color)
              + f"  (digest {plan.digest[:12]})",

@@ -151,9 +151,17 @@ class RunService:
                                   f"step {progress.interrupted_step} failed and the engine died while rolling "
                                   "it back; nothing was done on resume: check the node and finish by hand")
         journal.set_state(run_id, RunState.RUNNING.value)
+        cancel = cancel if cancel is not None else threading.Event()
         lock: NodeLock | None = None
         try:
             lock = acquire_node_lock(kube, prepared.node, run_id, ttl=self.lock_ttl, wait=self.lock_wait)
+
+            def lost(holder: str) -> None:
+                # Someone else remediates the node now: stop before the next action.
+                journal.append(run_id, "lock.lost", node=prepared.node, holder=holder)
+                cancel.set()
+
+            lock.on_lost = lost
             lock.start_renewing()
             journal.append(run_id, "lock.acquired", node=prepared.node, lease=lock.lease.name,
                            namespace=lock.lease.namespace, resumed=resume)

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 from engine import api
 from engine.errors import RunbookError, UsageError
-from engine.journal import FINAL_STATES
+from engine.journal import ACTIVE_STATES, FINAL_STATES
 from engine.model import PlanState, RunState
 from engine.runs import RunService
-from engine.serve.starter import RunOutcome, RunRequest, RunTicket, TriggerSpec
+from engine.serve.starter import WEBHOOK_SOURCES, RunOutcome, RunRequest, RunTicket, TriggerSpec
 
 if TYPE_CHECKING:
     from engine.settings import Settings
@@ -75,6 +75,12 @@ class JournalRunStarter:
         rec = self.journal.get_run(run_id)
         if rec.state in FINAL_STATES:
             return RunOutcome(run_id, rec.state, rec.plan_digest, rec.exit_code, "already finished")
+        interrupted = rec.state == "interrupted"  # read before the claim makes it look alive again
+        # Why: a run parked for approval has no owner; whoever executes it owns it from now on, so
+        # if this server dies mid-run the run reads "interrupted" and the next server resumes it.
+        if not self.journal.claim(run_id):
+            return RunOutcome(run_id, rec.state, rec.plan_digest, rec.exit_code,
+                              f"executed by another process (pid {rec.owner_pid} on {rec.owner_host})")
         loaded = self._runbooks[rec.runbook]
         if rec.plan is None:
             prepared = api.prepare_run(loaded, dict(rec.params))
@@ -83,7 +89,7 @@ class JournalRunStarter:
             resume = False
         else:
             prepared, plan = self.service.prepare_from_record(run_id)
-            resume = rec.state == "interrupted" or bool(self.journal.step_progress(run_id)[0])
+            resume = interrupted or bool(self.journal.step_progress(run_id)[0])
         if plan.state is PlanState.BLOCKED:
             reason = "; ".join(plan.blocked_reasons)
             self.journal.append(run_id, "run.blocked", reason=reason)
@@ -93,6 +99,7 @@ class JournalRunStarter:
             self.journal.set_state(run_id, RunState.WAITING_APPROVAL.value)
             self.journal.append(run_id, "approval.waiting", plan_digest=plan.digest,
                                 reason="approve-mode run: POST /runs/{id}/approve with this plan_digest")
+            self.journal.disown(run_id)  # parked on purpose: not "interrupted" when this server exits
             return RunOutcome(run_id, RunState.WAITING_APPROVAL.value, plan.digest, None, "waiting for approval")
         result = self.service.execute(run_id, prepared, plan, approved=True, wait_approval=False, resume=resume)
         return RunOutcome(run_id, result.state.value, plan.digest, result.exit_code, result.reason)
@@ -113,17 +120,25 @@ class JournalRunStarter:
                 "events": [e.as_dict() for e in events]}
 
     def recover(self) -> Sequence[str]:
-        """Runs a previous server left: pending, approved-but-waiting, or interrupted ones."""
+        """Runs a previous server left: the ids to execute (pending, interrupted, or approved while
+        waiting). Runs still waiting for a person are left waiting (disowned), never re-planned or
+        re-announced; runs another live process owns are left to it."""
         out = []
-        for rec in self.journal.list_runs(limit=1000, states=("pending", "waiting-approval", "running")):
-            if rec.source not in ("alertmanager", "pagerduty"):
+        for rec in self.journal.list_runs(limit=1000, states=ACTIVE_STATES):
+            if rec.source not in WEBHOOK_SOURCES or rec.state == "running":
+                continue  # a CLI run, or one a live process is executing
+            approved = rec.plan_digest is not None and rec.approved_digest == rec.plan_digest
+            if rec.approval_required and not approved and self._parked(rec.id):
+                self.journal.disown(rec.id)
                 continue
-            if rec.state == "pending" or rec.state == "interrupted" or (
-                    rec.state == "waiting-approval" and rec.approved_digest and
-                    rec.approved_digest == rec.plan_digest):
-                self.journal.claim(rec.id)
+            if (rec.state in ("pending", "interrupted") or approved) and self.journal.claim(rec.id):
                 out.append(rec.id)
         return list(reversed(out))
+
+    def _parked(self, run_id: str) -> bool:
+        """The run's last recorded state is ``waiting-approval`` (whatever became of its owner)."""
+        states = [e.data.get("state") for e in self.journal.events(run_id) if e.kind == "run.state"]
+        return bool(states) and states[-1] == RunState.WAITING_APPROVAL.value
 
 
 _OUTCOME_EVENTS = ("run.blocked", "run.failed", "run.cancelled", "run.error", "run.finish",

@@ -309,6 +309,19 @@ def explain_failure(node: str, message: str) -> str:
     return f"{node}: {message}" if message else f"{node}: task failed"
 
 
+def as_ansible_data(value: Any) -> Any:
+    """``value`` with every string marked unsafe (``{"__ansible_unsafe": s}``, what YAML's ``!unsafe``
+    does): Ansible renders extra vars as templates, so a param holding ``{{ lookup('pipe', ...) }}``
+    would otherwise run a command on this machine, even in check mode (``runbook plan``)."""
+    if isinstance(value, str):
+        return {"__ansible_unsafe": value}
+    if isinstance(value, Mapping):
+        return {str(k): as_ansible_data(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [as_ansible_data(v) for v in value]
+    return value
+
+
 # ============================================================================ the connector
 
 
@@ -559,7 +572,7 @@ class AnsibleConnector:
             evars["runbook_facts_services"] = list(self.facts_services)
         if self.journal_lines is not None:
             evars["runbook_facts_journal_lines"] = self.journal_lines
-        evars.update(extravars or {})
+        evars.update(as_ansible_data(extravars or {}))  # values stay data: Ansible templates extra vars
         evars.update(target=",".join(hosts), runbook_become=become)
         if not become:
             evars["ansible_become"] = False

@@ -29,7 +29,16 @@ from engine import probes
 from engine.execution import Executor
 from engine.facts import CudaProcess, Facts
 from engine.loader import parse_runbook
-from engine.model import CudaProcessesCheck, ExprCheck, Plan, PlanState, Runbook, RunState, StepStatus
+from engine.model import (
+    CudaProcessesCheck,
+    CudaProcessesSpec,
+    ExprCheck,
+    Plan,
+    PlanState,
+    Runbook,
+    RunState,
+    StepStatus,
+)
 from engine.planning import plan_run, reads_baseline, saved_plan_problems
 from engine.templating import TemplateError, baseline_data, baseline_paths, context, render, template_problems
 
@@ -152,7 +161,7 @@ def test_baseline_paths_are_the_longest_constant_paths_a_template_reads() -> Non
 
 
 def none_killed() -> CudaProcessesCheck:
-    return CudaProcessesCheck(cuda_processes={"none_killed": True})
+    return CudaProcessesCheck(cuda_processes=CudaProcessesSpec(none_killed=True))
 
 
 def test_none_killed_holds_while_every_baseline_process_still_runs() -> None:

@@ -18,7 +18,7 @@ from engine.connectors.kube import pod_ref_from_dict
 from engine.execution import Executor
 from engine.facts import Facts, NodeFacts
 from engine.loader import parse_runbook
-from engine.model import KubeDeletePods, KubeEvict, ObjectsCheck, PodSelectorSpec, RunState, StepStatus
+from engine.model import KubeDeletePods, KubeEvict, ObjectsCheck, ObjectsSpec, PodSelectorSpec, RunState, StepStatus
 from engine.planning import plan_run
 
 PLAYBOOKS = Path(__file__).parent / "data" / "playbooks"
@@ -72,10 +72,10 @@ def test_eviction_by_resource_selects_only_live_pods_asking_for_it() -> None:
 
 
 def test_the_effect_names_the_resource_and_gives_an_equivalent_command() -> None:
-    effect = kube_effect(KubeEvict(evict={"resource": GPU}), NodeFacts("omen2"))
+    effect = kube_effect(KubeEvict(evict=PodSelectorSpec(resource=GPU)), NodeFacts("omen2"))
     assert effect.summary == f"evict pods on omen2 asking for {GPU}"  # type: ignore[union-attr]
     assert "spec.nodeName=omen2" in effect.command and f'has("{GPU}")' in effect.command
-    delete = kube_effect(KubeDeletePods(delete_pods={"resource": GPU, "grace_seconds": 0}), NodeFacts("omen2"))
+    delete = kube_effect(KubeDeletePods(delete_pods=PodSelectorSpec(resource=GPU, grace_seconds=0)), NodeFacts("omen2"))
     assert "kubectl delete pod" in delete.command and "--grace-period=0" in delete.command
 
 
@@ -121,7 +121,7 @@ def test_a_run_evicts_the_gpu_pods_of_the_node_and_leaves_the_others() -> None:
 
 
 def objects_check(**spec: Any) -> ObjectsCheck:
-    return ObjectsCheck(objects={"api_version": "v1", "kind": "Pod", **spec})
+    return ObjectsCheck(objects=ObjectsSpec(api_version="v1", kind="Pod", **spec))
 
 
 def facts_with(key: str, objs: list[dict[str, Any]]) -> Facts:
@@ -143,8 +143,8 @@ def test_objects_checks_count_only_objects_asking_for_the_resource() -> None:
 
 def test_vms_ask_for_their_host_devices() -> None:
     vms = [vm_object("gpu-fedora", RTX), vm_object("web", None, "Running"), vm_object("rhel9-gpu-vm", RTX)]
-    check = ObjectsCheck(objects={"api_version": "kubevirt.io/v1", "kind": "VirtualMachine", "resource": RTX,
-                                  "field": "status.printableStatus", "equals": "ErrorUnschedulable"})
+    check = ObjectsCheck(objects=ObjectsSpec(api_version="kubevirt.io/v1", kind="VirtualMachine", resource=RTX,
+                                             field="status.printableStatus", equals="ErrorUnschedulable"))
     r = chk.evaluate(check, facts_with("kubevirt.io/v1/virtualmachines", vms))
     assert r.holds is True and r.evidence["matching"] == ["gpu-vms/gpu-fedora", "gpu-vms/rhel9-gpu-vm"]
     assert chk.object_resources(vms[0]) == {RTX: 1}

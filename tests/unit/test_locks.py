@@ -98,3 +98,21 @@ def test_a_lease_taken_by_someone_else_is_never_deleted_by_our_release() -> None
     acquire_node_lock(kube, "omen2", "r-2", clock=clock.wall, sleep=clock.sleep)
     lock.release()
     assert kube.leases[KEY].holder == "runbook/r-2"
+
+
+def test_a_run_whose_lease_was_taken_over_is_told_to_stop() -> None:
+    """Renewals failed past the TTL and another run took the node: the holder learns it."""
+    import threading
+
+    clock, kube = _kube()
+    lock = acquire_node_lock(kube, "omen2", "r-1", ttl=3, clock=clock.wall, sleep=clock.sleep)
+    told: list[str] = []
+    stopped = threading.Event()
+    lock.on_lost = lambda holder: (told.append(holder), stopped.set())
+    clock.sleep(10)
+    acquire_node_lock(kube, "omen2", "r-2", clock=clock.wall, sleep=clock.sleep)
+    lock.start_renewing()  # its first renewal (after TTL/3, at least 1 s) meets the other holder
+    assert stopped.wait(10)
+    assert told == ["runbook/r-2"] and lock.lost == "runbook/r-2"
+    lock.release()
+    assert kube.leases[KEY].holder == "runbook/r-2"

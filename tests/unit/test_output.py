@@ -26,7 +26,7 @@ FSTAB_DIFF = """--- /etc/fstab
 -/swapfile none swap sw 0 0
 +# /swapfile none swap sw 0 0"""
 RESTART = ("check mode: would change:\n"
-           "Report the planned restart (check mode): would restart kubelet on omen2: kubelet will be restarted")
+           "Report the planned restart (check mode): would restart kubelet on omen2")
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,7 @@ def plan() -> Plan:
 
 def test_preview_gists_say_what_a_playbook_step_will_change() -> None:
     assert output.preview_gist(FSTAB_DIFF) == "diff of /etc/fstab (-1 +1)"
-    assert output.preview_gist(RESTART) == "would restart kubelet on omen2: kubelet will be restarted"
+    assert output.preview_gist(RESTART) == "would restart kubelet on omen2"
     assert output.preview_gist("server dry-run accepted: label a -> b") == "server dry-run accepted"
     assert output.preview_gist("") == ""
 
@@ -50,7 +50,7 @@ def test_text_lists_each_step_with_its_change_command_guards_verifications_and_p
     text = output.plan_text(plan)
     assert "1. [~] relabel-container (kube): label nvidia.com/gpu.workload.config: vm-passthrough -> container" in text
     assert "2. [~] swap-off (ansible): run playbook swap-off.yml on omen2 as root -- diff of /etc/fstab (-1 +1)" in text
-    assert "kubelet will be restarted" in text
+    assert "would restart kubelet on omen2" in text
     assert "command: kubectl label node omen2 nvidia.com/gpu.workload.config=container --overwrite" in text
     assert "guard: label nvidia.com/gpu.workload.config = container = yes" in text
     assert "then verify: node is Ready (within 180s)" in text
@@ -82,7 +82,7 @@ def test_markdown_parses_into_a_step_table_diffs_and_a_step_order_diagram(plan: 
     tokens = _tokens(md)
     fences = {t.info: t.content for t in tokens if t.type == "fence"}
     assert "-/swapfile none swap sw 0 0" in fences["diff"]
-    assert "kubelet will be restarted" in fences["text"]
+    assert "would restart kubelet on omen2" in fences["text"]
     assert "s_relabel_container --> s_swap_off" in fences["mermaid"]
     rows: list[list[str]] = []
     row: list[str] = []
@@ -104,7 +104,7 @@ def test_markdown_parses_into_a_step_table_diffs_and_a_step_order_diagram(plan: 
     assert [r[1] for r in rows[1:]] == ["relabel-container", "swap-off", "restart-kubelet"]
     assert rows[1][4] == "label nvidia.com/gpu.workload.config: vm-passthrough -> container"
     assert rows[2][4].endswith("diff of /etc/fstab (-1 +1)")
-    assert rows[3][4].endswith("kubelet will be restarted")
+    assert rows[3][4].endswith("would restart kubelet on omen2")
 
 
 def test_markdown_cells_escape_pipes() -> None:

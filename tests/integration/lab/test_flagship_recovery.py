@@ -71,7 +71,7 @@ def test_the_recovery_brings_omen2_back_with_its_gpu_the_cuda_job_alive_and_fsta
     # the restart step verified "no host CUDA job killed" (or was skipped because it already held)
     last = json.loads(runbook(sh, "runs -o json", journal=journal).stdout)[0]
     shown = json.loads(runbook(sh, f"runs show {last['id']} -o json", journal=journal).stdout)
-    restart = [e for e in shown["events"] if e.get("step") == "restart-kubelet" and e["kind"] == "step.outcome"][0]
+    restart = next(e for e in shown["events"] if e.get("step") == "restart-kubelet" and e["kind"] == "step.outcome")
     checks = [v["check"] for v in restart["evidence"].get("verify", [])]
     if restart["status"] == "succeeded":
         assert "no host CUDA process killed since the plan" in checks
