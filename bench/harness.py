@@ -59,7 +59,7 @@ def _runner(name: str, args: argparse.Namespace) -> Callable[[Context], list[Met
     if name == "p4":
         from bench import p4_plan
 
-        return p4_plan.run
+        return lambda ctx: p4_plan.run(ctx, fleet=not args.no_fleet)
     from bench import p5_webhook
 
     return lambda ctx: p5_webhook.run(ctx, fake=args.p5_fake)
@@ -77,6 +77,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--results-dir", type=Path, default=RESULTS)
     p.add_argument("--keep-fleet-lab", action="store_true", help="leave P4's 100-node lab running")
     p.add_argument("--p5-fake", action="store_true", help="P5 against bench.fake_serve (no lab needed)")
+    p.add_argument("--no-fleet", action="store_true",
+                   help="P4 without its 100-node part (p4_plan_100_vs_ansible_ratio is then null)")
     p.add_argument("--no-write", action="store_true", help="print the metrics only")
     p.add_argument("--tree", type=Path, default=None,
                    help="benchmark the engine of another copy of the project (e.g. a snapshot of HEAD)")

@@ -115,5 +115,6 @@ def plan_fleet(ctx: Context) -> Metric:
                    "scenario": scenario.name, "loadavg_at_runs": loads})
 
 
-def run(ctx: Context) -> list[Metric]:
-    return [plan_one(ctx), plan_fleet(ctx)]
+def run(ctx: Context, *, fleet: bool = True) -> list[Metric]:
+    skipped = Metric("p4_plan_100_vs_ansible_ratio", None, 0, {"skipped": "--no-fleet"})
+    return [plan_one(ctx), plan_fleet(ctx) if fleet else skipped]

@@ -295,9 +295,12 @@ class Journal:
             if state == "running":
                 db.execute("UPDATE runs SET state=?, started=COALESCE(started, ?), finished=NULL,"
                            " exit_code=NULL WHERE id=?", (state, now, run_id))
-            elif state in FINAL_STATES or state in RESUMABLE_STATES:
+            elif state in FINAL_STATES:
                 db.execute("UPDATE runs SET state=?, finished=?, exit_code=? WHERE id=?",
                            (state, now, exit_code, run_id))
+            elif state in RESUMABLE_STATES:  # stopped, and nobody executes it: any process may resume it
+                db.execute("UPDATE runs SET state=?, finished=?, exit_code=?, owner_pid=NULL, owner_start=NULL"
+                           " WHERE id=?", (state, now, exit_code, run_id))
             else:
                 db.execute("UPDATE runs SET state=? WHERE id=?", (state, run_id))
         self.append(run_id, "run.state", state=state, exit_code=exit_code)

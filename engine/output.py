@@ -54,9 +54,21 @@ def preview_gist(preview: str) -> str:
     if lines[0].startswith("check mode: would change:"):
         said = [ln.split(": ", 1)[1] if ": " in ln else ln for ln in lines[1:] if ln.strip()]
         return "; ".join(said) or "would change"
+    acted = [ln.split(": ", 1)[1] for ln in lines if ln.startswith("server dry-run accepted: ")]
+    if acted and all(a.startswith(("evict ", "delete ")) for a in acted) and len(acted) == len(lines):
+        verb = acted[0].split()[0]
+        return f"would {verb} " + ", ".join(a.split(" ", 1)[1] for a in acted)
     if lines[0].startswith("server dry-run accepted"):
         return "server dry-run accepted"
     return _one_line(lines[0])
+
+
+def _step_gist(step: Any) -> str:
+    """The preview's gist where it adds to the step's summary (playbooks, evictions), else ""."""
+    if step.kind != "change":
+        return ""
+    gist = preview_gist(step.preview)
+    return "" if gist == "server dry-run accepted" else gist
 
 
 def _paint(text: str, code: str | None, color: bool) -> str:
@@ -85,7 +97,7 @@ def plan_text(plan: Plan, *, color: bool = False) -> str:
     lines.append("steps:")
     for i, s in enumerate(plan.steps, 1):
         mark = _paint(f"[{DECISION_MARK[s.kind]}]", DECISION_COLOR[s.kind], color)
-        gist = preview_gist(s.preview) if s.kind == "change" and s.action == "ansible" else ""
+        gist = _step_gist(s)
         lines.append(f"  {i}. {mark} {s.id} ({s.action}): {s.summary}" + (f" -- {gist}" if gist else ""))
         if s.why and s.kind == "change":
             lines.append(f"       why: {_one_line(s.why)}")
@@ -134,7 +146,7 @@ def plan_markdown(plan: Plan) -> str:
     out += ["## Steps", "", "| # | step | action | decision | what happens | command |",
             "|---|---|---|---|---|---|"]
     for i, s in enumerate(plan.steps, 1):
-        gist = preview_gist(s.preview) if s.kind == "change" and s.action == "ansible" else ""
+        gist = _step_gist(s)
         what = s.summary + (f": {gist}" if gist else "")
         command = f"`{_cell(s.command)}`" if s.command else ""
         out.append(f"| {i} | {s.id} | {s.action} | {s.kind} | {_cell(what)} | {command} |")

@@ -120,7 +120,8 @@ class RunStarter(Protocol):
         ...
 
     def recover(self) -> Sequence[str]:
-        """At server start: claim the runs a previous server process left (pending, waiting for
-        approval, approved but not executed) and return the ids that should be queued for ``execute``
-        (pending ones and approved ones). Waiting, unapproved runs are claimed and keep waiting."""
+        """At server start: claim the runs a previous server process left (pending, interrupted,
+        approved but not executed) and return the ids that should be queued for ``execute``.
+        Waiting, unapproved runs keep waiting as they are (not re-planned, not announced again);
+        runs another live process owns are left to it."""
         ...

@@ -546,3 +546,12 @@ def test_waiting_for_approval_parks_the_run_without_an_owner(world: World) -> No
     assert result.state is RunState.WAITING_APPROVAL
     rec = world.service.journal.get_run(run_id)
     assert (rec.state, rec.owner_pid) == ("waiting-approval", None)
+
+
+def test_a_stored_interrupted_run_has_no_owner_so_any_process_may_resume_it(tmp_path: Path) -> None:
+    """A server that interrupted a run on an outage keeps running; an operator's resume must not wait for it."""
+    j = Journal(tmp_path / "j.sqlite")
+    run_id = j.create_run("rb", {}, ["omen2"], state="running")
+    j.set_state(run_id, "interrupted", exit_code=1)
+    assert j.get_run(run_id).owner_pid is None
+    assert j.claim(run_id) is True

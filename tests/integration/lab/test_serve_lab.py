@@ -348,6 +348,8 @@ def test_approve_mode_waits_refuses_a_wrong_digest_survives_a_restart_and_comple
         assert (run["approved_by"], run["plan_digest"], run["exit_code"]) == ("bob", digest, 0)
         kinds = [e["kind"] for e in run["events"]]
         assert kinds.index("approval.granted") < kinds.index("lock.acquired") < kinds.index("step.start")
+        # the restart neither re-planned nor announced the waiting run again
+        assert (kinds.count("plan"), kinds.count("approval.waiting")) == (1, 1), kinds
     omen2_recovered(fresh_lab, sh)
 
 
