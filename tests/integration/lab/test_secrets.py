@@ -1,4 +1,4 @@
-"""The become password never lands anywhere the engine writes, whichever way it was given.
+"""The become password (and the API token) never land anywhere the engine writes, whichever way given.
 
 The flagship is planned with the password typed at the ``-K`` prompt (a real pty), planned again
 with ``--become-password-file``, and run with ``RUNBOOK_BECOME_PASSWORD``, against an inventory
@@ -8,6 +8,7 @@ WAL), the saved plan, stdout/stderr, the engine's HOME and TMPDIR (Ansible's pri
 any remained), and every file under /tmp, /var/tmp and /dev/shm modified during the test. While
 the run goes, the environment and command line of every process it started are checked too
 (ansible-runner copies its child's environment into its artifacts; ours must not hold it).
+The API server token of the kubeconfig the engine uses is searched for in the same places.
 """
 
 from __future__ import annotations
@@ -48,18 +49,18 @@ def files_modified_since(roots: tuple[str, ...], since: float, skip: set[Path]) 
                 yield path
 
 
-def holders_of(secret: bytes, paths: Iterator[Path] | list[Path]) -> list[str]:
+def holders_of(secrets: list[bytes], paths: Iterator[Path] | list[Path]) -> list[str]:
     found = []
     for path in paths:
         try:
-            if secret in path.read_bytes():
-                found.append(str(path))
+            data = path.read_bytes()
         except OSError:
             continue
+        found += [f"{path} holds secret #{i}" for i, secret in enumerate(secrets) if secret in data]
     return found
 
 
-def process_leaks(engine: Engine, secret: bytes, own_pid: int) -> list[str]:
+def process_leaks(engine: Engine, secrets: list[bytes], own_pid: int) -> list[str]:
     """Processes of the run (not the engine itself, whose environment we filled) showing the secret."""
     leaks = []
     for line in engine.leftovers():
@@ -68,8 +69,8 @@ def process_leaks(engine: Engine, secret: bytes, own_pid: int) -> list[str]:
             continue
         for part in ("environ", "cmdline"):
             try:
-                if secret in Path(f"/proc/{pid}/{part}").read_bytes():
-                    leaks.append(f"{part} of {line}")
+                data = Path(f"/proc/{pid}/{part}").read_bytes()
+                leaks += [f"{part} of {line} holds secret #{i}" for i, secret in enumerate(secrets) if secret in data]
             except OSError:
                 continue
     return leaks
@@ -78,11 +79,14 @@ def process_leaks(engine: Engine, secret: bytes, own_pid: int) -> list[str]:
 def test_the_become_password_appears_nowhere_the_run_wrote(engine: Engine) -> None:
     import pexpect
 
+    from engine.lab.controlplane import ControlPlane
+
     text = engine.lab.env()["RUNBOOK_BECOME_PASSWORD"]
-    secret = text.encode()
-    assert len(text) >= 12
+    token = ControlPlane.from_state(engine.lab.lab.record()["controlplane_dir"]).token
+    secrets = [text.encode(), token.encode()]
+    assert len(text) >= 12 and len(token) >= 16
     inventory = inventory_without_become_passwords(engine.lab, engine.root / "inventory.yml")
-    assert secret not in inventory.read_bytes()
+    assert secrets[0] not in inventory.read_bytes()
     password_file = engine.root / "become-password"
     password_file.write_text(text + "\n")
     password_file.chmod(0o600)
@@ -116,7 +120,7 @@ def test_the_become_password_appears_nowhere_the_run_wrote(engine: Engine) -> No
     seen_children = 0
     while proc.poll() is None:
         seen_children = max(seen_children, len(engine.leftovers()) - 1)
-        leaks += process_leaks(engine, secret, proc.pid)
+        leaks += process_leaks(engine, secrets, proc.pid)
         time.sleep(0.2)
     assert proc.returncode == 0, engine.output()
     outputs.append(engine.output().encode())
@@ -125,13 +129,13 @@ def test_the_become_password_appears_nowhere_the_run_wrote(engine: Engine) -> No
     shown = engine.run("runs", "show", run_id, "-o", "json")
     outputs += [shown.stdout.encode(), shown.stderr.encode()]
 
-    assert [i for i, out in enumerate(outputs) if secret in out] == []
+    assert [(i, j) for i, out in enumerate(outputs) for j, s in enumerate(secrets) if s in out] == []
     written = [*engine.root.glob("journal.sqlite*"), plan_file]
     assert (engine.root / "journal.sqlite").exists() and plan_file.exists()
-    assert holders_of(secret, written) == []
-    assert holders_of(secret, [p for p in engine.root.rglob("*") if p.is_file() and p != password_file]) == []
+    assert holders_of(secrets, written) == []
+    assert holders_of(secrets, [p for p in engine.root.rglob("*") if p.is_file() and p != password_file]) == []
     scanned = list(files_modified_since(SCANNED_ROOTS, started, skip={password_file}))
     assert len(scanned) > 0
-    assert holders_of(secret, scanned) == []
+    assert holders_of(secrets, scanned) == []
     assert not list(engine.tmpdir.glob("runbook-ansible-*"))  # the private data dir is gone
     assert engine.wait_no_leftovers() == []
