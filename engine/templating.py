@@ -253,8 +253,17 @@ def template_problems(source: str, *, params: Mapping[str, Any], expression: boo
             ast = env.parse(source)
     except jinja2.TemplateSyntaxError as e:
         return [f"template syntax error: {e.message}"]
+    try:
+        # Unknown filters and tests are only found when compiling.
+        env.compile(parser_source if expression else source)
+    except jinja2.TemplateError as e:
+        return [f"template error: {getattr(e, 'message', None) or e}"]
     problems: list[str] = []
     from jinja2 import meta
+
+    for f in ast.find_all(jnodes.Filter):
+        if f.name == "attr":
+            problems.append("template uses the 'attr' filter (attribute walks are not allowed)")
 
     allowed = {"params", "facts", "baseline"} | set(env.globals) | set(extra_names)
     for name in sorted(meta.find_undeclared_variables(ast)):

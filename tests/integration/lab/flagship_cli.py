@@ -25,7 +25,7 @@ def _prefix(journal: Path | None) -> str:
 
 
 def runbook(sh: Callable[..., Any], args: str, *, journal: Path | None = None,
-            timeout: float = 300) -> subprocess.CompletedProcess[str]:
+            timeout: float = 600) -> subprocess.CompletedProcess[str]:
     """``runbook ARGS`` (as ``python -m engine``), output captured."""
     return sh(f"{_prefix(journal)} {shlex.quote(sys.executable)} -m engine {args}", timeout=timeout)
 

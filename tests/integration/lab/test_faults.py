@@ -4,7 +4,7 @@ right exit code, and nothing is lost or doubled.
 * the API server stopped during the kubelet restart: the run is interrupted (exit 1, evidence in the
   journal, no blind rollback); once it is back, ``runbook resume`` completes with every change once;
 * the node host unreachable before the run (blocked by the fail-closed precondition, exit 3,
-  nothing changed) and during it (interrupted, exit 1; resume completes);
+  nothing changed) and during it (interrupted, exit 1; resume completes; ``slow``);
 * a wrong become password: a clear error naming it, exit 3 (the host facts cannot be read, so the
   fail-closed precondition refuses before anything changes);
 * a verification that never passes: timed out, the step's rollback runs, exit 1.
@@ -43,6 +43,15 @@ def engine(fresh_lab: Any) -> Iterator[Engine]:
         yield e
 
 
+@pytest.fixture
+def refused(lab: Any) -> Iterator[Engine]:
+    """For runs that must change nothing: the incident (reset first if needed), left as it was."""
+    if lab.dirty:
+        lab.reset()
+    with Engine.for_lab(lab) as e:
+        yield e
+
+
 def _outcomes(engine: Engine, run_id: str) -> dict[str, dict[str, Any]]:
     return {str(e.step): e.data for e in engine.events(run_id) if e.kind == "step.outcome"}
 
@@ -78,7 +87,8 @@ def test_the_api_server_stopped_mid_run_interrupts_it_with_evidence_and_resume_c
     assert engine.wait_no_leftovers() == []
 
 
-def test_an_unreachable_node_host_blocks_the_run_before_anything_changes(engine: Engine) -> None:
+def test_an_unreachable_node_host_blocks_the_run_before_anything_changes(refused: Engine) -> None:
+    engine = refused
     effects = Effects(engine.lab)
     inventory = engine.lab.lab.record()["inventory"]
     unreachable = inventory_without_become_passwords(engine.lab, engine.root / "inventory.yml", ansible_port=1)
@@ -92,6 +102,7 @@ def test_an_unreachable_node_host_blocks_the_run_before_anything_changes(engine:
     assert Path(inventory).exists() and engine.wait_no_leftovers() == []
 
 
+@pytest.mark.slow
 def test_a_node_host_lost_mid_run_interrupts_it_and_resume_completes_once_it_is_back(engine: Engine) -> None:
     effects = Effects(engine.lab)
     inventory = engine.root / "inventory.yml"
@@ -115,7 +126,8 @@ def test_a_node_host_lost_mid_run_interrupts_it_and_resume_completes_once_it_is_
     assert engine.journal.get_run(run_id).state == "succeeded"
 
 
-def test_a_wrong_become_password_is_a_clear_error_and_changes_nothing(engine: Engine) -> None:
+def test_a_wrong_become_password_is_a_clear_error_and_changes_nothing(refused: Engine) -> None:
+    engine = refused
     effects = Effects(engine.lab)
     inventory = inventory_without_become_passwords(engine.lab, engine.root / "inventory.yml")
     wrong = "not-the-password-Xq7"

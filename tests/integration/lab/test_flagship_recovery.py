@@ -35,6 +35,7 @@ def test_a_gpu_node_down_for_another_cause_is_refused_with_the_evidence_and_noth
     assert (status["ready"], status["kubelet"]) == (False, "activating")
 
 
+@pytest.mark.timeout(1200)  # two runs, a diagnose and read-outs; minutes on a loaded CI machine
 def test_the_recovery_brings_omen2_back_with_its_gpu_the_cuda_job_alive_and_fstab_edited_minimally(
         fresh_lab: Any, sh: Any, tmp_path: Path) -> None:
     journal = tmp_path / "journal.sqlite"

@@ -34,6 +34,7 @@ def pod_phase(sh: Any, name: str) -> str:
     return json.loads(r.stdout)["status"].get("phase", "") if r.returncode == 0 else "(gone)"
 
 
+@pytest.mark.timeout(1500)  # one scenario of six runs; on a loaded 2-core CI machine it takes minutes
 def test_switch_to_passthrough_and_back_on_omen2_after_recovery(fresh_lab: Any, sh: Any, tmp_path: Path) -> None:
     journal = tmp_path / "journal.sqlite"
     assert runbook(sh, "run gpu-node-recovery --node omen2 --yes", journal=journal).returncode == 0
