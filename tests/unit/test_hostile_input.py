@@ -10,7 +10,7 @@
   connection is made.
 * Webhooks: random JSON and bytes never make either endpoint fail with a 5xx or start a run.
 
-Known gaps are ``xfail(strict=True)`` with the reason: fixing them turns the test red until the
+Known gaps are expected failures (``pytest.xfail`` with the reason) that turn red once fixed, until the
 expectation is moved into the passing set (see docs/reliability.md).
 """
 
