@@ -289,6 +289,7 @@ class Context:
     journal: Path = Path(DEFAULT_JOURNAL)
     work_dir: Path = Path(DEFAULT_WORK_DIR)
     keep_fleet_lab: bool = False
+    compare_tree: Path | None = None  # P1: also time the engine of this tree, interleaved (before/after)
     _lab: BenchLab | None = None
 
     def lab(self) -> BenchLab:

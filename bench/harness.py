@@ -80,6 +80,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--no-fleet", action="store_true",
                    help="P4 without its 100-node part (p4_plan_100_vs_ansible_ratio is then null)")
     p.add_argument("--no-write", action="store_true", help="print the metrics only")
+    p.add_argument("--compare-tree", type=Path, default=None,
+                   help="P1: also time the engine of this other tree, interleaved with the others (before/after)")
     p.add_argument("--tree", type=Path, default=None,
                    help="benchmark the engine of another copy of the project (e.g. a snapshot of HEAD)")
     args = p.parse_args(argv)
@@ -100,7 +102,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     ctx = Context(quick=args.quick, runs=args.runs, lab_dir=args.lab_dir, fleet_lab_dir=args.fleet_lab_dir,
-                  journal=args.journal, work_dir=args.work_dir, keep_fleet_lab=args.keep_fleet_lab)
+                  journal=args.journal, work_dir=args.work_dir, keep_fleet_lab=args.keep_fleet_lab,
+                  compare_tree=args.compare_tree.resolve() if args.compare_tree else None)
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     metrics: list[Metric] = []
     failed = False

@@ -15,12 +15,25 @@ control-path folder each (a cold start, as the engine has; their masters are clo
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 import time
 from typing import Any
 
-from bench.common import BENCH, Context, Metric, loadavg, log, median, rotations, run_timed, ssh_control_dir, summary
+from bench.common import (
+    BENCH,
+    ROOT,
+    Context,
+    Metric,
+    loadavg,
+    log,
+    median,
+    rotations,
+    run_timed,
+    ssh_control_dir,
+    summary,
+)
 
 NODE = "omen2"
 VARIANTS = ("engine", "checked", "bare")
@@ -47,22 +60,28 @@ def run(ctx: Context) -> list[Metric]:
     lab = ctx.lab()
     env = ctx.lab_env()
     timing = lab.timing()
-    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    variants = [*VARIANTS, "engine-compare"] if ctx.compare_tree else list(VARIANTS)
+    times: dict[str, list[float]] = {v: [] for v in variants}
     rss_mb: list[float] = []
     problems: list[str] = []
     skipped_restart = 0
     loads: list[list[float]] = []
-    for i, variant in rotations(VARIANTS, ctx.runs):
+    for i, variant in rotations(variants, ctx.runs):
         reset_s = lab.reset()
         loads.append(loadavg())
         log_path = ctx.log_path(f"p1-{variant}-{i}.log")
-        if variant == "engine":
-            rss_file = ctx.log_path(f"p1-rss-{i}.json")
+        if variant in ("engine", "engine-compare"):
+            rss_file = ctx.log_path(f"p1-rss-{variant}-{i}.json")
             rss_file.unlink(missing_ok=True)
             cmd = [sys.executable, "-m", "bench.rss", str(rss_file), "--",
                    "run", "gpu-node-recovery", "--node", NODE, "--yes"]
-            t = run_timed(cmd, env=env, log_path=log_path)
-            if rss_file.exists():
+            if variant == "engine":
+                t = run_timed(cmd, env=env, log_path=log_path)
+            else:  # the other tree's engine, runbooks and playbooks; the same lab and scripts
+                assert ctx.compare_tree is not None
+                other = {**env, "PYTHONPATH": os.pathsep.join([str(ctx.compare_tree), str(ROOT)])}
+                t = run_timed(cmd, env=other, cwd=ctx.compare_tree, log_path=log_path)
+            if rss_file.exists() and variant == "engine":
                 rss_mb.append(json.loads(rss_file.read_text())["vmhwm_kb"] / 1024)
             if re.search(r"restart-kubelet\s+skipped", t.output):
                 skipped_restart += 1
@@ -85,6 +104,12 @@ def run(ctx: Context) -> list[Metric]:
         "problems": problems,
         "note": "wall time from spawn to exit on a freshly reset lab; variants alternate in rotating order",
     }
+    if ctx.compare_tree:
+        m_other = median(times["engine-compare"])
+        detail["compare"] = {
+            "tree": str(ctx.compare_tree), "engine_s": summary(times["engine-compare"]),
+            "vs_checked": round(m_other / m_checked, 4) if m_other and m_checked else None,
+            "vs_bare": round(m_other / m_bare, 4) if m_other and m_bare else None}
     out = [
         Metric("p1_recovery_vs_checked_script_ratio",
                m_engine / m_checked if m_engine and m_checked else None,
