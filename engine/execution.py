@@ -74,7 +74,7 @@ from engine.model import (
     Verify,
     parse_duration,
 )
-from engine.planning import render_text, verify_timeout
+from engine.planning import jsonable, render_text, verify_timeout
 from engine.probes import gather_probes
 
 
@@ -338,7 +338,7 @@ class Executor:
         except _StepEnd as end:
             status, reason, evidence, attempts = end.status, end.reason, end.evidence, end.attempts
         return StepOutcome(step=step.id, status=status, reason=reason, attempts=attempts, started_at=started,
-                           finished_at=self.wall(), evidence=_jsonable(evidence))
+                           finished_at=self.wall(), evidence=jsonable(evidence))
 
     def _step_body(self, step: Step, planned_kind: str, planned_reason: str, resumed: bool,
                    confirm_rerun: ConfirmRerun | None,
@@ -777,12 +777,3 @@ def _playbook_error(result: PlaybookResult) -> str:
         parts.append(f"playbook {result.status} (rc {result.rc})")
     return "; ".join(parts)
 
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple | set | frozenset):
-        return [_jsonable(v) for v in value]
-    if value is None or isinstance(value, str | int | float | bool):
-        return value
-    return str(value)

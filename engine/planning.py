@@ -197,7 +197,7 @@ class _Planner:
                     continue
             r = chk.evaluate(p.check, self.facts, self.params, baseline=self.baseline)
             self.depends.update(r.reads)
-            evidence.update(_jsonable(r.evidence))
+            evidence.update(jsonable(r.evidence))
             message = ""
             if r.holds is not True:
                 fallback = f"{chk.describe_bound(p.check, self.params, self.facts, baseline=self.baseline)}: " \
@@ -330,11 +330,11 @@ def _with_node(facts: Facts, node: Any) -> Facts:
     return replace(facts, node=node)
 
 
-def _jsonable(value: Any) -> Any:
+def jsonable(value: Any) -> Any:
     if isinstance(value, Mapping):
-        return {str(k): _jsonable(v) for k, v in value.items()}
+        return {str(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, list | tuple | set | frozenset):
-        return [_jsonable(v) for v in value]
+        return [jsonable(v) for v in value]
     if value is None or isinstance(value, str | int | float | bool):
         return value
     return str(value)
@@ -367,8 +367,8 @@ def plan_run(runbook: Runbook, params: Mapping[str, Any], facts: Facts, *, runbo
         runbook=runbook.name, version=runbook.version, runbook_digest=runbook_digest, params=dict(params),
         node=facts.node_name, inventory_host=planner.inventory_host, created_at=iso(now),
         expires_at=iso(now + timedelta(seconds=ttl)), state=state, approval=runbook.approval,
-        preconditions=tuple(pres), steps=tuple(steps), depends_on=_jsonable(planner.depends),
-        baseline=_jsonable(planner.baseline), probe_errors=tuple(f"{e.probe}: {e.message}" for e in facts.errors),
+        preconditions=tuple(pres), steps=tuple(steps), depends_on=jsonable(planner.depends),
+        baseline=jsonable(planner.baseline), probe_errors=tuple(f"{e.probe}: {e.message}" for e in facts.errors),
     )
     return plan.sealed()
 
