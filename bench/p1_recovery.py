@@ -7,6 +7,10 @@ checked, bare; then checked, bare, engine; ...). Each run's wall time goes from 
 command to its exit. After each run (not timed) the lab must show omen2 recovered: Ready,
 ``nvidia.com/gpu`` allocatable and no CUDA job killed; a run that did not recover is reported.
 
+With ``--compare-tree DIR`` a fourth variant, the engine of another copy of the project (its
+runbooks and playbooks too), runs interleaved with the three others on the same lab: before/after
+figures from one session, with the same load (``detail.compare``).
+
 The engine runs through ``python -m bench.rss`` (``engine.cli.main`` in-process, as the console
 script runs it), which records the process's peak RSS for P6. The baselines get a fresh SSH
 control-path folder each (a cold start, as the engine has; their masters are closed afterwards).
@@ -64,7 +68,7 @@ def run(ctx: Context) -> list[Metric]:
     times: dict[str, list[float]] = {v: [] for v in variants}
     rss_mb: list[float] = []
     problems: list[str] = []
-    skipped_restart = 0
+    skipped_restart: dict[str, int] = {}
     loads: list[list[float]] = []
     for i, variant in rotations(variants, ctx.runs):
         reset_s = lab.reset()
@@ -84,7 +88,7 @@ def run(ctx: Context) -> list[Metric]:
             if rss_file.exists() and variant == "engine":
                 rss_mb.append(json.loads(rss_file.read_text())["vmhwm_kb"] / 1024)
             if re.search(r"restart-kubelet\s+skipped", t.output):
-                skipped_restart += 1
+                skipped_restart[variant] = skipped_restart.get(variant, 0) + 1
         else:
             with ssh_control_dir() as cp:
                 t = run_timed(["bash", str(SCRIPTS[variant]), NODE],
