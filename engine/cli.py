@@ -26,34 +26,53 @@ OUTPUT = click.Choice(["text", "json"])
 OUTPUT_MD = click.Choice(["text", "json", "markdown"])
 
 
-def common_options(func: F) -> F:
-    """Options every command accepts after its name (``runbook runs --journal F``)."""
+SHARED_OPTIONS = (
+    click.option("--kubeconfig", envvar="KUBECONFIG", type=click.Path(dir_okay=False),
+                 help="Kubeconfig file (env KUBECONFIG); in-cluster config when unset inside a pod."),
+    click.option("--context", "kube_context", help="Kubeconfig context to use."),
+    click.option("--inventory", "-i", envvar="RUNBOOK_INVENTORY", type=click.Path(),
+                 help="Ansible inventory for node hosts (env RUNBOOK_INVENTORY)."),
+    click.option("--runbooks-dir", envvar="RUNBOOK_RUNBOOKS_DIR", type=click.Path(file_okay=False),
+                 help="Where runbooks live (env RUNBOOK_RUNBOOKS_DIR; default ./runbooks or the packaged ones)."),
+    click.option("--journal", envvar="RUNBOOK_JOURNAL", type=click.Path(dir_okay=False),
+                 help="SQLite journal of runs (env RUNBOOK_JOURNAL; default under $XDG_STATE_HOME/runbook)."),
+    click.option("--become-password-file", type=click.Path(exists=True, dir_okay=False),
+                 help="File holding the sudo password for node hosts (or env RUNBOOK_BECOME_PASSWORD)."),
+    click.option("--ask-become-pass", "-K", is_flag=True, help="Prompt for the sudo password."),
+    click.option("--debug", is_flag=True, help="Show tracebacks and connector debug output."),
+)
+SHARED_NAMES = ("kubeconfig", "kube_context", "inventory", "runbooks_dir", "journal", "become_password_file",
+                "ask_become_pass", "debug")
 
-    @click.option("--kubeconfig", envvar="KUBECONFIG", type=click.Path(dir_okay=False),
-                  help="Kubeconfig file (env KUBECONFIG); in-cluster config when unset inside a pod.")
-    @click.option("--context", "kube_context", help="Kubeconfig context to use.")
-    @click.option("--inventory", "-i", envvar="RUNBOOK_INVENTORY", type=click.Path(),
-                  help="Ansible inventory for node hosts (env RUNBOOK_INVENTORY).")
-    @click.option("--runbooks-dir", envvar="RUNBOOK_RUNBOOKS_DIR", type=click.Path(file_okay=False),
-                  help="Where runbooks live (env RUNBOOK_RUNBOOKS_DIR; default ./runbooks or the packaged ones).")
-    @click.option("--journal", envvar="RUNBOOK_JOURNAL", type=click.Path(dir_okay=False),
-                  help="SQLite journal of runs (env RUNBOOK_JOURNAL; default under $XDG_STATE_HOME/runbook).")
-    @click.option("--become-password-file", type=click.Path(exists=True, dir_okay=False),
-                  help="File holding the sudo password for node hosts (or env RUNBOOK_BECOME_PASSWORD).")
-    @click.option("--ask-become-pass", "-K", is_flag=True, help="Prompt for the sudo password.")
-    @click.option("--debug", is_flag=True, help="Show tracebacks and connector debug output.")
+
+def shared_options(func: F) -> F:
+    """Add the options every command (and ``runbook serve``) takes, declared once."""
+    for option in reversed(SHARED_OPTIONS):
+        func = option(func)
+    return func
+
+
+def settings_from(opts: dict[str, Any]) -> Settings:
+    """Pop the shared options out of a command's keyword arguments into one ``Settings``."""
+    v = {name: opts.pop(name) for name in SHARED_NAMES}
+    return Settings(
+        kubeconfig=v["kubeconfig"], context=v["kube_context"],
+        inventory=Path(v["inventory"]) if v["inventory"] else None,
+        runbooks_dir=Path(v["runbooks_dir"]) if v["runbooks_dir"] else None,
+        journal=Path(v["journal"]) if v["journal"] else None,
+        become_password_file=Path(v["become_password_file"]) if v["become_password_file"] else None,
+        ask_become_pass=v["ask_become_pass"], debug=v["debug"],
+    )
+
+
+def common_options(func: F) -> F:
+    """Shared options + error handling: one red line and the phase's exit code (``runbook runs --journal F``)."""
+
+    @shared_options
     @functools.wraps(func)
-    def wrapper(*args: Any, kubeconfig: str | None, kube_context: str | None, inventory: str | None,
-                runbooks_dir: str | None, journal: str | None, become_password_file: str | None,
-                ask_become_pass: bool, debug: bool, **kwargs: Any) -> Any:
-        settings = Settings(
-            kubeconfig=kubeconfig, context=kube_context,
-            inventory=Path(inventory) if inventory else None,
-            runbooks_dir=Path(runbooks_dir) if runbooks_dir else None,
-            journal=Path(journal) if journal else None,
-            become_password_file=Path(become_password_file) if become_password_file else None,
-            ask_become_pass=ask_become_pass, debug=debug,
-        )
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        settings = settings_from(kwargs)
+        debug = settings.debug
         try:
             code = func(settings, *args, **kwargs)
         except RunbookError as e:

@@ -18,6 +18,7 @@ from typing import Any
 
 import click
 
+from engine.cli import settings_from, shared_options
 from engine.errors import ExitCode, RunbookError, UsageError
 from engine.serve.config import ServeConfig, load_config, split_listen
 from engine.serve.starter import RunStarter
@@ -78,18 +79,6 @@ def serve(settings: Settings, config_file: Path | None, listen: str | None) -> i
     return 0
 
 
-def _settings(kubeconfig: str | None, kube_context: str | None, inventory: str | None,
-              runbooks_dir: str | None, journal: str | None, become_password_file: str | None,
-              debug: bool) -> Settings:
-    return Settings(
-        kubeconfig=kubeconfig, context=kube_context,
-        inventory=Path(inventory) if inventory else None,
-        runbooks_dir=Path(runbooks_dir) if runbooks_dir else None,
-        journal=Path(journal) if journal else None,
-        become_password_file=Path(become_password_file) if become_password_file else None,
-        debug=debug)
-
-
 def _fail(e: RunbookError, debug: bool) -> None:
     if debug:
         raise e
@@ -103,17 +92,7 @@ def _fail(e: RunbookError, debug: bool) -> None:
               help="Address to listen on (default from the config, else 127.0.0.1:8080).")
 @click.option("--config", "config_file", type=click.Path(dir_okay=False, exists=True),
               envvar="RUNBOOK_SERVE_CONFIG", help="Serve configuration YAML (env RUNBOOK_SERVE_CONFIG).")
-@click.option("--kubeconfig", envvar="KUBECONFIG", type=click.Path(dir_okay=False), help="Kubeconfig file.")
-@click.option("--context", "kube_context", help="Kubeconfig context to use.")
-@click.option("--inventory", "-i", envvar="RUNBOOK_INVENTORY", type=click.Path(),
-              help="Ansible inventory for node hosts (env RUNBOOK_INVENTORY).")
-@click.option("--runbooks-dir", envvar="RUNBOOK_RUNBOOKS_DIR", type=click.Path(file_okay=False),
-              help="Where runbooks (and their triggers) live.")
-@click.option("--journal", envvar="RUNBOOK_JOURNAL", type=click.Path(dir_okay=False),
-              help="SQLite journal of runs (env RUNBOOK_JOURNAL).")
-@click.option("--become-password-file", type=click.Path(exists=True, dir_okay=False),
-              help="File holding the sudo password for node hosts (or env RUNBOOK_BECOME_PASSWORD).")
-@click.option("--debug", is_flag=True, help="Show tracebacks and debug logs.")
+@shared_options
 @click.pass_context
 def serve_command(ctx: click.Context, listen: str | None, config_file: str | None, **opts: Any) -> None:
     """Receive Alertmanager and PagerDuty webhooks and start runbooks inside strict guards.
@@ -128,11 +107,11 @@ def serve_command(ctx: click.Context, listen: str | None, config_file: str | Non
     ctx.obj["listen"] = listen
     if ctx.invoked_subcommand is not None:
         return
-    settings = _settings(debug=opts["debug"], **{k: v for k, v in opts.items() if k != "debug"})
+    settings = settings_from(opts)
     try:
         code = serve(settings, ctx.obj["config_file"], listen)
     except RunbookError as e:
-        _fail(e, opts["debug"])
+        _fail(e, settings.debug)
         return
     sys.exit(code)
 
