@@ -25,6 +25,7 @@ from bench.common import (
     DEFAULT_WORK_DIR,
     ENGINE_ROOT,
     RESULTS,
+    BenchLab,
     Context,
     Metric,
     loadavg,
@@ -76,6 +77,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--work-dir", type=Path, default=Path(DEFAULT_WORK_DIR), help="per-run logs")
     p.add_argument("--results-dir", type=Path, default=RESULTS)
     p.add_argument("--keep-fleet-lab", action="store_true", help="leave P4's 100-node lab running")
+    p.add_argument("--down", action="store_true",
+                   help="take the incident lab down at the end (it is otherwise left up for the next run)")
     p.add_argument("--p5-fake", action="store_true", help="P5 against bench.fake_serve (no lab needed)")
     p.add_argument("--no-fleet", action="store_true",
                    help="P4 without its 100-node part (p4_plan_100_vs_ansible_ratio is then null)")
@@ -124,6 +127,10 @@ def main(argv: list[str] | None = None) -> int:
         for m in produced:
             print(json.dumps(m.as_json()), flush=True)
         metrics.extend(produced)
+    if args.down:
+        lab = BenchLab(args.lab_dir)
+        if lab.running():
+            lab.down()
     if not args.no_write:
         meta = {"started": started, "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "quick": args.quick,
                 "runs": args.runs, "benchmarks": args.selected, "host": platform.node(),

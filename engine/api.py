@@ -12,6 +12,7 @@ import json
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -21,6 +22,7 @@ from engine import checks as chk
 from engine import loader, planning, probes
 from engine.connectors.base import KubeAPI, NodeAutomation
 from engine.errors import LoadError, Location, RunbookError, UsageError
+from engine.facts import HostFacts
 from engine.model import AnsibleAction, KubeAction, Plan, Runbook, RunResult
 from engine.params import resolve_params
 
@@ -109,18 +111,82 @@ def _inventory_host(nodes: NodeAutomation | None, node: str) -> str:
         return node
 
 
+@dataclass(frozen=True)
+class HostWork:
+    """The Ansible part of a plan, started before the rest (``start_host_work``): it takes
+    seconds, so the caller builds its Kubernetes client (~0.2 s of imports) meanwhile."""
+
+    previews: Future[dict[str, tuple[AnsibleAction, str]]] | None = None
+    facts: Future[Mapping[str, HostFacts | Exception]] | None = None
+
+
+def start_host_work(prepared: PreparedRun, nodes: NodeAutomation | None, *, preview: bool = True) -> HostWork:
+    """Start, in a background thread, what ``plan`` would ask Ansible for first: the early
+    check-mode previews (``preview``), or else the host facts run. Read-only."""
+    wanted = probes.runbook_probes(prepared.runbook, prepared.params)
+    files = sorted({p.path for p in wanted if isinstance(p, chk.HostFile)})
+    if nodes is None or (chk.HOST not in wanted and not files):
+        return HostWork()
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plan-host")
+    try:
+        if preview:
+            return HostWork(previews=pool.submit(_early_previews, prepared, nodes))
+        return HostWork(facts=pool.submit(probes.gather_host_facts, nodes, [prepared.node], files))
+    finally:
+        pool.shutdown(wait=False)
+
+
 def plan(prepared: PreparedRun, kube: KubeAPI | None, nodes: NodeAutomation | None, *,
          now: datetime | None = None, ttl: float = planning.DEFAULT_TTL, preview: bool = True,
-         inventory_cmd_hint: str = "INVENTORY") -> Plan:
-    """Gather live facts (read-only), plan, and (``preview``) attach dry-run previews. Changes nothing."""
-    facts = probes.gather(prepared.runbook, prepared.params, prepared.node, kube, nodes)
+         inventory_cmd_hint: str = "INVENTORY", host_work: HostWork | None = None) -> Plan:
+    """Gather live facts (read-only), plan, and (``preview``) attach dry-run previews. Changes nothing.
+
+    With previews, the check-mode runs of the runbook's playbook steps go first and their closing
+    facts (every playbook ends with ``tasks/facts.yml``; check mode changed nothing) are the plan's
+    host facts: one Ansible run instead of a facts run and then a preview. A preview whose step
+    the plan does not change is dropped; when no preview returns host facts, a facts run gathers
+    them as without previews. ``host_work``: that Ansible work, already started by the caller
+    (``start_host_work`` with the same ``preview``).
+    """
+    work = host_work if host_work is not None else start_host_work(prepared, nodes, preview=preview)
+    early = work.previews.result() if work.previews is not None else {}
+    facts = probes.gather_probes(probes.runbook_probes(prepared.runbook, prepared.params), prepared.node, kube,
+                                 nodes, host_max_age=PLAN_FACTS_MAX_AGE if early else 0.0,
+                                 host_results=work.facts)
     p = planning.plan_run(prepared.runbook, prepared.params, facts, runbook_digest=prepared.loaded.digest,
                           now=now or datetime.now(UTC), ttl=ttl,
                           inventory_host=_inventory_host(nodes, prepared.node),
                           inventory_cmd_hint=inventory_cmd_hint)
     if preview:
-        p = preview_plan(p, prepared, kube, nodes, facts=facts)
+        p = preview_plan(p, prepared, kube, nodes, facts=facts, early=early)
     return p
+
+
+# Host facts a check-mode preview published at most this long ago serve as the plan's facts.
+PLAN_FACTS_MAX_AGE = 10.0
+
+
+def _early_previews(prepared: PreparedRun, nodes: NodeAutomation | None) -> dict[str, tuple[AnsibleAction, str]]:
+    """Check-mode runs of the playbook steps that can be previewed before the plan: those whose
+    action needs no facts to render and whose privilege is that of a facts run (so that their
+    closing facts are what a facts run would return). Step id -> (bound action, preview text)."""
+    wanted = probes.runbook_probes(prepared.runbook, prepared.params)
+    files = sorted({p.path for p in wanted if isinstance(p, chk.HostFile)})
+    if nodes is None or (chk.HOST not in wanted and not files):
+        return {}  # the plan reads no host facts: previews wait for the plan (changing steps only)
+    facts_become = getattr(nodes, "facts_become", None)
+    jobs: dict[str, AnsibleAction] = {}
+    for step in prepared.runbook.steps:
+        if not isinstance(step.action, AnsibleAction) or not step.action.ansible.preview:
+            continue
+        if facts_become is not None and step.action.ansible.become != facts_become:
+            continue
+        try:
+            jobs[step.id] = chk.bind(step.action, prepared.params, None)
+        except RunbookError:
+            continue  # renders from facts: previewed after the plan
+    texts = _run_previews(jobs, prepared, nodes, files=files)
+    return {sid: (jobs[sid], text) for sid, text in texts.items()}
 
 
 def plan_fleet(prepared: Sequence[PreparedRun], kube: KubeAPI | None, nodes: NodeAutomation | None, *,
@@ -142,12 +208,14 @@ def plan_fleet(prepared: Sequence[PreparedRun], kube: KubeAPI | None, nodes: Nod
 
 
 def preview_plan(p: Plan, prepared: PreparedRun, kube: KubeAPI | None, nodes: NodeAutomation | None, *,
-                 facts: Any = None) -> Plan:
+                 facts: Any = None, early: Mapping[str, tuple[AnsibleAction, str]] | None = None) -> Plan:
     """Attach previews to changing steps: server-side dry-run for kube patches, ``--check --diff`` for
-    playbooks. Read-only by construction (dryRun=All, Ansible check mode)."""
+    playbooks. Read-only by construction (dryRun=All, Ansible check mode). ``early``: previews
+    already run (``_early_previews``), used when the step renders to the same action."""
     from engine.actions import KubeEffect, kube_effect
 
     previews: dict[str, str] = {}
+    playbook_jobs: dict[str, AnsibleAction] = {}
     for step in prepared.runbook.steps:
         planned = p.step(step.id)
         if planned.kind != "change":
@@ -174,28 +242,48 @@ def preview_plan(p: Plan, prepared: PreparedRun, kube: KubeAPI | None, nodes: No
             except RunbookError as e:
                 previews[step.id] = f"server dry-run REJECTED: {e}"
         elif isinstance(action, AnsibleAction) and nodes is not None and action.ansible.preview:
-            spec = action.ansible
-            try:
-                result = nodes.run_playbook(prepared.loaded.playbooks_dir / spec.playbook, [prepared.node],
-                                            extravars=dict(spec.vars), become=spec.become,
-                                            timeout=_seconds(spec.timeout), check=True)
-            except RunbookError as e:
-                previews[step.id] = f"check mode unavailable: {e}"
-                continue
-            diffs = [d for ds in result.diffs.values() for d in ds]
-            # Tasks that would change something but show no diff (a service restart) say so in their msg.
-            said = [f"{t.get('task', '')}: {t.get('msg')}" for t in result.tasks
-                    if t.get("status") == "changed" and t.get("msg")]
-            if diffs:
-                previews[step.id] = "\n".join(diffs)
-            elif not result.ok:
-                previews[step.id] = f"check mode: {result.status} (rc {result.rc})"
-            elif said:
-                previews[step.id] = "check mode: would change:\n" + "\n".join(said)
+            done = (early or {}).get(step.id)
+            if done is not None and done[0] == action:
+                previews[step.id] = done[1]
             else:
-                changed = any(result.changed.values())
-                previews[step.id] = "check mode: " + ("would change (no diff reported)" if changed else "no changes")
-    return planning.with_previews(p, previews) if previews else p
+                playbook_jobs[step.id] = action
+    previews.update(_run_previews(playbook_jobs, prepared, nodes))
+    ordered = {s.id: previews[s.id] for s in prepared.runbook.steps if s.id in previews}
+    return planning.with_previews(p, ordered) if ordered else p
+
+
+def _run_previews(jobs: Mapping[str, AnsibleAction], prepared: PreparedRun, nodes: Any,
+                  files: Sequence[str] = ()) -> dict[str, str]:
+    """Check-mode runs are independent and read-only: run them at once (each is an
+    ansible-playbook process; one after the other they dominate ``runbook plan``)."""
+    if len(jobs) <= 1:
+        return {sid: _preview_playbook(a, prepared, nodes, files) for sid, a in jobs.items()}
+    with ThreadPoolExecutor(max_workers=len(jobs), thread_name_prefix="preview") as pool:
+        futures = {sid: pool.submit(_preview_playbook, a, prepared, nodes, files) for sid, a in jobs.items()}
+        return {sid: fut.result() for sid, fut in futures.items()}
+
+
+def _preview_playbook(action: AnsibleAction, prepared: PreparedRun, nodes: Any, files: Sequence[str] = ()) -> str:
+    spec = action.ansible
+    extravars: dict[str, Any] = dict(spec.vars)
+    if files:
+        extravars.setdefault("runbook_files", list(files))  # so its closing facts report on them
+    try:
+        result = nodes.run_playbook(prepared.loaded.playbooks_dir / spec.playbook, [prepared.node],
+                                    extravars=extravars, become=spec.become,
+                                    timeout=_seconds(spec.timeout), check=True)
+    except RunbookError as e:
+        return f"check mode unavailable: {e}"
+    diffs = [d for ds in result.diffs.values() for d in ds]
+    # Tasks that would change something but show no diff (a service restart) say so in their msg.
+    said = [f"{t.get('task', '')}: {t.get('msg')}" for t in result.tasks
+            if t.get("status") == "changed" and t.get("msg")]
+    if not result.ok:
+        return "\n".join([f"check mode: {result.status} (rc {result.rc})", *diffs])
+    if said or diffs:
+        return "\n".join([*(["check mode: would change:", *said] if said else []), *diffs])
+    changed = any(result.changed.values())
+    return "check mode: " + ("would change (no diff reported)" if changed else "no changes")
 
 
 def _preview_pods(kube: KubeAPI, node: str, effect: Any) -> str:
@@ -234,12 +322,15 @@ def run(prepared: PreparedRun, the_plan: Plan, kube: KubeAPI | None, nodes: Node
         confirm_rerun: Callable[[str, str], bool] | None = None,
         completed_steps: set[str] | frozenset[str] = frozenset(), started_without_outcome: str | None = None,
         clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
-        wall: Callable[[], float] = time.time, inventory_cmd_hint: str = "INVENTORY") -> RunResult:
-    """Execute a plan (see ``engine.execution.Executor.execute``)."""
+        wall: Callable[[], float] = time.time, inventory_cmd_hint: str = "INVENTORY",
+        host_facts_max_age: float | None = None) -> RunResult:
+    """Execute a plan (see ``engine.execution.Executor.execute``; ``host_facts_max_age``: see
+    ``Executor``, None for its default)."""
     from engine.execution import Executor
 
+    extra: dict[str, Any] = {} if host_facts_max_age is None else {"host_facts_max_age": host_facts_max_age}
     executor = Executor(kube, nodes, events=events, playbooks_dir=prepared.loaded.playbooks_dir, clock=clock,
-                        sleep=sleep, wall=wall, cancel=cancel, inventory_cmd_hint=inventory_cmd_hint)
+                        sleep=sleep, wall=wall, cancel=cancel, inventory_cmd_hint=inventory_cmd_hint, **extra)
     return executor.execute(the_plan, prepared.runbook, prepared.params, completed_steps=completed_steps,
                             started_without_outcome=started_without_outcome, confirm_rerun=confirm_rerun,
                             approve=approve, approved=approved)

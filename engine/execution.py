@@ -87,6 +87,8 @@ class EventSink(Protocol):
     * ``approval.waiting``: step (None for the runbook), plan_digest, reason
     * ``approval.result``: step, approved
     * ``step.start``: step, planned (change|no-op|blocked), why, resumed
+    * ``probe.reused``: step (None for the report), probe, node, age_s: host facts that young (the
+      closing facts of the previous Ansible run) were used instead of a new facts run
     * ``guard.result``: step, check, holds, observed
     * ``action.intent``: step, action (kube|ansible), verb, command, summary, rollback
     * ``ansible.task``: step, host, task, status, msg
@@ -176,7 +178,7 @@ class Executor:
                  sleep: Callable[[float], None] = time.sleep, wall: Callable[[], float] = time.time,
                  cancel: threading.Event | None = None, poll_interval: float = 2.0,
                  max_poll_interval: float = 10.0, watch_chunk: float = 15.0,
-                 inventory_cmd_hint: str = "INVENTORY") -> None:
+                 inventory_cmd_hint: str = "INVENTORY", host_facts_max_age: float = 10.0) -> None:
         self.kube = kube
         self.nodes = nodes
         self.events = events
@@ -189,6 +191,10 @@ class Executor:
         self.max_poll_interval = max_poll_interval
         self.watch_chunk = watch_chunk
         self.inventory_cmd_hint = inventory_cmd_hint
+        # Host facts this young (the closing facts of the playbook that just ran, or the plan's) are
+        # used for a step's skip_if/guards and for the report instead of a new Ansible facts run.
+        # Node and object reads are always live; verification polls always gather anew. 0: off.
+        self.host_facts_max_age = host_facts_max_age
         # per run
         self._runbook_steps: dict[str, Step] | None = None
         self._plan: Plan | None = None
@@ -315,7 +321,7 @@ class Executor:
         probes: set[chk.Probe] = {chk.NODE} | chk.template_probes(runbook.report)  # objects the report names too
         if "facts.host" in runbook.report:
             probes.add(chk.HOST)
-        facts = self._gather(probes)
+        facts = self._gather(probes, host_max_age=self.host_facts_max_age)
         try:
             return render_text(runbook.report, self._params, facts, baseline=self._baseline)
         except RunbookError as e:
@@ -325,8 +331,14 @@ class Executor:
     # One step
     # ----------------------------------------------------------------------------------------
 
-    def _gather(self, probes: set[chk.Probe]) -> Facts:
-        return gather_probes(probes, self._node, self.kube, self.nodes, clock=self.wall)
+    def _gather(self, probes: set[chk.Probe], *, step: str | None = None, host_max_age: float = 0.0) -> Facts:
+        """Live facts; with ``host_max_age``, host facts that young already held by the connector
+        are used instead of a new facts run, and the journal says so (``probe.reused``)."""
+        facts = gather_probes(probes, self._node, self.kube, self.nodes, clock=self.wall, host_max_age=host_max_age)
+        if facts.host_age is not None:
+            self.events.emit("probe.reused", step=step, probe=chk.HOST, node=self._node,
+                             age_s=round(facts.host_age, 3))
+        return facts
 
     def _run_step(self, step: Step, planned_kind: str, planned_reason: str, resumed: bool,
                   confirm_rerun: ConfirmRerun | None, *, action_finished: bool = False) -> StepOutcome:
@@ -347,8 +359,10 @@ class Executor:
         probes = chk.required_probes([*step.skip_if, *step.guards], params)
         if isinstance(step.action, KubeAction) and not isinstance(step.action.kube, KubeWait):
             probes.add(chk.NODE)
-        facts = self._gather(probes)
+        facts = self._gather(probes, step=step.id, host_max_age=self.host_facts_max_age)
         evidence: dict[str, Any] = {}
+        if facts.host_age is not None:
+            evidence["host_facts_age_s"] = round(facts.host_age, 3)
         if facts.errors:
             evidence["probe_errors"] = [f"{e.probe}: {e.message}" for e in facts.errors]
 

@@ -138,3 +138,6 @@ class Facts:
     objects: Mapping[str, tuple[Mapping[str, Any], ...]] = field(default_factory=dict)
     errors: tuple[ProbeError, ...] = ()
     gathered_at: float = 0.0
+    # Seconds since ``host`` was probed when it was reused (the closing facts of an Ansible run
+    # moments ago) instead of gathered by this call; None when gathered now.
+    host_age: float | None = None

@@ -102,8 +102,9 @@ def resolve_runbook_path(name_or_path: str, runbooks_dir: Path | None = None) ->
 # --------------------------------------------------------------------------------------------
 
 
-class _SafeComposer(yaml.SafeLoader):
-    """The safe loader, used only up to the node tree (we construct values ourselves)."""
+class _SafeComposer(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # type: ignore[misc]
+    """The safe loader, used only up to the node tree (we construct values ourselves). libyaml's
+    when PyYAML has it: ~15x faster to compose, with the same marks."""
 
 
 _CONSTRUCTOR = yaml.constructor.SafeConstructor()

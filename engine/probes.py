@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from engine import checks as chk
@@ -67,9 +67,10 @@ def gather_host_facts(nodes: NodeAutomation, names: Sequence[str],
 
 
 def recent_host_facts(nodes: NodeAutomation, names: Sequence[str], max_age: float,
-                      files: Sequence[str] = ()) -> Mapping[str, HostFacts]:
+                      files: Sequence[str] = ()) -> Mapping[str, tuple[HostFacts, float]]:
     """Host facts at most ``max_age`` seconds old that the connector already holds (the facts the
-    previous playbook published at its end, or the last facts run): {} when it keeps none."""
+    previous playbook published at its end, or the last facts run), with their age in seconds:
+    {} when it keeps none."""
     recent = getattr(nodes, "recent_facts", None)
     if max_age <= 0 or recent is None:
         return {}
@@ -106,19 +107,24 @@ def _run_parallel(tasks: dict[str, Callable[[], Any]]) -> dict[str, Any | BaseEx
 
 
 def gather_probes(probes: Iterable[Probe], node: str, kube: KubeAPI | None, nodes: NodeAutomation | None,
-                  *, clock: Clock = time.time, host_max_age: float = 0.0) -> Facts:
+                  *, clock: Clock = time.time, host_max_age: float = 0.0,
+                  host_results: Future[Mapping[str, HostFacts | Exception]] | None = None) -> Facts:
     """Facts for one node: exactly the given probes, run in parallel (see ``gather_probes_many``)."""
-    return gather_probes_many(probes, [node], kube, nodes, clock=clock, host_max_age=host_max_age)[node]
+    return gather_probes_many(probes, [node], kube, nodes, clock=clock, host_max_age=host_max_age,
+                              host_results=host_results)[node]
 
 
 def gather_probes_many(probes: Iterable[Probe], node_names: Sequence[str], kube: KubeAPI | None,
                        nodes: NodeAutomation | None, *, clock: Clock = time.time,
-                       host_max_age: float = 0.0) -> dict[str, Facts]:
+                       host_max_age: float = 0.0,
+                       host_results: Future[Mapping[str, HostFacts | Exception]] | None = None) -> dict[str, Facts]:
     """Facts for many nodes: node reads and object lists in parallel, one host-facts run for all.
 
     ``host_max_age`` > 0: host facts the connector received at most that many seconds ago (the
     closing facts of the playbook that just ran) are used instead of a new facts run, for the nodes
     that have them. Node and object reads always go to the API. The default (0) always gathers anew.
+    ``host_results``: a facts run already started for these nodes (``gather_host_facts`` with the
+    same files), waited for instead of starting one.
     """
     wanted = set(probes)
     if any(isinstance(p, HostFile) for p in wanted):
@@ -131,12 +137,14 @@ def gather_probes_many(probes: Iterable[Probe], node_names: Sequence[str], kube:
     if kube is not None:
         for q in queries:
             tasks[f"objects:{q.key}"] = (lambda q=q: _list(kube, q))  # type: ignore[misc]
-    reused: Mapping[str, HostFacts] = {}
+    reused: Mapping[str, tuple[HostFacts, float]] = {}
     if HOST in wanted and nodes is not None:
         files = _host_files(wanted)
         reused = recent_host_facts(nodes, node_names, host_max_age, files)
         missing = [n for n in node_names if n not in reused]
-        if missing:
+        if missing and host_results is not None:
+            tasks["hosts"] = host_results.result
+        elif missing:
             tasks["hosts"] = lambda: gather_host_facts(nodes, missing, files)
     results = _run_parallel(tasks)
     now = clock()
@@ -168,11 +176,12 @@ def gather_probes_many(probes: Iterable[Probe], node_names: Sequence[str], kube:
                 else:
                     node_facts = r
         host_facts: HostFacts | None = None
+        host_age: float | None = None
         if HOST in wanted:
             if nodes is None:
                 errors.append(ProbeError(HOST, "no inventory: host facts need --inventory"))
             elif n in reused:
-                host_facts = reused[n]
+                host_facts, host_age = reused[n]
             elif isinstance(hosts, BaseException):
                 errors.append(_error(HOST, hosts))
             elif hosts is not None:
@@ -184,7 +193,7 @@ def gather_probes_many(probes: Iterable[Probe], node_names: Sequence[str], kube:
                 else:
                     errors.append(ProbeError(HOST, f"no facts returned for {n}"))
         out[n] = Facts(node_name=n, node=node_facts, host=host_facts, objects=dict(objects),
-                       errors=tuple(errors), gathered_at=now)
+                       errors=tuple(errors), gathered_at=now, host_age=host_age)
     return out
 
 

@@ -79,9 +79,14 @@ class RunService:
         return self.settings.kube(), nodes
 
     def plan(self, prepared: api.PreparedRun, *, preview: bool = True, ttl: float | None = None) -> Plan:
-        kube, nodes = self.connectors(prepared.loaded, prepared.params)
+        nodes = self.settings.nodes(prepared.loaded.playbooks_dir) if needs_hosts(prepared.loaded, prepared.params) \
+            else None
+        # Ansible first: its run takes seconds, building the Kubernetes client (imports) a fraction
+        # of one, done meanwhile.
+        host_work = api.start_host_work(prepared, nodes, preview=preview)
+        kube = self.settings.kube()
         hint = str(self.settings.inventory) if self.settings.inventory else "INVENTORY"
-        kwargs: dict[str, Any] = {"preview": preview, "inventory_cmd_hint": hint}
+        kwargs: dict[str, Any] = {"preview": preview, "inventory_cmd_hint": hint, "host_work": host_work}
         if ttl is not None:
             kwargs["ttl"] = ttl
         return api.plan(prepared, kube, nodes, **kwargs)

@@ -254,8 +254,10 @@ def template_problems(source: str, *, params: Mapping[str, Any], expression: boo
     except jinja2.TemplateSyntaxError as e:
         return [f"template syntax error: {e.message}"]
     try:
-        # Unknown filters and tests are only found when compiling.
-        env.compile(parser_source if expression else source)
+        # Unknown filters and tests are only found when compiling: the code generator raises them,
+        # so generating the Python source from the parsed tree is enough (no second parse, no
+        # bytecode compilation: ~3 ms per template, most of `runbook validate`).
+        env.compile(ast, raw=True)
     except jinja2.TemplateError as e:
         return [f"template error: {getattr(e, 'message', None) or e}"]
     problems: list[str] = []

@@ -495,12 +495,13 @@ class AnsibleConnector:
         return results
 
     def recent_facts(self, nodes: Sequence[str], *, max_age: float,
-                     files: Sequence[str] = ()) -> dict[str, HostFacts]:
+                     files: Sequence[str] = ()) -> dict[str, tuple[HostFacts, float]]:
         """The latest facts this connector received for each node (from a facts run or from the
-        facts a playbook publishes at its end), if at most ``max_age`` seconds old, counted from the
-        start of the task that probed them, and reporting on every path in ``files``. Nodes without
-        such facts are left out. Every run on a node forgets its facts first, so a run that ends
-        without facts (failed early, timed out, cancelled, Ansible could not start) leaves none.
+        facts a playbook publishes at its end) and their age in seconds, if at most ``max_age``
+        seconds old, counted from the start of the task that probed them, and reporting on every
+        path in ``files``. Nodes without such facts are left out. Every run on a node forgets its
+        facts first, so a run that ends without facts (failed early, timed out, cancelled, Ansible
+        could not start) leaves none.
 
         For callers that may use facts this fresh instead of gathering again (the checks before a
         step, right after the previous step's playbook); a verification poll must gather anew.
@@ -508,7 +509,7 @@ class AnsibleConnector:
         if max_age <= 0:
             return {}
         now = time.monotonic()
-        out: dict[str, HostFacts] = {}
+        out: dict[str, tuple[HostFacts, float]] = {}
         with self._recent_lock:
             for node in nodes:
                 entry = self._recent.get(node)
@@ -516,7 +517,7 @@ class AnsibleConnector:
                     continue
                 at, facts = entry
                 if now - at <= max_age and all(str(f) in facts.files for f in files):
-                    out[node] = facts
+                    out[node] = (facts, max(0.0, now - at))
         return out
 
     def _forget(self, nodes: Iterable[str]) -> None:

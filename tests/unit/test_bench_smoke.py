@@ -2,8 +2,9 @@
 benchmarks led to (host facts reuse: ``AnsibleConnector.recent_facts`` and
 ``probes.gather_probes(host_max_age=...)``).
 
-The full ``bench/run --quick`` needs the lab (root, the control plane); CI calls it as its own step
-(see docs/performance.md). Here: ``bench/run --quick --only p3,p5 --p5-fake``, which needs no lab.
+The full ``bench/run --quick`` needs the lab (root, the control plane):
+tests/integration/lab/test_bench_quick.py runs it. Here: ``bench/run --quick --only p3,p5 --p5-fake``,
+which needs no lab.
 """
 
 from __future__ import annotations
@@ -124,7 +125,8 @@ def test_recent_facts_by_age_and_files(tmp_path: Path) -> None:
     facts = make_host("omen2")
     assert conn.recent_facts(["omen2"], max_age=10) == {}
     conn._remember({"omen2": facts}, {"omen2": time.monotonic() - 3})
-    assert conn.recent_facts(["omen2"], max_age=10) == {"omen2": facts}
+    (got, age), = conn.recent_facts(["omen2"], max_age=10).values()
+    assert got is facts and 3 <= age < 10
     assert conn.recent_facts(["omen2"], max_age=2) == {}  # too old
     assert conn.recent_facts(["omen2"], max_age=0) == {}  # reuse off
     assert conn.recent_facts(["omen2"], max_age=10, files=["/etc/x"]) == {}  # does not report the file
@@ -159,9 +161,10 @@ class _RecentNodes(FakeNodes):
         self.recent = recent
         self.asked: list[float] = []
 
-    def recent_facts(self, nodes: list[str], *, max_age: float, files: list[str] = ()) -> dict[str, object]:  # type: ignore[assignment]
+    def recent_facts(self, nodes: list[str], *, max_age: float,
+                     files: list[str] = ()) -> dict[str, tuple[object, float]]:
         self.asked.append(max_age)
-        return {n: self.recent[n] for n in nodes if n in self.recent} if max_age > 0 else {}
+        return {n: (self.recent[n], 1.5) for n in nodes if n in self.recent} if max_age > 0 else {}
 
 
 def test_gather_reuses_recent_host_facts_only_when_asked() -> None:
@@ -172,6 +175,7 @@ def test_gather_reuses_recent_host_facts_only_when_asked() -> None:
     assert default.host is fresh and len(nodes.gathers) == 1  # default: always a new facts run
     reused = probes.gather_probes({HOST, NODE}, "omen2", kube, nodes, host_max_age=10)
     assert reused.host is recent and len(nodes.gathers) == 1  # no new facts run
+    assert reused.host_age == 1.5 and default.host_age is None  # the age is kept for the journal
     assert reused.node is not None and reused.node.name == "omen2"  # the node is still read live
     nodes.recent = {}
     assert probes.gather_probes({HOST}, "omen2", kube, nodes, host_max_age=10).host is fresh
