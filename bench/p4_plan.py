@@ -57,7 +57,8 @@ def plan_one(ctx: Context) -> Metric:
         log(f"P4 plan omen2 run {i + 1}: {t.seconds:.2f} s")
     return Metric("p4_plan_1_s", median(times), len(times),
                   {"command": "runbook plan gpu-node-recovery --node omen2", "samples_s": summary(times),
-                   "state": "incident (omen2 NotReady for swap): facts + 2 check-mode previews",
+                   "state": "incident (omen2 NotReady for swap): one check-mode run of swap-off.yml, "
+                            "whose closing facts are the plan's (restart-kubelet has preview: false)",
                    "loadavg_at_runs": loads})
 
 
