@@ -235,6 +235,17 @@ def test_garbled_probe_lines_are_skipped() -> None:
     assert decode_probes(["swapon 0 !!notbase64", "x", "fstab 0", "lspci abc Zm9v"]) == {"fstab": (0, "")}
 
 
+def test_raw_task_output_from_a_tty_and_the_plain_swap_lines_for_playbooks_are_read_right() -> None:
+    """tasks/facts-probe.yml is a raw task: its output comes through a tty (\\r\\n, a blank first
+    line) and carries plain "swap-device"/"swap-unhandled" lines for swap-off.yml."""
+    swapon = base64.b64encode(b"/swapfile file 34359738368 0 -2\n").decode()
+    lines = ["", f"swapon 0 {swapon}\r", "swap-device /swapfile", "swap-device 5",
+             "swap-unhandled systemd unit dev-zram0.swap (/etc/systemd/system/dev-zram0.swap)", "fstab 0 \r"]
+    probes = decode_probes(lines)
+    assert probes["swapon"] == (0, "/swapfile file 34359738368 0 -2\n") and probes["fstab"] == (0, "")
+    assert set(probes) <= {"swapon", "fstab", "swap-device"}  # a plain line is never a probe the parser reads
+
+
 # -- task results -------------------------------------------------------------------------------------
 def test_check_mode_diffs_become_unified_diff_text() -> None:
     (text,) = unified_diffs([{"before": "a\nb\n", "after": "a\n# b\n", "before_header": "/etc/fstab",
