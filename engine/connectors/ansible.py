@@ -682,6 +682,8 @@ class AnsibleConnector:
         """Run ansible-runner in a worker thread; on timeout/cancel/^C kill the process tree."""
         import ansible_runner
 
+        _no_delay_after_close()
+
         box: dict[str, Any] = {}
 
         def work() -> None:
@@ -730,6 +732,17 @@ class AnsibleConnector:
 
 
 # ============================================================================ processes
+
+
+def _no_delay_after_close() -> None:
+    """ansible-runner closes its pexpect child only once the child has exited (it loops on
+    ``isalive()``), yet ptyprocess then sleeps ``delayafterclose`` (0.1 s, "give the kernel time to
+    update process status") on every close: 0.1 s of every Ansible run, for nothing. The sleep is
+    ptyprocess's class attribute; in this process ansible-runner is its only user."""
+    with contextlib.suppress(ImportError):
+        import ptyprocess
+
+        ptyprocess.PtyProcess.delayafterclose = 0.0
 
 
 def _pids_with_env(entry: bytes, cmdline_part: bytes | None = None) -> list[int]:
