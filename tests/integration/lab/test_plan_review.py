@@ -55,7 +55,9 @@ def test_the_plan_shows_the_three_steps_with_their_changes_and_changes_nothing(
     out = text.stdout
     assert "1. [~] relabel-container (kube): label nvidia.com/gpu.workload.config: vm-passthrough -> container" in out
     assert "2. [~] swap-off (ansible): run playbook swap-off.yml on omen2 as root -- diff of /etc/fstab (-1 +1)" in out
-    assert "3. [~] restart-kubelet (ansible)" in out and "would restart kubelet on omen2" in out
+    assert "would swapoff /swapfile on omen2" in out  # swap-off's check mode, locally reported
+    # restart-kubelet has `preview: false` (its check mode only said "would restart kubelet"):
+    assert "3. [~] restart-kubelet (ansible): run playbook restart-kubelet.yml on omen2 as root" in out
     assert "command: kubectl label node omen2 nvidia.com/gpu.workload.config=container --overwrite" in out
     assert "playbooks/restart-kubelet.yml --limit omen2 -b" in out
     assert "server dry-run accepted" in out  # the label change went through the API server's dry run
@@ -74,7 +76,8 @@ def test_the_plan_shows_the_three_steps_with_their_changes_and_changes_nothing(
     assert [(r[1], r[3]) for r in rows[1:]] == [("relabel-container", "change"), ("swap-off", "change"),
                                                ("restart-kubelet", "change")]
     assert rows[1][4] == "label nvidia.com/gpu.workload.config: vm-passthrough -> container"
-    assert rows[2][4].endswith("diff of /etc/fstab (-1 +1)") and rows[3][4].endswith("would restart kubelet on omen2")
+    assert rows[2][4].endswith("diff of /etc/fstab (-1 +1)")
+    assert rows[3][4] == "run playbook restart-kubelet.yml on omen2 as root"
     fences = [t for t in tokens if t.type == "fence"]
     diff = next(t.content for t in fences if t.info == "diff")
     assert "--- /etc/fstab" in diff and "+# /swapfile" in diff
@@ -86,6 +89,7 @@ def test_the_plan_shows_the_three_steps_with_their_changes_and_changes_nothing(
     assert plan["steps"][0]["changes"] == [{"path": f"node.labels[{LABEL}]", "before": "vm-passthrough",
                                             "after": "container"}]
     assert "+# /swapfile" in plan["steps"][1]["preview"]
+    assert plan["steps"][2]["preview"] == ""  # no check-mode run for restart-kubelet
     assert plan["depends_on"][f"node.labels[{LABEL}]"] == "vm-passthrough"
     assert plan["depends_on"]["host.swap_active"] is True
     assert len(plan["depends_on"]["baseline.host.cuda_processes"]) == 1
