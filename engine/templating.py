@@ -266,6 +266,14 @@ def template_problems(source: str, *, params: Mapping[str, Any], expression: boo
     for f in ast.find_all(jnodes.Filter):
         if f.name == "attr":
             problems.append("template uses the 'attr' filter (attribute walks are not allowed)")
+    for call in ast.find_all(jnodes.Call):
+        callee = call.node
+        if isinstance(callee, jnodes.Getattr) and callee.attr in ("format", "format_map"):
+            # '{0.__class__}'.format(x) walks attributes inside the format string, where the
+            # checks above cannot see them (the sandbox refuses it when rendered; this says so
+            # at load time). The `format` filter (printf-style) formats without attribute access.
+            problems.append(f"template calls str.{callee.attr} (format strings can walk attributes; "
+                            "use the 'format' filter)")
 
     allowed = {"params", "facts", "baseline"} | set(env.globals) | set(extra_names)
     for name in sorted(meta.find_undeclared_variables(ast)):

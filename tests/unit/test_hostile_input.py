@@ -72,11 +72,7 @@ EXTRA_EXPECTED: dict[str, tuple[int, str]] = {
     "unknown-top-level-key.yaml": (6, "unknown field 'stesp'"),
     "unknown-filter.yaml": (9, "No filter named"),
     "jinja-attr-filter.yaml": (9, "the 'attr' filter"),
-}
-# Found by this suite, not fixed yet (owner: engine/templating.py); see docs/reliability.md.
-KNOWN_GAPS: dict[str, str] = {
-    "jinja-format-string.yaml": "str.format attribute walks are accepted at load time (the sandbox refuses them "
-                                "when rendered)",
+    "jinja-format-string.yaml": (9, "template calls str.format"),
 }
 
 
@@ -108,12 +104,12 @@ def _assert_located(text: str, path: Path) -> list[re.Match[str]]:
 
 
 def test_every_file_of_the_extra_corpus_has_an_expectation_or_a_known_gap() -> None:
-    assert sorted(p.name for p in EXTRA.iterdir()) == sorted({*EXTRA_EXPECTED, *KNOWN_GAPS})
+    assert sorted(p.name for p in EXTRA.iterdir()) == sorted(EXTRA_EXPECTED)
 
 
 def test_the_whole_bad_corpus_through_the_cli_process_is_exit_2_and_path_line_for_every_file(
         tmp_path: Path) -> None:
-    files = sorted(p for d in (BAD, EXTRA) for p in d.iterdir() if p.name not in KNOWN_GAPS)
+    files = sorted(p for d in (BAD, EXTRA) for p in d.iterdir())
     env = {**os.environ, "PYTHONPATH": str(REPO), "NO_COLOR": "1", "RUNBOOK_JOURNAL": str(tmp_path / "j.sqlite")}
     done = subprocess.run([sys.executable, "-m", "engine", "validate", *map(str, files)], capture_output=True,
                           text=True, env=env, cwd=tmp_path, timeout=120, check=False)
@@ -137,16 +133,6 @@ def test_each_extra_bad_runbook_is_exit_2_with_its_line(name: str) -> None:
     line, fragment = EXTRA_EXPECTED[name]
     assert int(matches[0]["line"]) == line, result.stderr
     assert any(fragment in m["rest"] for m in matches), result.stderr
-
-
-@pytest.mark.parametrize("name", sorted(KNOWN_GAPS))
-def test_known_gaps_of_load_time_template_checks(name: str) -> None:
-    path = EXTRA / name
-    result = _cli("validate", str(path))
-    if result.exit_code != 2:
-        pytest.xfail(KNOWN_GAPS[name])
-    _assert_located(result.stderr, path)
-    pytest.fail(f"{name} is handled now: move it from KNOWN_GAPS to EXTRA_EXPECTED")
 
 
 SAFE_EXPRESSIONS = st.sampled_from([
