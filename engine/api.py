@@ -123,9 +123,8 @@ class HostWork:
 def start_host_work(prepared: PreparedRun, nodes: NodeAutomation | None, *, preview: bool = True) -> HostWork:
     """Start, in a background thread, what ``plan`` would ask Ansible for first: the early
     check-mode previews (``preview``), or else the host facts run. Read-only."""
-    wanted = probes.runbook_probes(prepared.runbook, prepared.params)
-    files = sorted({p.path for p in wanted if isinstance(p, chk.HostFile)})
-    if nodes is None or (chk.HOST not in wanted and not files):
+    files = _plan_host_files(prepared)
+    if nodes is None or files is None:
         return HostWork()
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plan-host")
     try:
@@ -166,13 +165,19 @@ def plan(prepared: PreparedRun, kube: KubeAPI | None, nodes: NodeAutomation | No
 PLAN_FACTS_MAX_AGE = 10.0
 
 
+def _plan_host_files(prepared: PreparedRun) -> list[str] | None:
+    """The host files a plan of this runbook reads ([] for none), or None when it reads no host facts."""
+    wanted = probes.runbook_probes(prepared.runbook, prepared.params)
+    files = sorted({p.path for p in wanted if isinstance(p, chk.HostFile)})
+    return files if chk.HOST in wanted or files else None
+
+
 def _early_previews(prepared: PreparedRun, nodes: NodeAutomation | None) -> dict[str, tuple[AnsibleAction, str]]:
     """Check-mode runs of the playbook steps that can be previewed before the plan: those whose
     action needs no facts to render and whose privilege is that of a facts run (so that their
     closing facts are what a facts run would return). Step id -> (bound action, preview text)."""
-    wanted = probes.runbook_probes(prepared.runbook, prepared.params)
-    files = sorted({p.path for p in wanted if isinstance(p, chk.HostFile)})
-    if nodes is None or (chk.HOST not in wanted and not files):
+    files = _plan_host_files(prepared)
+    if nodes is None or files is None:
         return {}  # the plan reads no host facts: previews wait for the plan (changing steps only)
     facts_become = getattr(nodes, "facts_become", None)
     jobs: dict[str, AnsibleAction] = {}
