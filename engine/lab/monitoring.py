@@ -214,15 +214,6 @@ class Monitoring:
         }
         (self.dir / "alertmanager.yml").write_text(yaml.safe_dump(config, sort_keys=False))
 
-    def route_alerts_to(self, webhook_url: str, token: str | None = None) -> None:
-        """Point Alertmanager's receiver at ``webhook_url`` (and a new bearer token) and reload it."""
-        if token is not None:
-            (self.dir / "webhook-token").write_text(token)
-        timing = Timing(**self.record["timing"])
-        self._write_alertmanager_config(webhook_url, timing)
-        self.record["webhook_url"] = webhook_url
-        self._post(f"{self.endpoints.alertmanager}/-/reload")
-
     def add_scrape_target(self, name: str, address: str) -> None:
         """Have Prometheus scrape ``address`` (HOST:PORT) as job ``runbook-serve`` (file discovery)."""
         if not re.fullmatch(r"127\.\d+\.\d+\.\d+:\d+", address):
