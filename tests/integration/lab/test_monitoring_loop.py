@@ -110,7 +110,12 @@ def run_for(loop: Loop, node: str) -> dict[str, Any] | None:
 
 
 def test_the_runbook_rules_load_into_the_labs_prometheus_and_scrape_the_real_server(loop: Loop) -> None:
-    groups = {g["name"]: g for g in loop.monitoring.rule_groups()}
+    def evaluated() -> list[dict[str, Any]]:
+        groups = loop.monitoring.rule_groups()
+        rules = [r for g in groups for r in g["rules"]]
+        return groups if all(r["health"] != "unknown" for r in rules) else []  # not evaluated yet
+
+    groups = {g["name"]: g for g in wait_for(evaluated, 60, "every rule to be evaluated once")}
     assert set(groups) == {"kubernetes-system-kubelet", "runbook-serve"}, groups.keys()
     rules = [r for g in groups.values() for r in g["rules"]]
     assert [(r["name"], r["health"], r.get("lastError", "")) for r in rules if r["health"] != "ok"] == []
