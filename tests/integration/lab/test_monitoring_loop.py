@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -144,6 +145,7 @@ def test_an_alert_from_prometheus_pages_the_server_the_approved_run_recovers_ome
     fingerprint = detail["reason"].rsplit("fingerprint ", 1)[1]
     waiting = loop.server.wait_state(run["id"], ("waiting-approval",), PLAN_TIMEOUT)
     assert [s["id"] for s in waiting["plan"]["steps"]] == ["relabel-container", "swap-off", "restart-kubelet"]
+    _report_timings(loop, alert, waiting)
     approved = loop.server.approve(run["id"], waiting["plan_digest"], by="oncall")
     assert approved.status_code == 202, approved.text
     done = loop.server.wait_state(run["id"], ("succeeded",), RUN_TIMEOUT)
@@ -166,6 +168,27 @@ def test_an_alert_from_prometheus_pages_the_server_the_approved_run_recovers_ome
     assert not firing(loop, "omen2")
     # one waiting-approval notice, one started (the approval), one finished: no notice per re-send
     assert sorted(e["event"] for e in loop.receiver.events("omen2")) == ["finished", "started", "waiting-approval"]
+
+
+def _iso(text: str) -> float:
+    return datetime.fromisoformat(text).timestamp()  # Python >= 3.11: "Z" and nanoseconds are fine
+
+
+def _report_timings(loop: Loop, alert: dict[str, Any], run: dict[str, Any]) -> None:
+    """Print the parts of alert-to-run on this machine (docs/serve.md quotes them; `pytest -rP`)."""
+    timing = loop.lab.lab.scenario().timing
+    fired = _iso(alert["active_at"]) + timing.alert_for_seconds
+    created = _iso(run["events"][0]["time"])
+    waiting = _iso(next(e["time"] for e in run["events"] if e["kind"] == "approval.waiting"))
+    answer = {m: float(v) for m, v in (line.rsplit(" ", 1) for line in loop.server.get("/metrics").text.splitlines()
+              if line.startswith('runbook_serve_webhook_seconds_') and 'endpoint="alertmanager"' in line
+              and not line.startswith("runbook_serve_webhook_seconds_bucket"))}
+    count = next((v for k, v in answer.items() if k.startswith("runbook_serve_webhook_seconds_count")), 0.0)
+    total = next((v for k, v in answer.items() if k.startswith("runbook_serve_webhook_seconds_sum")), 0.0)
+    print(f"paging loop timings: alert pending -> firing {timing.alert_for_seconds:.0f} s (for); "
+          f"firing -> run created {created - fired:.1f} s (evaluation, resend, group_wait, webhook); "
+          f"run created -> waiting for approval {waiting - created:.1f} s (plan + check-mode previews); "
+          f"webhook answer mean {1000 * total / count if count else float('nan'):.1f} ms over {count:.0f}")
 
 
 def test_a_node_down_for_another_cause_fires_the_same_alert_and_is_refused_once_however_often_it_is_resent(
