@@ -171,7 +171,10 @@ class LazyGroup(click.Group):
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(package_name="runbook")
-def main() -> None:
+@click.option("--log-format", type=click.Choice(["text", "json"]), envvar="RUNBOOK_LOG_FORMAT", default="text",
+              show_default=True, help="Logs on stderr: text, or JSON lines with run id, step, node and event "
+                                      "(env RUNBOOK_LOG_FORMAT). Secrets are masked.")
+def main(log_format: str) -> None:
     """Guarded remediation runbooks: plan, approve, run and verify recoveries of Kubernetes nodes.
 
     \b
@@ -179,6 +182,9 @@ def main() -> None:
     2 usage or invalid runbook, 3 blocked (precondition, guard, lock), 4 cancelled,
     5 stale plan or invalid approval.
     """
+    from engine.logformat import configure_logging
+
+    configure_logging(log_format)
 
 
 @main.command("list")

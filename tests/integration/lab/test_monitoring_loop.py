@@ -146,10 +146,10 @@ def test_an_alert_from_prometheus_pages_the_server_the_approved_run_recovers_ome
     waiting = loop.server.wait_state(run["id"], ("waiting-approval",), PLAN_TIMEOUT)
     assert [s["id"] for s in waiting["plan"]["steps"]] == ["relabel-container", "swap-off", "restart-kubelet"]
     _report_timings(loop, alert, waiting)
-    approved = loop.server.approve(run["id"], waiting["plan_digest"], by="oncall")
+    approved = loop.server.approve(run["id"], waiting["plan_digest"], by="alice")
     assert approved.status_code == 202, approved.text
     done = loop.server.wait_state(run["id"], ("succeeded",), RUN_TIMEOUT)
-    assert (done["approved_by"], done["exit_code"]) == ("oncall", 0)
+    assert (done["approved_by"], done["exit_code"]) == ("alice", 0)
     node = node_json(sh, "omen2")
     assert ready_status(node) == "True" and node["status"]["allocatable"].get("nvidia.com/gpu") == "1"
 
