@@ -3,7 +3,8 @@
 A lab lives in one folder (default ``${XDG_STATE_HOME:-~/.local/state}/runbook/lab``, or
 ``$RUNBOOK_LAB_DIR``) holding ``lab.json`` (what runs: control plane, node hosts by PID and start time,
 the simulator), the control plane's state, the node hosts' workdir and inventory, each node's host
-state folder, and ``simulator.log``. Every function returns values; the CLI (``labcli``) prints them.
+state folder, and ``simulator.log``; with monitoring, ``monitoring/`` (Prometheus and Alertmanager,
+see ``monitoring``). Every function returns values; the CLI (``labcli``) prints them.
 
 Must not: stop a process other than by its recorded PID and start time, touch this machine's swap,
 fstab or services, or listen anywhere but loopback.
@@ -258,6 +259,16 @@ class Lab:
         ends = monitoring.endpoints
         return (f"monitoring: Prometheus {ends.prometheus}, Alertmanager {ends.alertmanager} "
                 f"(paging {record['monitoring']['webhook_url']}), exporters {ends.exporters}")
+
+    def scrape_serve(self, name: str, address: str, *, token: str | None = None) -> None:
+        """Have the lab's Prometheus scrape a ``runbook serve`` at ``address`` (job ``runbook-serve``)."""
+        record = self.record()
+        if not record.get("monitoring"):
+            raise LabError(f"the lab in {self.dir} has no monitoring (runbook lab up --with-monitoring)")
+        monitoring = self.monitoring(record)
+        monitoring.add_scrape_target(name, address, token=token)
+        record["monitoring"] = monitoring.record
+        self._save(record)
 
     def stop_monitoring(self) -> list[str]:
         """Stop Prometheus and Alertmanager (by PID) and remove their folder; the lab runs on."""

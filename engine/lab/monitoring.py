@@ -180,7 +180,7 @@ class Monitoring:
 
     def _write_prometheus_config(self, timing: Timing, metrics_port: int, rules: list[Path]) -> None:
         exporters = f"{HOST}:{metrics_port}"
-        config = {
+        config: dict[str, Any] = {
             "global": {"scrape_interval": _duration(timing.scrape_seconds),
                        "scrape_timeout": _duration(min(timing.scrape_seconds, 10.0)),
                        "evaluation_interval": _duration(timing.rule_evaluation_seconds)},
@@ -194,12 +194,15 @@ class Monitoring:
                  "static_configs": [{"targets": [exporters]}]},
                 {"job_name": "dcgm-exporter", "metrics_path": "/dcgm/metrics",
                  "static_configs": [{"targets": [exporters]}]},
-                # targets added at run time (``add_scrape_target``): e.g. runbook serve
-                {"job_name": "runbook-serve", "file_sd_configs": [
-                    {"files": [str(self.dir / "targets" / "runbook-serve*.json")], "refresh_interval": "1s"}]},
             ],
         }
-        (self.dir / "targets").mkdir(exist_ok=True)
+        serve = self.record.get("serve_targets") or {}
+        if serve:  # added at run time (``add_scrape_target``)
+            job: dict[str, Any] = {"job_name": "runbook-serve", "static_configs": [
+                {"targets": [address], "labels": {"instance_name": name}} for name, address in sorted(serve.items())]}
+            if (self.dir / "serve-scrape-token").exists():
+                job["authorization"] = {"credentials_file": str(self.dir / "serve-scrape-token")}
+            config["scrape_configs"].append(job)
         (self.dir / "prometheus.yml").write_text(yaml.safe_dump(config, sort_keys=False))
 
     def _write_alertmanager_config(self, webhook_url: str, timing: Timing) -> None:
@@ -214,12 +217,20 @@ class Monitoring:
         }
         (self.dir / "alertmanager.yml").write_text(yaml.safe_dump(config, sort_keys=False))
 
-    def add_scrape_target(self, name: str, address: str) -> None:
-        """Have Prometheus scrape ``address`` (HOST:PORT) as job ``runbook-serve`` (file discovery)."""
+    def add_scrape_target(self, name: str, address: str, *, token: str | None = None) -> None:
+        """Have Prometheus scrape ``address`` (loopback HOST:PORT) as job ``runbook-serve``, with
+        ``token`` as bearer credentials (a reader's, when the server protects ``/metrics``); reloads
+        Prometheus. Every runbook-serve target shares the last token given."""
         if not re.fullmatch(r"127\.\d+\.\d+\.\d+:\d+", address):
             raise LabError(f"scrape targets are loopback HOST:PORT, not {address!r}")
-        target = self.dir / "targets" / f"runbook-serve-{name}.json"
-        target.write_text(json.dumps([{"targets": [address], "labels": {"instance_name": name}}]))
+        if token is not None:
+            token_file = self.dir / "serve-scrape-token"
+            token_file.write_text(token)
+            token_file.chmod(0o600)
+        self.record.setdefault("serve_targets", {})[name] = address
+        self._write_prometheus_config(Timing(**self.record["timing"]), self.record["metrics_port"],
+                                      [Path(r) for r in self.record["rule_files"]])
+        self._post(f"{self.endpoints.prometheus}/-/reload")
 
     # -- what it sees -------------------------------------------------------------------------------------
     def _get(self, url: str) -> Any:

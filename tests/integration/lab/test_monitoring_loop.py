@@ -75,7 +75,6 @@ class Loop:
     monitoring: Monitoring
     server: Server
     receiver: Receiver
-    started: float
 
 
 @pytest.fixture(scope="module")
@@ -92,9 +91,8 @@ def loop(lab: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Loop]:
             lab.lab.start_monitoring(alert_webhook=f"{server.url}/hooks/alertmanager", webhook_token=TOKEN,
                                      extra_rules=[RUNBOOK_RULES])
             try:
-                monitoring = lab.lab.monitoring()
-                monitoring.add_scrape_target("lab", f"127.0.0.1:{server.port}")
-                yield Loop(lab, monitoring, server, receiver, time.monotonic())
+                lab.lab.scrape_serve("lab", f"127.0.0.1:{server.port}")
+                yield Loop(lab, lab.lab.monitoring(), server, receiver)
             finally:
                 lab.lab.stop_monitoring()
     finally:
