@@ -8,14 +8,20 @@ from __future__ import annotations
 
 import io
 import re
+import shutil
+import subprocess
+from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import CollectorRegistry
 
 from engine.lab import sim_metrics
-from engine.lab.monitoring import compress_for, upstream_rules_path
+from engine.lab.errors import LabError
+from engine.lab.monitoring import Monitoring, compress_for, upstream_rules_path
+from engine.lab.scenario import Timing
 
 
 def _node(name: str, ready: str, *, taints: list[dict[str, str]] | None = None,
@@ -135,3 +141,49 @@ def test_a_scrape_computes_from_the_current_state_each_time() -> None:
     current["state"] = sim_metrics.LabState(nodes=[_node("omen2", "True")])
     assert registry.get_sample_value("kube_node_status_condition",
                                      {"node": "omen2", "condition": "Ready", "status": "true"}) == 1
+
+
+def _configured(tmp_path: Path, **targets: str) -> Monitoring:
+    mon = Monitoring(tmp_path / "monitoring")
+    (mon.dir / "rules").mkdir(parents=True)
+    timing = Timing()
+    rules = mon._write_rules(timing, [Path(__file__).resolve().parents[2] / "deploy/monitoring/runbook-alerts.yaml"])
+    mon.record = {"ports": {"prometheus": 20001, "alertmanager": 20002}, "metrics_port": 20003,
+                  "timing": timing.model_dump(), "rule_files": [str(r) for r in rules], "serve_targets": targets}
+    (mon.dir / "webhook-token").write_text("t0ken-for-alertmanager")
+    mon._write_alertmanager_config("http://127.0.0.1:8080/hooks/alertmanager", timing)
+    mon._write_prometheus_config(timing, 20003, rules)
+    return mon
+
+
+def test_the_generated_prometheus_and_alertmanager_configurations_pass_their_own_checkers(tmp_path: Path) -> None:
+    for tool in ("promtool", "amtool"):
+        if shutil.which(tool) is None:
+            pytest.skip(f"{tool} is not installed (apt-get install prometheus prometheus-alertmanager)")
+    mon = _configured(tmp_path, lab="127.0.0.1:20004")
+    prom = subprocess.run(["promtool", "check", "config", str(mon.dir / "prometheus.yml")],
+                          capture_output=True, text=True, check=False)
+    assert prom.returncode == 0, prom.stdout + prom.stderr
+    assert "SUCCESS: 2 rule files found" in prom.stdout + prom.stderr, prom.stdout + prom.stderr
+    am = subprocess.run(["amtool", "check-config", str(mon.dir / "alertmanager.yml")],
+                        capture_output=True, text=True, check=False)
+    assert am.returncode == 0, am.stdout + am.stderr
+
+
+def test_everything_the_lab_monitoring_talks_to_is_on_loopback_and_the_token_stays_out_of_the_configs(
+        tmp_path: Path) -> None:
+    mon = _configured(tmp_path, lab="127.0.0.1:20004")
+    prom = yaml.safe_load((mon.dir / "prometheus.yml").read_text())
+    am = yaml.safe_load((mon.dir / "alertmanager.yml").read_text())
+    targets = [t for job in prom["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]]
+    targets += [t for a in prom["alerting"]["alertmanagers"] for sc in a["static_configs"] for t in sc["targets"]]
+    assert targets and all(t.startswith("127.0.0.1:") for t in targets), targets
+    assert {j["job_name"] for j in prom["scrape_configs"]} == {
+        "kube-state-metrics", "kubevirt", "dcgm-exporter", "runbook-serve"}
+    (receiver,) = am["receivers"][0]["webhook_configs"]
+    assert receiver["send_resolved"] is True and receiver["url"].startswith("http://127.0.0.1:")
+    assert receiver["http_config"]["authorization"] == {"credentials_file": str(mon.dir / "webhook-token")}
+    assert "t0ken" not in (mon.dir / "alertmanager.yml").read_text()
+    assert am["route"]["group_by"] == ["alertname", "node"]
+    with pytest.raises(LabError, match="loopback"):
+        mon.add_scrape_target("elsewhere", "10.0.0.5:8080")
