@@ -228,7 +228,7 @@ def inventory_from_listing(path: Path, listing: Mapping[str, Any], *,
     by_var: dict[str, bool] = {}  # host -> claims its node through k8s_node_name
     for name in names:
         entry = hostvars.get(name)
-        host_vars: Mapping[str, Any] = entry if isinstance(entry, dict) else {}
+        host_vars: Mapping[str, Any] = _plain(entry) if isinstance(entry, dict) else {}
         node = host_vars.get(NODE_VAR, name)
         if not isinstance(node, str) or not node.strip() or "{{" in node or "{%" in node:
             problems.append((locate_claim(path, name, str(node)),
@@ -253,6 +253,18 @@ def inventory_from_listing(path: Path, listing: Mapping[str, Any], *,
     if problems:
         raise LoadError(problems)
     return Inventory(path=path, hosts=MappingProxyType(hosts))
+
+
+def _plain(value: Any) -> Any:
+    """A value of the listing without Ansible's ``{"__ansible_unsafe": x}`` wrapper (values from
+    scripts and plugins are marked unsafe for templating; runbook never templates them)."""
+    if isinstance(value, dict):
+        if set(value) == {"__ansible_unsafe"}:
+            return _plain(value["__ansible_unsafe"])
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
 
 
 def _groups_of_hosts(listing: Mapping[str, Any]) -> dict[str, set[str]]:
