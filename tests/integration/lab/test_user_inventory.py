@@ -1,6 +1,7 @@
 """A user's own Ansible inventory on the lab: an INI file with a host range, ``group_vars/all.yml`` and
 ``host_vars/<host>.yml``, one host named differently from its node (``k8s_node_name`` in its host_vars).
-A plan and a run through it are the ones the lab's generated YAML inventory gives (issue 13, part 2)."""
+A plan and a run through it are the ones the lab's generated YAML inventory gives (issue 13, part 2), and
+runbook reads the inventory once per command (an inventory script in the folder logs who reads it)."""
 
 from __future__ import annotations
 
@@ -45,7 +46,25 @@ def ini_inventory(lab_inventory: Path, folder: Path) -> Path:
         path = folder / "host_vars" / f"{host}.yml"
         path.touch(mode=0o600)  # it holds the become password, as the generated inventory does
         path.write_text(yaml.safe_dump(host_vars))
+    # one more source, an executable script with no hosts: it logs which process reads the inventory
+    script = folder / "zz-reads.sh"
+    script.write_text("#!/bin/sh\n"
+                      f"tr '\\0' ' ' < /proc/$PPID/cmdline >> '{reads_log(folder)}'\n"
+                      f"echo >> '{reads_log(folder)}'\n"
+                      "echo '{\"_meta\": {\"hostvars\": {}}}'\n")
+    script.chmod(0o755)
     return folder
+
+
+def reads_log(inventory: Path) -> Path:
+    return inventory.parent / f"{inventory.name}-reads.log"  # outside: Ansible would try to parse it
+
+
+def runbook_reads(inventory: Path) -> int:
+    """How often runbook itself read the inventory (not counting ansible-playbook's own reads)."""
+    log = reads_log(inventory)
+    lines = log.read_text().splitlines() if log.exists() else []
+    return sum("ansible.cli.inventory" in line for line in lines)
 
 
 def comparable(plans: list[dict[str, Any]], inventory: Path) -> list[dict[str, Any]]:
@@ -96,6 +115,7 @@ def test_a_fleet_plan_through_an_ini_inventory_with_a_range_and_host_vars_is_the
     assert omen2["baseline"]["host"]["swap_active"] is True  # facts read over SSH through the INI inventory
     assert all("--limit rtx5090-box" in s["command"] for s in omen2["steps"] if s["action"] == "ansible")
     assert comparable(ini_plans, ini) == comparable(yaml_plans, generated)
+    assert runbook_reads(ini) == 1  # one inventory read for the whole fleet's plan
 
 
 @pytest.mark.timeout(1200)  # a full recovery on a loaded CI machine
@@ -110,6 +130,8 @@ def test_a_run_through_the_ini_inventory_recovers_omen2_run_by_a_host_of_another
     r = runbook(sh, f"run gpu-node-recovery --node omen2 --yes -o json -i {ini}", journal=journal)
 
     assert r.returncode == 0, r.stdout + r.stderr
+    assert runbook_reads(ini) == 1  # plan, previews, run and verification: one inventory read
+    assert "ansible-playbook" in reads_log(ini).read_text()  # the log sees the playbooks' own reads too
     result = json.loads(r.stdout)
     assert result["state"] == "succeeded"
     outcomes = {o["step"]: o["status"] for o in result["outcomes"]}
