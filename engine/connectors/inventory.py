@@ -25,9 +25,11 @@ playbooks, resolve templates, or read secrets.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -105,24 +107,37 @@ def read_listing(path: Path, *, timeout: float = READ_TIMEOUT) -> tuple[Mapping[
         for sub in ("home", "tmp"):
             (d / sub).mkdir(mode=0o700)
         argv = [sys.executable, "-m", "ansible.cli.inventory", "-i", str(path.resolve()), "--list"]
+        try:  # its own session: a timeout or ^C ends it with the scripts it started
+            proc = subprocess.Popen(argv, env=_child_env(d), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, start_new_session=True)
+        except OSError as e:
+            raise LoadError([(Location(str(path)), f"cannot run ansible-inventory: {e}")]) from e
         try:
-            proc = subprocess.run(argv, env=_child_env(d), capture_output=True, text=True,
-                                  timeout=timeout, stdin=subprocess.DEVNULL, check=False)
+            stdout, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
+            _kill_group(proc)
             raise LoadError([(Location(str(path)), f"Ansible did not finish reading the inventory in "
                                                    f"{timeout:g} s (a hanging inventory script or "
                                                    "plugin?)")]) from None
-        except OSError as e:
-            raise LoadError([(Location(str(path)), f"cannot run ansible-inventory: {e}")]) from e
+        except BaseException:
+            _kill_group(proc)
+            raise
     if proc.returncode != 0:
-        raise LoadError(parse_failure(path, proc.stderr))
+        raise LoadError(parse_failure(path, stderr))
     try:
-        listing = json.loads(proc.stdout)
+        listing = json.loads(stdout)
     except ValueError as e:
         raise LoadError([(Location(str(path)), f"ansible-inventory printed no JSON listing: {e}")]) from e
     if not isinstance(listing, dict):
         raise LoadError([(Location(str(path)), "ansible-inventory printed no JSON listing")])
-    return listing, warnings_of(proc.stderr)
+    return listing, warnings_of(stderr)
+
+
+def _kill_group(proc: subprocess.Popen[str]) -> None:
+    with contextlib.suppress(OSError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.communicate(timeout=5)
 
 
 def _child_env(d: Path) -> dict[str, str]:

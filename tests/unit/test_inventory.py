@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -221,10 +222,25 @@ def test_a_yaml_plugin_config_is_read_by_the_auto_plugin(tmp_path: Path) -> None
 
 
 def test_an_inventory_script_that_hangs_is_an_error_not_a_stuck_run(tmp_path: Path) -> None:
-    script = write(tmp_path, "#!/bin/sh\nsleep 30\n", "slow.sh", mode=0o755)
+    pid_file = tmp_path / "pid"
+    script = write(tmp_path, f"#!/bin/sh\necho $$ > {pid_file}\nexec sleep 300\n", "slow.sh", mode=0o755)
+    started = time.monotonic()
     with pytest.raises(LoadError) as err:
-        load_inventory(script, timeout=3)
+        load_inventory(script, timeout=15)  # long enough for Ansible to start the script under load
+    assert time.monotonic() - started < 60
     assert f"{script}:1:" in str(err.value) and "did not finish" in str(err.value)
+    pid = int(pid_file.read_text())  # the script Ansible started is gone with it
+
+    def alive() -> bool:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+        except OSError:
+            return False
+
+    deadline = time.monotonic() + 10
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive()
 
 
 # ---------------------------------------------------------------------------- errors
