@@ -292,3 +292,27 @@ def test_a_bad_guards_section_is_a_located_usage_error(tmp_path: Path, text: str
     with pytest.raises(UsageError, match=message) as e:
         load_guard_config(f)
     assert str(f) in str(e.value)
+
+
+# -- runbook serve's configuration -------------------------------------------------------------------
+
+
+def test_serve_takes_a_guards_section_else_its_exclusions_section() -> None:
+    from engine.serve.config import load_config
+
+    older = load_config(None, env={}, overrides={"exclusions": {"labels": {"ops.example/hands-off": "yes"},
+                                                                 "kured": {"namespace": "kured"}}})
+    guards = older.run_guards()
+    assert guards.labels == {"ops.example/hands-off": "yes"} and guards.kured.namespace == "kured"
+    assert guards.nhc_pause and guards.gpu_budget.max_percent == 50
+    newer = load_config(None, env={}, overrides={"guards": {"gpu_budget": {"max_gpus": 2}}})
+    assert newer.run_guards().gpu_budget.max_gpus == 2
+    assert newer.run_guards().labels == GuardConfig().labels
+    assert load_config(None, env={}).run_guards() == GuardConfig()
+
+
+def test_serve_refuses_exclusions_and_guards_together() -> None:
+    from engine.serve.config import load_config
+
+    with pytest.raises(UsageError, match="not in exclusions: as well"):
+        load_config(None, env={}, overrides={"guards": {}, "exclusions": {"labels": {}}})
