@@ -98,6 +98,11 @@ class Cancelled(RunbookError):
     exit_code = ExitCode.CANCELLED
 
 
+class LockLost(Cancelled):
+    """The node's Lease is no longer this run's (taken over, deleted, or not renewed in time): the
+    run stops before its next action (exit 4, cancelled)."""
+
+
 class StalePlan(RunbookError):
     """A saved plan no longer matches reality, or an approval names another plan."""
 
