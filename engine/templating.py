@@ -310,13 +310,18 @@ def _bounded_filters(env: jinja2.Environment) -> None:
 
 def _bounded_list(value: Any) -> Any:
     """A list of an iterable's items, refusing more than MAX_ITEMS; other values unchanged."""
-    if isinstance(value, jinja2.Undefined) or not hasattr(value, "__iter__"):
-        return value
+    if isinstance(value, jinja2.Undefined | range) or not hasattr(value, "__iter__"):
+        return value  # a range is small (the sandbox bounds it) and cheap to repeat
     items = []
+    size = 0
     for item in value:
         items.append(item)
+        kind = type(item)
+        size += len(item) if kind is str else 8 if kind is int else text_size(item)
         if len(items) > MAX_ITEMS:
             raise _limit(f"more than {MAX_ITEMS} items")
+        if size > MAX_STRING:
+            raise _limit(f"items longer than {MAX_STRING} characters in all")
     return items
 
 
@@ -397,13 +402,25 @@ def _compile_expression(source: str) -> Any:
     return environment().compile_expression(source, undefined_to_none=False)
 
 
+@functools.lru_cache(maxsize=2048)
+def _loops(source: str, expression: bool = False) -> bool:
+    """Whether a template can repeat work (a loop, a macro, a call block): only those pay for the
+    step/depth/time trace (~50 us a render); the size bounds apply to every template."""
+    try:
+        ast = environment().parse("{{ " + source + " }}" if expression else source)
+    except (jinja2.TemplateSyntaxError, RecursionError, MemoryError):
+        return True
+    return ast.find((jnodes.For, jnodes.Macro, jnodes.CallBlock)) is not None  # type: ignore[arg-type]
+
+
 def _shown(source: str) -> str:
     return repr(source if len(source) <= 200 else source[:200] + "...")
 
 
 def render(source: str, context: Mapping[str, Any]) -> str:
     """Render a template string. Any failure (syntax, undefined, security, a bound) is a TemplateError."""
-    return _guarded("template", source, lambda: _stream(_compile_template(source), context))
+    return _guarded("template", source, lambda: _stream(_compile_template(source), context),
+                    budget=_loops(source))
 
 
 def evaluate_expression(source: str, context: Mapping[str, Any]) -> Any:
@@ -415,12 +432,12 @@ def evaluate_expression(source: str, context: Mapping[str, Any]) -> Any:
             str(value)  # StrictUndefined raises here, with the name that was missing
         return value
 
-    return _guarded("expression", source, work)
+    return _guarded("expression", source, work, budget=_loops(source, expression=True))
 
 
-def _guarded(kind: str, source: str, work: Callable[[], Any]) -> Any:
+def _guarded(kind: str, source: str, work: Callable[[], Any], *, budget: bool = True) -> Any:
     try:
-        return _bounded(work)
+        return _bounded(work) if budget else work()
     except _Exceeded as e:
         raise TemplateLimitError(f"{kind} {_shown(source)}: exceeds a bound: {e}", source=source) from None
     except SecurityError as e:
@@ -574,6 +591,8 @@ def template_problems(source: str, *, params: Mapping[str, Any], expression: boo
             ast = env.parse(source)
     except jinja2.TemplateSyntaxError as e:
         return [f"template syntax error: {e.message}"]
+    except (RecursionError, MemoryError):
+        return ["template nested too deeply to parse"]
     try:
         # Unknown filters and tests are only found when compiling: the code generator raises them,
         # so generating the Python source from the parsed tree is enough (no second parse, no
@@ -581,6 +600,10 @@ def template_problems(source: str, *, params: Mapping[str, Any], expression: boo
         env.compile(ast, raw=True)
     except jinja2.TemplateError as e:
         return [f"template error: {getattr(e, 'message', None) or e}"]
+    except _Exceeded as e:  # Jinja folds constant expressions while compiling: the bounds apply
+        return [f"template exceeds a bound: {e}"]
+    except (RecursionError, MemoryError):
+        return ["template nested too deeply to compile"]
     problems: list[str] = []
     from jinja2 import meta
 
@@ -595,6 +618,9 @@ def template_problems(source: str, *, params: Mapping[str, Any], expression: boo
             # at load time). The `format` filter (printf-style) formats without attribute access.
             problems.append(f"template calls str.{callee.attr} (format strings can walk attributes; "
                             "use the 'format' filter)")
+
+    if not problems:
+        problems += _static_bound_problems(env, ast)
 
     allowed = {"params", "facts", "baseline"} | set(env.globals) | set(extra_names)
     for name in sorted(meta.find_undeclared_variables(ast)):
@@ -616,6 +642,85 @@ def template_problems(source: str, *, params: Mapping[str, Any], expression: boo
                 problems.append(f"template refers to unknown baseline fact {attr!r} "
                                 f"(baseline has {', '.join(sorted(BASELINE_ROOTS))}; plans keep no object lists)")
     return problems
+
+
+_RISKY = (jnodes.Filter, jnodes.Call, jnodes.Mul, jnodes.Mod, jnodes.Add, jnodes.Pow, jnodes.Concat)
+
+
+def _constant(node: jnodes.Node, env: jinja2.Environment) -> bool:
+    names = [node] if isinstance(node, jnodes.Name) else list(node.find_all(jnodes.Name))
+    return all(n.name in env.globals for n in names) and not any(
+        isinstance(n, jnodes.Filter) and n.node is None for n in [node, *node.find_all(jnodes.Filter)])
+
+
+def _risky_constants(node: jnodes.Node, env: jinja2.Environment) -> list[jnodes.Node]:
+    """The largest sub-expressions that build something (filters, calls, ``* % + ** ~``) and read
+    nothing but constants and globals: their cost is known at load time."""
+    if isinstance(node, _RISKY) and _constant(node, env):
+        return [node]
+    return [c for child in node.iter_child_nodes() for c in _risky_constants(child, env)]
+
+
+_WIDTH_FILTERS = {"center": MAX_WIDTH, "indent": MAX_WIDTH, "batch": MAX_ITEMS, "slice": MAX_ITEMS}
+_WIDTH_METHODS = ("center", "ljust", "rjust", "zfill", "expandtabs")
+
+
+def _constant_widths(ast: jnodes.Template) -> list[str]:
+    """Constant widths and format strings given to padding filters and methods, whatever the value."""
+    problems = []
+    for f in ast.find_all(jnodes.Filter):
+        limit = _WIDTH_FILTERS.get(f.name)
+        for arg in [*f.args, *(k.value for k in f.kwargs)]:
+            if limit and isinstance(arg, jnodes.Const) and isinstance(arg.value, int) and arg.value > limit:
+                problems.append(f"template exceeds a bound: {f.name} {arg.value} exceeds {limit}")
+    for call in ast.find_all(jnodes.Call):
+        if isinstance(call.node, jnodes.Getattr) and call.node.attr in _WIDTH_METHODS:
+            for arg in call.args:
+                if isinstance(arg, jnodes.Const) and isinstance(arg.value, int) and arg.value > MAX_WIDTH:
+                    problems.append(f"template exceeds a bound: str.{call.node.attr} width {arg.value} "
+                                    f"exceeds {MAX_WIDTH}")
+    formats = [f.node for f in ast.find_all(jnodes.Filter) if f.name == "format"] + \
+        [m.left for m in ast.find_all(jnodes.Mod)]
+    for node in formats:
+        if isinstance(node, jnodes.Const) and isinstance(node.value, str):
+            for m in _PRINTF_SPEC.finditer(node.value):
+                for part in m.groups():
+                    if part and part.isdigit() and int(part) > MAX_WIDTH:
+                        problems.append(f"template exceeds a bound: format width {int(part)} exceeds {MAX_WIDTH}")
+    return problems
+
+
+def _static_bound_problems(env: jinja2.Environment, ast: jnodes.Template) -> list[str]:
+    """Bounds a template exceeds whatever its context: constant widths; a template of constants is
+    rendered, the constant sub-expressions of the others evaluated, under the run time's bounds."""
+    from jinja2 import meta
+
+    widths = _constant_widths(ast)
+    if widths:
+        return widths[:1]
+
+    if not meta.find_undeclared_variables(ast) - set(env.globals):
+        trees: list[jnodes.Template] = [ast]
+    else:
+        trees = []
+        for expr in _risky_constants(ast, env):
+            tree = jnodes.Template([jnodes.Assign(jnodes.Name("_", "store"), expr)])
+            tree.set_environment(env)
+            tree.set_lineno(expr.lineno)
+            trees.append(tree)
+    for tree in trees:
+        try:
+            _bounded(lambda t=tree: _stream(env.from_string(t), {}))  # type: ignore[misc]
+        except _Exceeded as e:
+            return [f"template exceeds a bound: {e}"]
+        except SecurityError as e:
+            if "too large" in str(e):
+                return [f"template exceeds a bound: {e}"]
+        except (MemoryError, RecursionError) as e:
+            return [f"template exceeds a bound: {type(e).__name__}"]
+        except Exception:  # other errors depend on the run (or are reported above)
+            continue
+    return []
 
 
 def _parse(source: str, expression: bool) -> jnodes.Template | None:
