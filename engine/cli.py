@@ -180,7 +180,7 @@ def main(log_format: str) -> None:
     \b
     Exit codes: 0 ok (also: nothing to do), 1 a step or verification failed,
     2 usage or invalid runbook, 3 blocked (precondition, guard, lock), 4 cancelled,
-    5 stale plan or invalid approval.
+    5 stale plan or invalid approval, 6 journal unavailable (locked, full, read-only, corrupt).
     """
     from engine.logformat import configure_logging
 

@@ -1,7 +1,8 @@
 """One root error, a subclass per phase; each maps to a CLI exit code.
 
 Exit codes are a contract (README, issue #3): 0 success, 1 failed, 2 usage/invalid,
-3 blocked, 4 cancelled, 5 stale plan or invalid approval.
+3 blocked, 4 cancelled, 5 stale plan or invalid approval, 6 the journal cannot be read or written
+(locked, disk full, read-only, corrupt: issue #14).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ class ExitCode:
     BLOCKED = 3
     CANCELLED = 4
     STALE = 5
+    JOURNAL = 6
 
 
 class RunbookError(Exception):
@@ -98,10 +100,23 @@ class Cancelled(RunbookError):
     exit_code = ExitCode.CANCELLED
 
 
+class LockLost(Cancelled):
+    """The node's Lease is no longer this run's (taken over, deleted, or not renewed in time): the
+    run stops before its next action (exit 4, cancelled)."""
+
+
 class StalePlan(RunbookError):
     """A saved plan no longer matches reality, or an approval names another plan."""
 
     exit_code = ExitCode.STALE
+
+
+class JournalError(RunbookError):
+    """The journal cannot be opened, read or written (locked by another writer past the wait, disk
+    full, read-only, corrupt). One line naming the file and the cause; nothing more is done, and no
+    action whose intent could not be recorded is taken."""
+
+    exit_code = ExitCode.JOURNAL
 
 
 class ConnectorError(RunbookError):

@@ -56,7 +56,7 @@ from typing import Any, Protocol
 from engine import checks as chk
 from engine.actions import KubeEffect, NoOp, ansible_command, kube_effect, select_pods
 from engine.connectors.base import KubeAPI, NodeAutomation, PlaybookResult
-from engine.errors import ExitCode, HostError, KubeError, PlanError, RunbookError
+from engine.errors import ExitCode, HostError, KubeError, LockLost, PlanError, RunbookError
 from engine.facts import Facts, HostFacts, NodeFacts
 from engine.model import (
     AnsibleAction,
@@ -178,7 +178,8 @@ class Executor:
                  sleep: Callable[[float], None] = time.sleep, wall: Callable[[], float] = time.time,
                  cancel: threading.Event | None = None, poll_interval: float = 2.0,
                  max_poll_interval: float = 10.0, watch_chunk: float = 15.0,
-                 inventory_cmd_hint: str = "INVENTORY", host_facts_max_age: float = 10.0) -> None:
+                 inventory_cmd_hint: str = "INVENTORY", host_facts_max_age: float = 10.0,
+                 fence: Callable[[], Mapping[str, Any]] | None = None) -> None:
         self.kube = kube
         self.nodes = nodes
         self.events = events
@@ -195,6 +196,9 @@ class Executor:
         # used for a step's skip_if/guards and for the report instead of a new Ansible facts run.
         # Node and object reads are always live; verification polls always gather anew. 0: off.
         self.host_facts_max_age = host_facts_max_age
+        # Fencing (engine.locks.NodeLock.fence): asked right before each action's intent; returns
+        # the token journaled with it, or raises LockLost (the node's Lease is no longer ours).
+        self.fence = fence
         # per run
         self._runbook_steps: dict[str, Step] | None = None
         self._plan: Plan | None = None
@@ -349,6 +353,9 @@ class Executor:
                                                                  confirm_rerun, action_finished)
         except _StepEnd as end:
             status, reason, evidence, attempts = end.status, end.reason, end.evidence, end.attempts
+        except LockLost as e:  # the fence refused the action: nothing was done, the run stops
+            self.cancel.set()
+            status, reason, evidence = StepStatus.CANCELLED, f"not acted: {e}", {"lock_lost": str(e)}
         return StepOutcome(step=step.id, status=status, reason=reason, attempts=attempts, started_at=started,
                            finished_at=self.wall(), evidence=jsonable(evidence))
 
@@ -500,6 +507,12 @@ class Executor:
     # Acting
     # ----------------------------------------------------------------------------------------
 
+    def _intent(self, step_id: str, **data: Any) -> None:
+        """``action.intent``, after the fence: the node's Lease is still ours (its token goes with it)."""
+        if self.fence is not None:
+            data["fence"] = dict(self.fence())
+        self.events.emit("action.intent", step=step_id, **data)
+
     def _act(self, step_id: str, action: Any, facts: Facts, *, rollback: bool) -> _ActResult:
         if isinstance(action, KubeAction):
             return self._act_kube(step_id, action, facts, rollback=rollback)
@@ -513,8 +526,8 @@ class Executor:
         if isinstance(verb, KubeWait):
             effect = kube_effect(verb, NodeFacts(name=self._node))
             assert isinstance(effect, KubeEffect) and effect.wait_seconds is not None
-            emit("action.intent", step=step_id, action="kube", verb="wait", command=effect.command,
-                 summary=effect.summary, rollback=rollback)
+            self._intent(step_id, action="kube", verb="wait", command=effect.command,
+                         summary=effect.summary, rollback=rollback)
             if not rollback:
                 self._test_kill(step_id, "before-action")
             deadline = self.clock() + effect.wait_seconds
@@ -542,8 +555,8 @@ class Executor:
                 return _ActResult(ok=True, summary=effect_or_noop.reason, noop=True)
             effect = effect_or_noop
             if not intent_sent:
-                emit("action.intent", step=step_id, action="kube", verb=effect.verb, command=effect.command,
-                     summary=effect.summary, rollback=rollback)
+                self._intent(step_id, action="kube", verb=effect.verb, command=effect.command,
+                             summary=effect.summary, rollback=rollback)
                 intent_sent = True
                 if not rollback:
                     self._test_kill(step_id, "before-action")
@@ -604,8 +617,8 @@ class Executor:
             extravars.setdefault("runbook_files", files)
         command = ansible_command(spec, host, inventory=self.inventory_cmd_hint, extravars=extravars)
         summary = f"run playbook {spec.playbook} on {host}" + (" as root" if spec.become else "")
-        emit("action.intent", step=step_id, action="ansible", verb="playbook", command=command, summary=summary,
-             rollback=rollback)
+        self._intent(step_id, action="ansible", verb="playbook", command=command, summary=summary,
+                     rollback=rollback)
         if not rollback:
             self._test_kill(step_id, "before-action")
         if self.nodes is None:

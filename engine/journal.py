@@ -13,6 +13,12 @@ machine (killed, crashed, machine rebooted) reads as ``interrupted``, however it
 run the engine stopped because the API server or a host went away (stored ``interrupted``).
 :meth:`Journal.progress` tells a resume which steps are done and which one was left half-way.
 
+Faults (issue #14): a journal locked by another writer is waited for at most ``LOCK_TIMEOUT``
+(30 s); past it, or when the disk is full, the file or its folder is read-only, or the file is
+corrupt, every operation raises ``JournalError``: one line naming the file and the cause (exit 6,
+no traceback without ``--debug``). A write that failed is rolled back, and the executor's sink
+raising on ``action.intent`` means that action is never taken.
+
 Secrets never reach the journal: :func:`redact` removes values whose keys look secret, and
 callers register known secret values (become password, tokens) with :meth:`Journal.add_secret`
 so they are masked wherever they appear.
@@ -20,6 +26,7 @@ so they are masked wherever they appear.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -34,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.errors import RunbookError, StalePlan, UsageError
+from engine.errors import JournalError, StalePlan, UsageError
 
 ACTIVE_STATES = ("pending", "waiting-approval", "running")
 FINAL_STATES = ("succeeded", "failed", "blocked", "cancelled")
@@ -42,6 +49,7 @@ RESUMABLE_STATES = ("interrupted",)
 DONE_STEP_STATUSES = ("succeeded", "skipped")  # a step with one of these outcomes is never redone
 _events_log = logging.getLogger("runbook.events")
 SECRET_KEY_MARKERS = ("password", "secret", "token", "authorization", "become_pass")
+LOCK_TIMEOUT = 30.0  # seconds a write waits for another writer's lock before giving up
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -202,6 +210,51 @@ class StepProgress:
     rollback_started: bool = False
 
 
+def journal_fault(path: Path, what: str, error: BaseException, *, lock_timeout: float = LOCK_TIMEOUT) -> JournalError:
+    """One line naming the journal file, what was being done and why it failed."""
+    name = str(getattr(error, "sqlite_errorname", "") or "")
+    text = str(error) or type(error).__name__
+    if name.startswith(("SQLITE_BUSY", "SQLITE_LOCKED")) or "locked" in text:
+        cause = f"locked by another process for more than {lock_timeout:g}s"
+    elif name.startswith("SQLITE_FULL") or "disk is full" in text or _no_space_left(path) or \
+            (isinstance(error, OSError) and error.errno == 28):
+        cause = "the disk is full"
+    elif name.startswith("SQLITE_READONLY") or "readonly" in text or "read-only" in text or _read_only(path) or \
+            (isinstance(error, OSError) and error.errno == 30):
+        cause = "the file or its folder is read-only"
+    elif name.startswith(("SQLITE_NOTADB", "SQLITE_CORRUPT")) or "not a database" in text or "malformed" in text:
+        cause = "the file is corrupt or not a runbook journal"
+    elif name.startswith("SQLITE_CANTOPEN") or isinstance(error, PermissionError):
+        cause = "the file cannot be opened (missing folder or permissions)"
+    elif name.startswith("SQLITE_IOERR"):
+        cause = "an I/O error (disk full or failing?)"
+    else:
+        cause = "an error"
+    detail = " ".join(text.split())
+    return JournalError(f"{path}: cannot {what}: {cause} ({detail})")
+
+
+def _no_space_left(path: Path) -> bool:
+    """The journal's file system has no free block (SQLite may report it as an I/O error)."""
+    try:
+        st = os.statvfs(path.parent)
+    except OSError:
+        return False
+    return st.f_bavail == 0 and st.f_blocks > 0
+
+
+def _read_only(path: Path) -> bool:
+    """The journal's file system is mounted read-only, or the file or its folder is not writable
+    (SQLite may only say it "cannot open" the file)."""
+    try:
+        if os.statvfs(path.parent).f_flag & os.ST_RDONLY:
+            return True
+    except OSError:
+        return False
+    target = path if path.exists() else path.parent
+    return not os.access(target, os.W_OK) or not os.access(path.parent, os.W_OK)
+
+
 def _iso(ts: float | None) -> str | None:
     if ts is None:
         return None
@@ -211,22 +264,44 @@ def _iso(ts: float | None) -> str | None:
 class Journal:
     """One SQLite file, safe for several processes (WAL) and threads (a lock per connection)."""
 
-    def __init__(self, path: Path | str | None = None) -> None:
+    def __init__(self, path: Path | str | None = None, *, lock_timeout: float = LOCK_TIMEOUT) -> None:
         self.path = Path(path) if path else default_journal_path()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.lock_timeout = lock_timeout
         self._lock = threading.RLock()
         self._secrets: set[str] = set()
         try:
-            self._db = sqlite3.connect(self.path, timeout=30, check_same_thread=False, isolation_level=None)
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=FULL")
-            self._db.executescript(_SCHEMA)
-        except sqlite3.DatabaseError as e:
-            raise RunbookError(f"{self.path}: cannot open the journal: {e}") from e
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise journal_fault(self.path, "create the journal's folder", e) from e
+        db: sqlite3.Connection | None = None
+        try:
+            db = sqlite3.connect(self.path, timeout=lock_timeout, check_same_thread=False, isolation_level=None)
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=FULL")
+            if db.execute("SELECT COUNT(*) FROM sqlite_master WHERE name IN ('runs', 'events')").fetchone()[0] < 2:
+                db.executescript(_SCHEMA)
+            db.execute("SELECT id FROM runs LIMIT 1").fetchall()  # a corrupt file fails here, at open
+        except (sqlite3.Error, OSError) as e:
+            if db is not None:
+                with contextlib.suppress(sqlite3.Error):
+                    db.close()
+            raise journal_fault(self.path, "open the journal", e, lock_timeout=lock_timeout) from e
+        self._db = db
 
     def close(self) -> None:
         with self._lock:
             self._db.close()
+
+    def _fault(self, what: str, error: BaseException) -> JournalError:
+        return journal_fault(self.path, what, error, lock_timeout=self.lock_timeout)
+
+    @contextmanager
+    def _reading(self, what: str) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            try:
+                yield self._db
+            except sqlite3.Error as e:
+                raise self._fault(what, e) from e
 
     def add_secret(self, value: str | None) -> None:
         """Mask this exact value wherever it would be written."""
@@ -237,15 +312,24 @@ class Journal:
         return json.dumps(redact(value, frozenset(self._secrets)), default=str, sort_keys=True)
 
     @contextmanager
-    def _tx(self) -> Iterator[sqlite3.Connection]:
+    def _tx(self, what: str = "write to the journal") -> Iterator[sqlite3.Connection]:
+        """One write transaction (waits ``lock_timeout`` for another writer). Any failure, the
+        commit's included, rolls it back and raises ``JournalError`` (or the caller's exception)."""
         with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.execute("BEGIN IMMEDIATE")
+            except sqlite3.Error as e:
+                raise self._fault(what, e) from e
             try:
                 yield self._db
-            except BaseException:
-                self._db.execute("ROLLBACK")
+                self._db.execute("COMMIT")
+            except BaseException as e:
+                if self._db.in_transaction:
+                    with contextlib.suppress(sqlite3.Error):
+                        self._db.execute("ROLLBACK")
+                if isinstance(e, sqlite3.Error):
+                    raise self._fault(what, e) from e
                 raise
-            self._db.execute("COMMIT")
 
     # -- runs ---------------------------------------------------------------------------------
 
@@ -254,7 +338,7 @@ class Journal:
                    approval_required: bool = False) -> str:
         run_id = run_id or new_run_id()
         pid = os.getpid()
-        with self._tx() as db:
+        with self._tx("record a new run") as db:
             db.execute(
                 "INSERT INTO runs (id, runbook, params, nodes, state, source, approval_required, created,"
                 " owner_host, owner_pid, owner_start, heartbeat) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
@@ -293,7 +377,7 @@ class Journal:
 
     def set_state(self, run_id: str, state: str, *, exit_code: int | None = None) -> None:
         now = time.time()
-        with self._tx() as db:
+        with self._tx(f"record state {state} of run {run_id}") as db:
             if state == "running":
                 db.execute("UPDATE runs SET state=?, started=COALESCE(started, ?), finished=NULL,"
                            " exit_code=NULL WHERE id=?", (state, now, run_id))
@@ -325,9 +409,9 @@ class Journal:
         return self.get_run(run_id)
 
     def get_run(self, run_id: str) -> RunRecord:
-        with self._lock:
-            row = self._db.execute("SELECT * FROM runs WHERE id=?", (run_id,)).fetchone()
-            cols = [d[0] for d in self._db.execute("SELECT * FROM runs LIMIT 0").description]
+        with self._reading(f"read run {run_id}") as db:
+            row = db.execute("SELECT * FROM runs WHERE id=?", (run_id,)).fetchone()
+            cols = [d[0] for d in db.execute("SELECT * FROM runs LIMIT 0").description]
         if row is None:
             raise UsageError(f"unknown run id {run_id!r}")
         return self._record(dict(zip(cols, row, strict=True)))
@@ -340,8 +424,8 @@ class Journal:
             args.extend(states)
         q += " ORDER BY created DESC LIMIT ?"
         args.append(limit)
-        with self._lock:
-            cur = self._db.execute(q, args)
+        with self._reading("list runs") as db:
+            cur = db.execute(q, args)
             cols = [d[0] for d in cur.description]
             rows = cur.fetchall()
         return [self._record(dict(zip(cols, r, strict=True))) for r in rows]
@@ -366,7 +450,7 @@ class Journal:
 
     def append(self, run_id: str, kind: str, step: str | None = None, **data: Any) -> int:
         """Append one event durably; returns its sequence number."""
-        with self._tx() as db:
+        with self._tx(f"record event {kind} of run {run_id}") as db:
             (seq,) = db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM events WHERE run_id=?",
                                 (run_id,)).fetchone()
             db.execute("INSERT INTO events (run_id, seq, ts, kind, step, data) VALUES (?,?,?,?,?,?)",
@@ -375,8 +459,8 @@ class Journal:
         return int(seq)
 
     def events(self, run_id: str) -> list[EventRecord]:
-        with self._lock:
-            rows = self._db.execute(
+        with self._reading(f"read the events of run {run_id}") as db:
+            rows = db.execute(
                 "SELECT run_id, seq, ts, kind, step, data FROM events WHERE run_id=? ORDER BY seq",
                 (run_id,)).fetchall()
         return [EventRecord(r[0], r[1], r[2], r[3], r[4], json.loads(r[5])) for r in rows]

@@ -5,20 +5,43 @@ The Lease ``runbook-node-<node>`` in namespace ``kube-system`` (configurable) na
 released at the end, and taken over only after it expired or by the same run (a resume).
 CLI runs and server runs take the same Lease, so two servers, or a server and a person, never
 remediate one node at once. Optimistic concurrency (resourceVersion, HTTP 409) settles races.
+
+Expiry is judged the way client-go's leader election judges it: by how long *this process* has
+observed the Lease unchanged (same resourceVersion, holder and renewTime), on its own monotonic
+clock. The holder's ``renewTime`` is another machine's wall clock: it is shown to people, never
+compared with ours, so a machine whose clock runs minutes ahead cannot take a live Lease, and an
+abandoned one is taken over after about its TTL of observation.
+
+The holder side mirrors it. A renewal thread renews at TTL/3; every outcome of every attempt
+ends in one of two states: renewed, or lost. An error (API away, a 409 whose re-read fails too,
+anything unexpected, the thread itself failing) is retried until the *renew deadline* (2/3 of the
+TTL since the last confirmed renewal); past it the Lease counts as lost, before anyone else could
+have observed it unchanged for a whole TTL. Lost means ``on_lost`` is told once (the run journals
+``lock.lost`` and is cancelled) and the fence refuses every further action.
+
+Fencing: :meth:`NodeLock.fence` is called right before each action's intent is recorded. It
+re-reads the Lease and checks it is still ours with the same ``leaseTransitions`` as when we took
+it; it returns the token journaled with the intent, or raises ``LockLost``.
+
+What it must not do: compare its wall clock with a ``renewTime``, act on a Lease it is not sure
+it still holds, or let the renewal thread end without saying so.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from engine.connectors.base import KubeAPI, LeaseRecord
-from engine.errors import Conflict, KubeError, LockHeld
+from engine.errors import Conflict, KubeError, LockHeld, LockLost
 
 DEFAULT_NAMESPACE = "kube-system"
 DEFAULT_TTL_SECONDS = 120
+RENEW_DEADLINE_FRACTION = 2 / 3  # of the TTL, since the last confirmed renewal (client-go: 10 s of 15 s)
 
 
 def lease_name(node: str) -> str:
@@ -29,20 +52,62 @@ def holder_for(run_id: str) -> str:
     return f"runbook/{run_id}"
 
 
+@dataclass(frozen=True)
+class FenceToken:
+    """Who may act on the node right now: our holder identity and the Lease's transition count."""
+
+    lease: str  # namespace/name
+    holder: str
+    transitions: int
+    resource_version: str
+
+    def as_event(self) -> dict[str, Any]:
+        return {"lease": self.lease, "holder": self.holder, "transitions": self.transitions,
+                "resource_version": self.resource_version}
+
+
 @dataclass
 class NodeLock:
-    """A held Lease. ``release()`` is idempotent; a background thread renews it at TTL/3 and calls
-    ``on_lost`` if it finds another holder (our renewals failed for longer than the TTL)."""
+    """A held Lease. ``release()`` is idempotent. ``start_renewing()`` starts the renewal thread;
+    ``fence()`` is asked before each action. ``lost`` names the new holder (or the cause) once the
+    Lease is no longer ours; ``on_lost`` is told so once, from whichever thread found out."""
 
     kube: KubeAPI
     node: str
     run_id: str
     lease: LeaseRecord
     ttl: int
+    clock: Callable[[], float] = time.monotonic
     _stop: threading.Event | None = None
     _thread: threading.Thread | None = None
-    lost: str | None = None  # set when a renewal found another holder
+    lost: str | None = None  # set when the Lease is no longer ours: the new holder, or "(unknown)"
+    lost_reason: str = ""
     on_lost: Callable[[str], None] | None = None  # told the new holder (the run must stop acting)
+    renewed_at: float = field(default=0.0)  # our monotonic time of the last confirmed renewal
+    transitions: int = field(default=0, init=False)  # leaseTransitions of our tenure
+    _state_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        self.renewed_at = self.clock()
+        self.transitions = self.lease.transitions  # our tenure: another holder's take-over changes it
+
+    @property
+    def holder(self) -> str:
+        return holder_for(self.run_id)
+
+    @property
+    def renew_interval(self) -> float:
+        return max(1.0, self.ttl / 3)
+
+    @property
+    def retry_interval(self) -> float:
+        return max(0.5, self.ttl / 15)
+
+    @property
+    def renew_deadline(self) -> float:
+        return self.ttl * RENEW_DEADLINE_FRACTION
+
+    # -- renewal --------------------------------------------------------------------------------
 
     def start_renewing(self) -> None:
         self._stop = threading.Event()
@@ -50,20 +115,115 @@ class NodeLock:
         self._thread.start()
 
     def _renew_loop(self) -> None:
-        assert self._stop is not None
-        while not self._stop.wait(max(1.0, self.ttl / 3)):
-            try:
-                self.lease = self.kube.update_lease(self.lease, holder_for(self.run_id), self.ttl, acquire=False)
-            except Conflict:
-                current = self.kube.read_lease(self.lease.namespace, self.lease.name)
-                if current is None or current.holder != holder_for(self.run_id):
-                    self.lost = current.holder if current else "(deleted)"
-                    if self.on_lost is not None:
-                        self.on_lost(self.lost)
+        stop = self._stop
+        assert stop is not None
+        try:
+            wait = self.renew_interval
+            while not stop.wait(wait):
+                if self.lost is not None:
                     return
-                self.lease = current
-            except KubeError:
-                continue  # API briefly away: keep trying until the TTL would run out
+                ok = self.renew_once()
+                if self.lost is not None:
+                    return
+                wait = self.renew_interval if ok else self.retry_interval
+        except BaseException as e:  # never die silently: a thread that cannot renew has lost the Lease
+            self._lose("(unknown)", f"the renewal thread failed: {type(e).__name__}: {e}")
+
+    def renew_once(self) -> bool:
+        """One renewal attempt. True: renewed. False: not renewed this time (the Lease is still ours
+        if ``lost`` is None, and the next attempt comes after ``retry_interval``)."""
+        error = ""
+        try:
+            self._adopt(self.kube.update_lease(self.lease, self.holder, self.ttl, acquire=False), renewed=True)
+            return True
+        except Conflict:
+            # Someone wrote the Lease since our last renewal, or our own last write went through
+            # unanswered. Read it: another holder (or another tenure) means lost.
+            try:
+                current = self.kube.read_lease(self.lease.namespace, self.lease.name)
+            except Exception as e:  # the API went away during the re-read: retry until the deadline
+                error = f"409 on renewal, then the re-read failed: {type(e).__name__}: {e}"
+            else:
+                if not self._still_ours(current) or current is None:
+                    return False
+                self.lease = current  # ours still: renew on the fresh resourceVersion at once
+                try:
+                    self._adopt(self.kube.update_lease(current, self.holder, self.ttl, acquire=False),
+                                renewed=True)
+                    return True
+                except Exception as e:
+                    error = f"renewal after a 409 failed: {type(e).__name__}: {e}"
+        except Exception as e:  # KubeError (API away) or anything unexpected: retried, never ignored
+            error = f"{type(e).__name__}: {e}"
+        self._check_deadline(error)
+        return False
+
+    def _adopt(self, lease: LeaseRecord, *, renewed: bool) -> None:
+        with self._state_lock:
+            if self.lost is None:
+                self.lease = lease
+                if renewed:
+                    self.renewed_at = self.clock()
+
+    def _still_ours(self, current: LeaseRecord | None) -> bool:
+        """False (and the Lease marked lost) when ``current`` is not our tenure any more."""
+        if current is None:
+            self._lose("(deleted)", f"Lease {self._where()} was deleted")
+            return False
+        if current.holder != self.holder:
+            self._lose(current.holder or "(released)", f"Lease {self._where()} is now held by "
+                       f"{current.holder or 'nobody'}")
+            return False
+        if current.transitions != self.transitions:
+            self._lose(current.holder, f"Lease {self._where()} changed hands since we took it "
+                       f"(leaseTransitions {self.transitions} -> {current.transitions})")
+            return False
+        return True
+
+    def _check_deadline(self, error: str) -> None:
+        since = self.clock() - self.renewed_at
+        if since >= self.renew_deadline:
+            self._lose("(unknown)", f"Lease {self._where()} not renewed for {since:.0f}s (renew deadline "
+                       f"{self.renew_deadline:.0f}s of its {self.ttl}s TTL): another run may take it; "
+                       f"last error: {error or 'none'}")
+
+    def _lose(self, holder: str, reason: str) -> None:
+        with self._state_lock:
+            if self.lost is not None:
+                return
+            self.lost, self.lost_reason = holder, reason
+        if self._stop is not None:
+            self._stop.set()
+        if self.on_lost is not None:
+            # A failing callback (journal full) changes nothing: the fence refuses every action.
+            with contextlib.suppress(Exception):
+                self.on_lost(holder)
+
+    def _where(self) -> str:
+        return f"{self.lease.namespace}/{self.lease.name}"
+
+    # -- fencing --------------------------------------------------------------------------------
+
+    def fence(self) -> dict[str, Any]:
+        """The token to journal with the next action, if the Lease is still ours; else ``LockLost``.
+
+        The Lease is re-read: another holder, another ``leaseTransitions`` or no Lease means lost.
+        If the read fails, our own record decides: a renewal confirmed less than the renew deadline
+        ago means nobody can have taken the Lease yet (they must observe it unchanged for a TTL)."""
+        if self.lost is None:
+            try:
+                current = self.kube.read_lease(self.lease.namespace, self.lease.name)
+            except Exception as e:
+                self._check_deadline(f"fence read failed: {type(e).__name__}: {e}")
+            else:
+                if self._still_ours(current):
+                    self._check_deadline("")
+        if self.lost is not None:
+            raise LockLost(f"node {self.node}: the run no longer holds its Lease ({self.lost_reason}); "
+                           "nothing more is done")
+        return FenceToken(self._where(), self.holder, self.transitions, self.lease.resource_version).as_event()
+
+    # -- release --------------------------------------------------------------------------------
 
     def release(self) -> None:
         if self._stop is not None:
@@ -73,39 +233,54 @@ class NodeLock:
             self._stop = None
         try:
             current = self.kube.read_lease(self.lease.namespace, self.lease.name)
-            if current is not None and current.holder == holder_for(self.run_id):
+            if current is not None and current.holder == self.holder and current.transitions == self.transitions:
                 self.kube.delete_lease(current)
         except KubeError:
             pass  # the TTL frees it; never fail a finished run over its lock
 
 
+def _observed_key(lease: LeaseRecord) -> tuple[Any, ...]:
+    return (lease.resource_version, lease.holder, lease.renew_time, lease.transitions, lease.duration_seconds)
+
+
 def acquire_node_lock(kube: KubeAPI, node: str, run_id: str, *, namespace: str = DEFAULT_NAMESPACE,
                       ttl: int = DEFAULT_TTL_SECONDS, wait: float = 0.0,
-                      clock: Callable[[], float] = time.time,
-                      sleep: Callable[[float], None] = time.sleep) -> NodeLock:
+                      clock: Callable[[], float] = time.monotonic,
+                      sleep: Callable[[float], None] = time.sleep,
+                      wall: Callable[[], float] = time.time) -> NodeLock:
     """Take the node's Lease for ``run_id`` or raise LockHeld naming the holder.
 
-    Waits up to ``wait`` seconds for another holder's Lease to be released or to expire.
-    An API error counts as "held" (guards fail closed).
+    A free, released or own Lease is taken at once. Another holder's Lease is taken only once this
+    process has observed it unchanged for its whole ``leaseDurationSeconds`` on ``clock`` (monotonic):
+    that needs ``wait`` of at least the TTL. ``wall`` only words the message ("renewed 30s ago" by
+    our clock). An API error counts as "held" (guards fail closed).
     """
     deadline = clock() + wait
     name = lease_name(node)
     mine = holder_for(run_id)
+    observed: tuple[Any, ...] | None = None
+    observed_since = clock()
     while True:
         try:
             current = kube.read_lease(namespace, name)
             if current is None:
                 lease = kube.create_lease(namespace, name, mine, ttl)
-                return NodeLock(kube, node, run_id, lease, ttl)
-            expired = clock() > current.renew_time + current.duration_seconds
+                return NodeLock(kube, node, run_id, lease, ttl, clock=clock)
+            now = clock()
+            if _observed_key(current) != observed:
+                observed, observed_since = _observed_key(current), now
+            unchanged_for = now - observed_since
+            expired = unchanged_for >= max(1, current.duration_seconds)
             if current.holder == mine or expired or not current.holder:
                 lease = kube.update_lease(current, mine, ttl, acquire=current.holder != mine)
-                return NodeLock(kube, node, run_id, lease, ttl)
+                return NodeLock(kube, node, run_id, lease, ttl, clock=clock)
             reason = (f"node {node} is being remediated by {current.holder} "
-                      f"(Lease {namespace}/{name}, renewed {clock() - current.renew_time:.0f}s ago, "
-                      f"TTL {current.duration_seconds}s)")
+                      f"(Lease {namespace}/{name}, renewed {wall() - current.renew_time:.0f}s ago, "
+                      f"TTL {current.duration_seconds}s; seen unchanged for {unchanged_for:.0f}s here: it is "
+                      f"taken over after {current.duration_seconds}s unchanged, --lock-wait)")
         except Conflict:
             reason = f"node {node}: another run took Lease {namespace}/{name} at the same moment"
+            observed = None
         except KubeError as e:
             raise LockHeld(f"node {node}: cannot read Lease {namespace}/{name}: {e}") from e
         if clock() >= deadline:

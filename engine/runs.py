@@ -162,9 +162,11 @@ class RunService:
             lock = acquire_node_lock(kube, prepared.node, run_id, ttl=self.lock_ttl, wait=self.lock_wait)
 
             def lost(holder: str) -> None:
-                # Someone else remediates the node now: stop before the next action.
-                journal.append(run_id, "lock.lost", node=prepared.node, holder=holder)
+                # Someone else may remediate the node now: stop before the next action (the fence
+                # refuses it anyway), then say so.
                 cancel.set()
+                journal.append(run_id, "lock.lost", node=prepared.node, holder=holder,
+                               reason=lock.lost_reason if lock is not None else "")
 
             lock.on_lost = lost
             lock.start_renewing()
@@ -187,7 +189,8 @@ class RunService:
         sink = Fanout(JournalSink(journal, run_id), self.live)
         try:
             result = self._run_executor(prepared, plan, kube, nodes, sink, cancel=cancel, approve=approver,
-                                        approved=approved, confirm_rerun=confirm_rerun, progress=progress)
+                                        approved=approved, confirm_rerun=confirm_rerun, progress=progress,
+                                        fence=lock.fence)
         except (KeyboardInterrupt, SystemExit) as e:
             # The operator insisted (a third Ctrl-C): the run is not finished, and resumable.
             journal.append(run_id, "run.error", error=f"{type(e).__name__}: stopped at once by the operator")
@@ -217,12 +220,12 @@ class RunService:
     def _run_executor(self, prepared: api.PreparedRun, plan: Plan, kube: KubeAPI, nodes: NodeAutomation | None,
                       sink: Any, *, cancel: threading.Event | None, approve: Callable[[str | None], bool | None],
                       approved: bool, confirm_rerun: Callable[[str, str], bool] | None,
-                      progress: StepProgress) -> RunResult:
+                      progress: StepProgress, fence: Callable[[], Mapping[str, Any]] | None = None) -> RunResult:
         """``engine.api.run``, plus where a resumed run's half-done step stands."""
         from engine.execution import Executor
 
         executor = Executor(kube, nodes, events=sink, playbooks_dir=prepared.loaded.playbooks_dir, cancel=cancel,
-                            inventory_cmd_hint=str(self.settings.inventory or "INVENTORY"),
+                            inventory_cmd_hint=str(self.settings.inventory or "INVENTORY"), fence=fence,
                             **dict(self.executor_options))
         return executor.execute(plan, prepared.runbook, prepared.params, completed_steps=progress.completed,
                                 started_without_outcome=progress.interrupted_step, confirm_rerun=confirm_rerun,

@@ -301,7 +301,8 @@ class FakeKube:
             raise Conflict("stale lease", status=409)
         rec = replace(cur, holder=holder, duration_seconds=duration_seconds,
                       acquire_time=self.clock.wall() if acquire else cur.acquire_time, renew_time=self.clock.wall(),
-                      resource_version=str(int(cur.resource_version) + 1))
+                      resource_version=str(int(cur.resource_version) + 1),
+                      transitions=cur.transitions + (1 if acquire and holder != cur.holder else 0))
         self.leases[(lease.namespace, lease.name)] = rec
         return rec
 

@@ -10,9 +10,16 @@ runbook run (or one CLI invocation) and owns:
   masters and removes the dir.
 * the become password, in memory only. It reaches ``ansible-playbook`` through its
   ``--ask-become-pass`` prompt (ansible-runner's ``passwords=``, pexpect): never through the
-  environment, a command line or a file. ansible-runner copies the whole environment into
-  ``artifacts/<id>/command``, so ``RUNBOOK_BECOME_PASSWORD`` is blanked in the child's
-  environment and each run's artifacts folder is deleted as soon as the run ends.
+  environment, a command line or a file.
+* an **allow-listed environment** for ``ansible-playbook`` and everything it starts (issue #14):
+  what Ansible, SSH and the locale need (``CHILD_ENV_ALLOWED``, ``LC_*``), the ``ANSIBLE_*``
+  variables this module sets and the ones ansible-runner sets for its callback, nothing else. The
+  parent's environment is not passed minus a deny-list: a webhook token, a PagerDuty secret, an
+  approval credential, any ``RUNBOOK_*`` secret or a cloud key in the engine's environment never
+  reaches ansible-playbook, its workers, the node hosts or ansible-runner's artifacts (which
+  copy the child's whole environment into ``artifacts/<id>/command``). Each run's artifacts
+  folder is deleted as soon as the run ends; a killed engine's private dir (artifacts included)
+  is swept by the next connector (``sweep_stale_private_dirs``).
 
 Every run streams task events live to ``on_event`` and ends with the host facts that
 ``playbooks/tasks/facts.yml`` publishes (``set_stats`` ``runbook_facts``), parsed here into
@@ -55,7 +62,19 @@ from engine.facts import CudaProcess, FileFacts, GpuDevice, HostFacts, ServiceFa
 FACTS_PLAYBOOK = "node-facts.yml"
 FACTS_FORMAT_VERSION = 1
 RUN_MARKER = "RUNBOOK_ANSIBLE_RUN"  # in the environment of every process of one run
-SECRET_ENV = ("RUNBOOK_BECOME_PASSWORD",)  # blanked in the child environment
+# The only variables of the engine's own environment that reach Ansible's processes (plus LC_*):
+# what ansible-playbook, Python, ssh, sudo's prompt matching and the locale need. RUNBOOK_TEST_TAG
+# is the test suites' marker for counting leftover processes (docs/reliability.md); not a secret.
+CHILD_ENV_ALLOWED = frozenset({
+    "PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TZ", "TERM", "TMPDIR",
+    "SSH_AUTH_SOCK", "PYTHONPATH", "VIRTUAL_ENV", "RUNBOOK_TEST_TAG",
+})
+# Set by ansible-runner itself (its event callback and settings): kept, whatever the parent had.
+_RUNNER_ENV = frozenset({
+    "ANSIBLE_CALLBACK_PLUGINS", "ANSIBLE_STDOUT_CALLBACK", "AWX_ISOLATED_DATA_DIR",
+    "RUNNER_OMIT_EVENTS", "RUNNER_ONLY_FAILED_EVENTS", "ANSIBLE_CACHE_PLUGIN",
+    "ANSIBLE_CACHE_PLUGIN_CONNECTION",
+})
 _BECOME_PROMPT = r"BECOME password[^:\n]*:\s*$"
 DIR_PREFIX = "runbook-ansible-"
 OWNER_FILE = "owner"  # "<pid> <start time>" of the process that made a private data dir
@@ -320,6 +339,17 @@ def as_ansible_data(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [as_ansible_data(v) for v in value]
     return value
+
+
+def child_environment(runner_env: Mapping[str, str], ours: Mapping[str, str],
+                      parent: Mapping[str, str]) -> dict[str, str]:
+    """The environment ansible-playbook gets: from ``parent`` (the engine's) only the allow-listed
+    names and ``LC_*``; every variable we set (``ours``); ansible-runner's own settings from
+    ``runner_env`` (parent + ours + runner's). Nothing else of the parent, whatever its name."""
+    env = {k: v for k, v in parent.items() if k in CHILD_ENV_ALLOWED or k.startswith("LC_")}
+    env.update(ours)
+    env.update({k: v for k, v in runner_env.items() if k in _RUNNER_ENV or k in ours})
+    return {k: str(v) for k, v in env.items()}
 
 
 # ============================================================================ the connector
@@ -672,15 +702,16 @@ class AnsibleConnector:
             "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
             RUN_MARKER: run_id,
             "RUNBOOK_ANSIBLE_DIR": str(d),
+            # ansible-runner appends its callback dir to these: start from nothing, not the parent's
+            "ANSIBLE_CALLBACK_PLUGINS": "",
+            "AWX_LIB_DIRECTORY": "",
         }
-        for name in SECRET_ENV:
-            if name in os.environ:
-                env[name] = ""
         return env
 
     def _run(self, kwargs: dict[str, Any], run_id: str, timeout: float) -> tuple[str, int]:
         """Run ansible-runner in a worker thread; on timeout/cancel/^C kill the process tree."""
         import ansible_runner
+        import ansible_runner.interface
 
         _no_delay_after_close()
 
@@ -688,7 +719,11 @@ class AnsibleConnector:
 
         def work() -> None:
             try:
-                runner = ansible_runner.run(**kwargs)
+                # ansible_runner.run() = init_runner() + run(), with the parent's whole environment
+                # in between: replace it by the allow-listed one before anything starts.
+                runner = ansible_runner.interface.init_runner(**kwargs)
+                runner.config.env = child_environment(runner.config.env, kwargs["envvars"], os.environ)
+                runner.run()
                 box["status"], box["rc"] = runner.status, runner.rc
             except BaseException as e:  # reported in the calling thread
                 box["error"] = e

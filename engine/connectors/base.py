@@ -38,6 +38,7 @@ class LeaseRecord:
     acquire_time: float  # epoch seconds
     renew_time: float
     resource_version: str
+    transitions: int = 0  # spec.leaseTransitions: +1 each time another holder takes it (the fencing token)
 
 
 class KubeAPI(Protocol):

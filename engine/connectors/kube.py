@@ -133,6 +133,7 @@ def lease_record_from_dict(obj: Mapping[str, Any]) -> LeaseRecord:
         acquire_time=parse_time(spec.get("acquireTime")),
         renew_time=parse_time(spec.get("renewTime")),
         resource_version=meta.get("resourceVersion", ""),
+        transitions=int(spec.get("leaseTransitions") or 0),
     )
 
 

@@ -31,7 +31,7 @@ def test_another_runs_live_lease_blocks_naming_its_holder() -> None:
     acquire_node_lock(kube, "omen2", "r-dead", ttl=120, clock=clock.wall, sleep=clock.sleep)
     clock.sleep(30)
     with pytest.raises(LockHeld, match=r"runbook/r-dead .*renewed 30s ago, TTL 120s"):
-        acquire_node_lock(kube, "omen2", "r-new", clock=clock.wall, sleep=clock.sleep)
+        acquire_node_lock(kube, "omen2", "r-new", clock=clock.now, sleep=clock.sleep, wall=clock.wall)
     assert kube.leases[KEY].holder == "runbook/r-dead"
 
 
@@ -95,7 +95,7 @@ def test_a_lease_taken_by_someone_else_is_never_deleted_by_our_release() -> None
     clock, kube = _kube()
     lock = acquire_node_lock(kube, "omen2", "r-1", ttl=30, clock=clock.wall, sleep=clock.sleep)
     clock.sleep(31)  # our renewals stopped (API outage); the TTL ran out and another run took the node
-    acquire_node_lock(kube, "omen2", "r-2", clock=clock.wall, sleep=clock.sleep)
+    acquire_node_lock(kube, "omen2", "r-2", wait=40, clock=clock.wall, sleep=clock.sleep)
     lock.release()
     assert kube.leases[KEY].holder == "runbook/r-2"
 
@@ -110,7 +110,7 @@ def test_a_run_whose_lease_was_taken_over_is_told_to_stop() -> None:
     stopped = threading.Event()
     lock.on_lost = lambda holder: (told.append(holder), stopped.set())
     clock.sleep(10)
-    acquire_node_lock(kube, "omen2", "r-2", clock=clock.wall, sleep=clock.sleep)
+    acquire_node_lock(kube, "omen2", "r-2", wait=10, clock=clock.wall, sleep=clock.sleep)
     lock.start_renewing()  # its first renewal (after TTL/3, at least 1 s) meets the other holder
     assert stopped.wait(10)
     assert told == ["runbook/r-2"] and lock.lost == "runbook/r-2"
