@@ -26,13 +26,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
-
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -40,6 +37,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse as StarletteJSON
 from starlette.responses import Response
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.errors import StalePlan, UsageError
 from engine.serve.access import Access, Identity

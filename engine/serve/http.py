@@ -25,7 +25,7 @@ def header_timeout_protocol(seconds: float) -> type[Any]:
     first request head has not arrived ``seconds`` after they were opened."""
     base: type[Any] = HttpToolsProtocol if HttpToolsProtocol is not None else H11Protocol
 
-    class HeaderDeadlineProtocol(base):  # type: ignore[misc,valid-type]
+    class HeaderDeadlineProtocol(base):
         _header_deadline: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport: Any, *args: Any) -> None:

@@ -21,8 +21,8 @@ import httpx
 
 log = logging.getLogger(__name__)
 MAX_NOTIFICATION_BYTES = 60 * 1024  # every POST stays under 64 KiB whatever an alert carried
-_MAX_FIELD = 4096
-_MAX_WARNINGS = 10
+_MAX_FIELD = 2048
+_MAX_WARNINGS = 5
 _ICONS = {"started": ":arrow_forward:", "waiting-approval": ":raised_hand:", "finished": ":white_check_mark:",
           "failed": ":x:", "blocked": ":no_entry:"}
 
@@ -54,7 +54,8 @@ class Notification:
         return "\n".join(parts)
 
     def payload(self) -> dict[str, Any]:
-        """The POST body, bounded: long fields are cut with a marker, at most 10 warnings."""
+        """The POST body, bounded (< 64 KiB): long fields are cut with a marker, at most 5 warnings,
+        10 extra fields of 1 KiB."""
         b = self.bounded()
         return {"text": b.text(), "runbook_event": {
             "event": b.event, "run_id": b.run_id, "runbook": b.runbook, "node": b.node,
@@ -64,7 +65,9 @@ class Notification:
         warnings = [_cut(w) for w in list(self.warnings)[:_MAX_WARNINGS]]
         if len(self.warnings) > _MAX_WARNINGS:
             warnings.append(f"... and {len(self.warnings) - _MAX_WARNINGS} more warnings")
-        extra = {k: (_cut(v) if isinstance(v, str) else v) for k, v in list(self.extra.items())[:20]}
+        extra = {_cut(str(k), 64): (_cut(v, 1024) if isinstance(v, str) else v if isinstance(v, int | float | None)
+                                   else _cut(str(v), 1024))
+                 for k, v in list(self.extra.items())[:10]}
         return Notification(self.event, _cut(self.runbook, 256), node=_cut(self.node, 256) if self.node else None,
                             run_id=self.run_id, mode=self.mode, reason=_cut(self.reason), warnings=warnings,
                             extra=extra)

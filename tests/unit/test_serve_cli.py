@@ -63,7 +63,7 @@ def test_listening_on_every_address_needs_the_allowed_host_names(
         tmp_path: Path, fake_engine_app: list[ServeConfig], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RUNBOOK_WEBHOOK_TOKEN", "a-sender-token-0123456789")
     settings = Settings(journal=tmp_path / "j.sqlite")
-    with pytest.raises(UsageError, match="auth.allowed_hosts"):
+    with pytest.raises(UsageError, match=r"auth\.allowed_hosts"):
         build_app(settings, None, "0.0.0.0:8080")
     assert fake_engine_app == []  # refused before anything was built
     conf = tmp_path / "serve.yaml"

@@ -42,7 +42,8 @@ pagerduty:
       title_pattern: 'Node (?P<node>[a-z0-9.-]+) is NotReady'
       runbook: gpu-node-recovery
 """)
-    c = load_config(f, env={"RUNBOOK_WEBHOOK_TOKEN": "from-env-0123456789", "RUNBOOK_PAGERDUTY_SECRET": "new-secret-0123456789",
+    c = load_config(f, env={"RUNBOOK_WEBHOOK_TOKEN": "from-env-0123456789",
+                            "RUNBOOK_PAGERDUTY_SECRET": "new-secret-0123456789",
                             "RUNBOOK_NOTIFY_URL": "http://127.0.0.1:9/hook"})
     assert c.listen == "127.0.0.1:9090"
     assert c.webhook_token == "from-env-0123456789"
