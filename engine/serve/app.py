@@ -33,7 +33,7 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse as StarletteJSON
 from starlette.responses import Response
 from starlette.routing import Route
@@ -174,12 +174,15 @@ def release_body(request: Request, budget: BodyBudget) -> None:
 
 
 def _unauthorized() -> JSONResponse:
+    # Why close: an unauthenticated client must not keep a connection by trickling its body
     return JSONResponse({"error": "missing or wrong credentials (Authorization: Bearer <token>)"},
-                        status_code=401, headers={"WWW-Authenticate": 'Bearer realm="runbook"'})
+                        status_code=401, headers={"WWW-Authenticate": 'Bearer realm="runbook"',
+                                                  "Connection": "close"})
 
 
 def _forbidden_role(who: Identity, needs: str) -> JSONResponse:
-    return _error(403, f"credential of {who.name} ({who.role}) may not {needs}")
+    return JSONResponse({"error": f"credential of {who.name} ({who.role}) may not {needs}"}, status_code=403,
+                        headers={"Connection": "close"})
 
 
 def _answer(decisions: list[Decision], **extra: Any) -> tuple[JSONResponse, str]:
@@ -248,6 +251,8 @@ class ServeApp:
             response, outcome = _closing(408, "the body did not arrive in time"), "timeout"
         except ServerBusy:
             response, outcome = _closing(503, "too many requests in flight; retry later"), "busy"
+        except ClientDisconnect:
+            response, outcome = _closing(400, "the client went away"), "disconnected"
         except Exception:
             log.exception("%s failed", endpoint)
             response, outcome = _error(500, "internal error; see the server log"), "error"
