@@ -2,7 +2,8 @@
 
 * ``serving(...)``: ``runbook serve`` as a real subprocess (its own journal, config file, sender
   token, approver tokens for ``alice`` and ``bob``, and port on 127.0.0.1), ready once
-  ``/healthz`` answers; on exit it is stopped with SIGTERM, then SIGKILL, and so is every process it started (ansible-playbook and ssh of a run).
+  ``/healthz`` answers; on exit it is stopped with SIGTERM, then SIGKILL, and so is every process
+  it started (ansible-playbook and ssh of a run).
 * ``alertmanager(...)``: Debian's ``prometheus-alertmanager`` on loopback, gossip off, with a webhook
   receiver that sends ``Authorization: Bearer <token>`` to the server.
 * small probes: a run's state, omen2 as the API shows it, ``runbook lab status -o json``.
