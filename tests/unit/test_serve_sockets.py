@@ -16,6 +16,7 @@ from contextlib import contextmanager, suppress
 from typing import Any
 
 import httpx
+import pytest
 import uvicorn
 
 from engine.lab.ports import free_port
@@ -127,8 +128,13 @@ def test_connections_are_capped_and_the_cap_frees_itself() -> None:
                 s.close()
 
 
-def test_under_a_flood_of_half_sent_bodies_healthz_answers_fast_and_memory_stays_flat() -> None:
-    with live(limits={"body_timeout": 3}) as addr, httpx.Client(base_url=f"http://{addr}", timeout=5) as client:
+@pytest.mark.parametrize("limits", [
+    {"max_body_reads": 1000},  # the byte budget alone bounds memory
+    {"buffered_bytes": 1024 ** 3},  # the cap on bodies in flight alone bounds memory
+], ids=["byte-budget", "bodies-in-flight"])
+def test_under_a_flood_of_half_sent_bodies_healthz_answers_fast_and_memory_stays_flat(limits: dict[str, int]) -> None:
+    with live(limits={"body_timeout": 3, **limits}) as addr, \
+            httpx.Client(base_url=f"http://{addr}", timeout=5) as client:
         assert client.get("/healthz").status_code == 200
         rss0 = _rss_kib()
         flood: list[socket.socket] = []
