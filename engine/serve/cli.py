@@ -107,7 +107,13 @@ def serve(settings: Settings, config_file: Path | None, listen: str | None, *, i
         if missing:
             logging.getLogger(__name__).warning(
                 "no %s credential configured: those requests are all refused (401)", "/".join(missing))
-    uvicorn.run(app, host=host, port=port, log_level="debug" if settings.debug else "info",
+    from uvicorn.config import LOGGING_CONFIG
+
+    from engine.logformat import current_format
+
+    # json: uvicorn's own lines go through the root logger's JSON handler too
+    log_config = None if current_format() == "json" else LOGGING_CONFIG
+    uvicorn.run(app, host=host, port=port, log_level="debug" if settings.debug else "info", log_config=log_config,
                 lifespan="on", **uvicorn_options(config))
     return 0
 
