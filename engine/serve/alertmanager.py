@@ -138,6 +138,12 @@ def _bounded_text(where: str, values: Any, *, max_entries: int, max_bytes: int) 
         return values
     if len(values) > max_entries:
         raise PayloadError(f"{where}: {len(values)} entries, more than the limit of {max_entries}")
+    short = max_bytes // 4  # a string of at most this many characters is at most max_bytes in UTF-8
+    for k, v in values.items():
+        if (isinstance(k, str) and len(k) > short) or (isinstance(v, str) and len(v) > short):
+            break
+    else:
+        return values  # the common case: nothing to cut
     out: dict[Any, Any] = {}
     for k, v in values.items():
         if isinstance(k, str) and len(k) > max_bytes:
@@ -160,34 +166,50 @@ def parse_alertmanager(body: bytes, *, max_alerts: int = 1000, max_labels: int =
     raw_alerts = data.get("alerts")
     if not isinstance(raw_alerts, list):
         raw_alerts = None
-    head = {**data, "alerts": []} if raw_alerts is not None else data
+    head = {**data, "alerts": []} if raw_alerts is not None else dict(data)
     for key in ("groupLabels", "commonLabels", "commonAnnotations"):
         if key in head:
             head[key] = _bounded_text(key, head[key], max_entries=max_labels, max_bytes=max_value_bytes)
+    kept = [_bounded_alert(i, raw, max_labels, max_value_bytes)
+            for i, raw in enumerate((raw_alerts or [])[:max_alerts])]
+    dropped = len(raw_alerts or []) - len(kept)
+    if len(kept) <= 20:  # small (the common case): one validation is cheapest
+        try:
+            return WebhookPayload.model_validate({**head, "alerts": kept} if raw_alerts is not None else head), dropped
+        except ValidationError as e:
+            raise PayloadError(f"not an Alertmanager v4 webhook: {format_validation_error(e)}") from e
     try:
         payload = WebhookPayload.model_validate(head)
     except ValidationError as e:
         raise PayloadError(f"not an Alertmanager v4 webhook: {format_validation_error(e)}") from e
-    kept = (raw_alerts or [])[:max_alerts]
     alerts: list[Alert] = []
     for i, raw in enumerate(kept):
         if i % 20 == 19:
             time.sleep(0)  # let the event loop's thread run (see the docstring)
-        if isinstance(raw, dict):
-            raw = {**raw, **{key: _bounded_text(f"alerts[{i}].{key}", raw[key], max_entries=max_labels,
-                                                max_bytes=max_value_bytes)
-                             for key in ("labels", "annotations") if key in raw}}
-            fp = raw.get("fingerprint")
-            if isinstance(fp, str) and len(fp) > 128:  # a key we keep in memory: bounded
-                raw["fingerprint"] = "sha256-" + hashlib.sha256(fp.encode("utf-8")).hexdigest()
         try:
             alerts.append(Alert.model_validate(raw))
         except ValidationError as e:
             msg = format_validation_error(e).replace("(body)", "", 1)
             raise PayloadError(f"not an Alertmanager v4 webhook: alerts[{i}]"
                                f"{'.' if not msg.startswith(':') else ''}{msg}") from e
-    dropped = len(raw_alerts or []) - len(kept)
     return payload.model_copy(update={"alerts": tuple(alerts)}), dropped
+
+
+def _bounded_alert(i: int, raw: Any, max_labels: int, max_value_bytes: int) -> Any:
+    """One raw alert with its label/annotation maps bounded (copied only when something changes)."""
+    if not isinstance(raw, dict):
+        return raw
+    out = raw
+    for key in ("labels", "annotations"):
+        value = raw.get(key)
+        if value is not None:
+            bounded = _bounded_text(f"alerts[{i}].{key}", value, max_entries=max_labels, max_bytes=max_value_bytes)
+            if bounded is not value:
+                out = {**out, key: bounded}
+    fp = raw.get("fingerprint")
+    if isinstance(fp, str) and len(fp) > 128:  # a key we keep in memory: bounded
+        out = {**out, "fingerprint": "sha256-" + hashlib.sha256(fp.encode("utf-8")).hexdigest()}
+    return out
 
 
 def parse_webhook(body: bytes) -> WebhookPayload:

@@ -71,6 +71,7 @@ _SMALL_BODY = 64 * 1024
 # Bodies up to this size are parsed on the event loop (well under a millisecond: cheaper than the
 # hop to a thread); larger ones in a worker thread, validated in pieces (see parse_alertmanager).
 _INLINE_PARSE_BYTES = 32 * 1024
+_HELD = "runbook.body_bytes"  # scope key: bytes of the byte budget this request holds
 _JSON_POSTS = frozenset({"/hooks/alertmanager", "/hooks/pagerduty", "/breaker/reset"})
 
 
@@ -165,15 +166,14 @@ async def read_body(request: Request, limit: int, *, budget: BodyBudget | None =
         raise
     finally:
         budget.reads -= 1
-    request.state.body_bytes = held
-    return b"".join(chunks)
+    request.scope[_HELD] = held
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def release_body(request: Request, budget: BodyBudget) -> None:
-    held = getattr(request.state, "body_bytes", 0)
+    held = request.scope.pop(_HELD, 0)
     if held:
         budget.bytes -= held
-        request.state.body_bytes = 0
 
 
 def _unauthorized() -> JSONResponse:
