@@ -16,10 +16,13 @@ from typing import Any
 from engine.errors import UsageError
 from engine.model import Param, ParamValue, Runbook
 
-_NODE_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+# Why fullmatch everywhere: ``$`` also matches before a trailing newline, so ``re.match(r"^...$")``
+# let ``omen2\n`` through as a node name.
+_NODE_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 # Printable text without shell, quoting or template metacharacters; a param that needs more
 # declares its own `pattern`.
-_SAFE_STRING = re.compile(r"^[A-Za-z0-9 _.,:/@+=%#-]*$")
+_SAFE_STRING = re.compile(r"[A-Za-z0-9 _.,:/@+=%#-]*")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
 _MAX_STRING = 1024
 _TRUE = {"true", "yes", "on", "1"}
 _FALSE = {"false", "no", "off", "0"}
@@ -29,7 +32,13 @@ def is_node_name(value: str) -> bool:
     """An RFC 1123 subdomain: lowercase, <= 253 characters, dot-separated labels of <= 63."""
     if not value or len(value) > 253:
         return False
-    return all(len(part) <= 63 and _NODE_LABEL.match(part) for part in value.split("."))
+    return all(len(part) <= 63 and _NODE_LABEL.fullmatch(part) for part in value.split("."))
+
+
+def control_character(value: str) -> str | None:
+    """Where ``value`` holds a control character (or a lone surrogate): ``"U+000A at position 5"``."""
+    m = _CONTROL.search(value)
+    return None if m is None else f"U+{ord(m.group()):04X} at position {m.start()}"
 
 
 def validate_node_name(value: str) -> str:
@@ -65,6 +74,9 @@ def coerce_value(name: str, param: Param, value: Any) -> ParamValue:
         return n
     if not isinstance(value, str):
         raise ValueError(f"param {name}: expected a string, got {value!r}")
+    bad = control_character(value)
+    if bad is not None:  # Why: a newline or escape in a param reaches logs, Ansible limits and API paths
+        raise ValueError(f"param {name}: {value[:80]!r} contains a control character ({bad})")
     if kind == "enum":
         assert param.values is not None
         if value not in param.values:
@@ -79,7 +91,7 @@ def coerce_value(name: str, param: Param, value: Any) -> ParamValue:
     if param.pattern is not None:
         if not re.fullmatch(param.pattern, value):
             raise ValueError(f"param {name}: {value!r} does not match {param.pattern}")
-    elif kind == "string" and not _SAFE_STRING.match(value):
+    elif kind == "string" and not _SAFE_STRING.fullmatch(value):
         raise ValueError(f"param {name}: {value!r} contains characters a string param without a "
                          "'pattern' does not accept (quotes, shell or template metacharacters)")
     return value

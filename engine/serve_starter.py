@@ -52,7 +52,8 @@ class JournalRunStarter:
         run_id = self.service.create(
             prepared, None, source=request.source, approval_required=request.mode == "approve",
             note={"mode": request.mode, "reason": request.reason, "warnings": list(request.warnings),
-                  "dedup_key": request.dedup_key})
+                  "dedup_key": request.dedup_key},
+            requested_by=request.requested_by or request.source)
         return RunTicket(run_id=run_id, state=RunState.PENDING.value)
 
     def execute(self, run_id: str) -> RunOutcome:
@@ -114,8 +115,11 @@ class JournalRunStarter:
         rec = self.journal.get_run(run_id)
         events = self.journal.events(run_id)
         notes = [e.data for e in events if e.kind == "run.note"]
+        requested = [e.data.get("by") for e in events if e.kind == "run.requested"]
         return {**rec.summary(), "plan": rec.plan, "warnings": notes[0].get("warnings", []) if notes else [],
                 "reason": notes[0].get("reason", "") if notes else "",
+                "dedup_key": notes[0].get("dedup_key", "") if notes else "",
+                "requested_by": requested[0] if requested else None,
                 "outcome_reason": outcome_reason(events),
                 "events": [e.as_dict() for e in events]}
 

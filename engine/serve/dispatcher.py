@@ -29,12 +29,13 @@ from datetime import datetime
 from typing import Any, Literal
 
 from engine.errors import RunbookError
+from engine.serve.access import Identity
 from engine.serve.alertmanager import Alert, WebhookPayload
 from engine.serve.cluster import ClusterSnapshot, ClusterUnavailable, ClusterView
 from engine.serve.config import ServeConfig
 from engine.serve.guards import Guards, Reservation
 from engine.serve.metrics import ServeMetrics
-from engine.serve.notify import Notification, Notifier
+from engine.serve.notify import Notification, Notifier, RefusalDigest
 from engine.serve.pagerduty import Incident
 from engine.serve.starter import WEBHOOK_SOURCES, Mode, RunOutcome, RunRequest, RunStarter
 from engine.serve.triggers import Candidate, Matches, TriggerIndex
@@ -88,6 +89,17 @@ class NotFound(Exception):
     """No run with that id (HTTP 404)."""
 
 
+class SelfApproval(Exception):
+    """The approver is the identity that requested the run (HTTP 403, ``auth.requester_cannot_approve``)."""
+
+
+def _cut(text: str, limit: int) -> str:
+    data = text.encode("utf-8")
+    if len(data) <= limit:
+        return text
+    return data[: limit - 14].decode("utf-8", "ignore") + "...[truncated]"
+
+
 def _epoch(iso: Any) -> float | None:
     if not isinstance(iso, str) or not iso:
         return None
@@ -125,6 +137,7 @@ class Dispatcher:
         self._alert_runs: dict[str, str] = {}  # alert dedup key -> the run its firing started
         self._stop = threading.Event()
         self._sweeper: threading.Thread | None = None
+        self.digest = RefusalDigest(config.dedup.node_cooldown, clock=clock)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -149,6 +162,16 @@ class Dispatcher:
                 self.guards.track_active(node, run_id, approve=mode == "approve")
             elif state in _FINAL:
                 self.guards.track_ended(node, run_id, _epoch(s.get("finished")) or started)
+            if now - started < self.config.dedup.fingerprint_window:
+                # Why: the alert's fingerprint window promised in docs/serve.md outlives the process
+                key = s.get("dedup_key")
+                if key is None:
+                    try:
+                        key = self.starter.run(run_id).get("dedup_key")
+                    except RunbookError:
+                        key = None
+                if isinstance(key, str) and key:
+                    self.guards.remember(f"{s.get('runbook')}|{key}", started, run_id)
         for run_id in queue_ids:
             if not self.worker.submit(functools.partial(self._execute, run_id), reserved=False):
                 log.warning("worker pool full at start: run %s stays pending until the next start", run_id)
@@ -167,8 +190,25 @@ class Dispatcher:
         while not self._stop.wait(interval):
             try:
                 self.reconcile()
+                self.flush_refusals()
             except Exception:
                 log.exception("reconcile failed")
+
+    def flush_refusals(self, *, force: bool = False) -> None:
+        """Send the aggregate "N alerts refused" notification when its window is over."""
+        summary = self.digest.due(force=force)
+        if summary is not None:
+            self.notifier.notify(summary)
+
+    def refused_excess(self, count: int) -> Decision:
+        """Alerts beyond ``limits.max_alerts`` in one delivery: one decision, counted in the aggregate."""
+        self.digest.count(count, "over-max-alerts")
+        return Decision("rejected", f"{count} alerts beyond limits.max_alerts "
+                        f"({self.config.limits.max_alerts}) in this delivery were not considered")
+
+    def _refusal_notice(self, runbook: str, node: str | None, kind: str, n: Notification) -> None:
+        if self.digest.admit(runbook, node, kind):
+            self.notifier.notify(n)
 
     def reconcile(self) -> None:
         """Runs waiting for approval may time out or be cancelled elsewhere: notice their end."""
@@ -184,14 +224,17 @@ class Dispatcher:
 
     # -- pages --------------------------------------------------------------------------------
 
-    def handle_alerts(self, payload: WebhookPayload) -> list[Decision]:
+    def handle_alerts(self, payload: WebhookPayload, requested_by: str = "alertmanager") -> list[Decision]:
+        self.flush_refusals()
         decisions: list[Decision] = []
-        for alert in payload.alerts:
-            label = alert.describe()
+        for i, alert in enumerate(payload.alerts):
+            if i % 20 == 19:
+                time.sleep(0)  # Why: yield the interpreter so the event loop answers in between
+            label = _cut(alert.describe(), 512)
             if not alert.firing:
                 decisions.append(self._resolved(alert, label))
                 continue
-            decisions += self._decide(self.index.for_alert(alert), label)
+            decisions += self._decide(self.index.for_alert(alert), label, requested_by)
         return decisions
 
     def _resolved(self, alert: Alert, label: str) -> Decision:
@@ -211,7 +254,8 @@ class Dispatcher:
                         alert=label, run_id=run_id)
 
     def handle_incident(self, incident: Incident) -> list[Decision]:
-        return self._decide(self.index.for_incident(incident), f"incident {incident.id}")
+        self.flush_refusals()
+        return self._decide(self.index.for_incident(incident), f"incident {incident.id[:100]}", "pagerduty")
 
     def quick_alerts(self, payload: WebhookPayload) -> list[Decision] | None:
         """The answer when nothing can start (resolved, unmatched, duplicates), computed without
@@ -221,7 +265,7 @@ class Dispatcher:
         keeps them out of the thread pool, where they would queue behind real work."""
         decisions: list[Decision] = []
         for alert in payload.alerts:
-            label = alert.describe()
+            label = _cut(alert.describe(), 512)
             if not alert.firing:
                 with self._lock:
                     started_a_run = alert.dedup_key in self._alert_runs
@@ -237,10 +281,12 @@ class Dispatcher:
 
     def quick_incident(self, incident: Incident) -> list[Decision] | None:
         """``quick_alerts`` for a PagerDuty incident."""
-        return self._quick(self.index.for_incident(incident), f"incident {incident.id}")
+        return self._quick(self.index.for_incident(incident), f"incident {incident.id[:100]}")
 
     def _quick(self, matches: Matches, label: str) -> list[Decision] | None:
-        out = [Decision("rejected", r.reason, runbook=r.runbook, alert=label) for r in matches.refusals]
+        if matches.refusals:
+            return None  # refusals are counted for the aggregate notification: the full path
+        out: list[Decision] = []
         if not matches.candidates and not matches.refusals:
             out.append(Decision("ignored", "no runbook trigger matches", alert=label))
         for c in matches.candidates:
@@ -250,13 +296,19 @@ class Dispatcher:
             out.append(Decision("duplicate", reason, runbook=c.runbook, node=c.node, alert=label))
         return out
 
-    def _decide(self, matches: Matches, label: str) -> list[Decision]:
-        out = [Decision("rejected", r.reason, runbook=r.runbook, alert=label) for r in matches.refusals]
+    def _decide(self, matches: Matches, label: str, requested_by: str) -> list[Decision]:
+        out: list[Decision] = []
+        for r in matches.refusals:
+            reason = _cut(r.reason, self.config.limits.max_reason_bytes)
+            self._refusal_notice(r.runbook, None, "rejected:" + reason[:80], Notification(
+                "blocked", r.runbook, reason=f"refused: {reason} (page: {label})"))
+            out.append(Decision("rejected", reason, runbook=r.runbook, alert=label))
         if not matches.candidates and not matches.refusals:
             out.append(Decision("ignored", "no runbook trigger matches", alert=label))
         for c in matches.candidates:
+            c = replace(c, reason=_cut(c.reason, self.config.limits.max_reason_bytes))
             try:
-                d = self._consider(c)
+                d = self._consider(c, requested_by)
             except Exception as e:  # Why: one broken candidate must not lose the others' answers
                 log.exception("deciding on %s failed", c.reason)
                 d = Decision("rejected", f"internal error: {type(e).__name__}", runbook=c.runbook, node=c.node)
@@ -266,17 +318,17 @@ class Dispatcher:
     def _blocked(self, c: Candidate, kind: str, reason: str, mode: Mode | None = None, *,
                  transient: bool = False) -> Decision:
         self.metrics.runs_blocked.labels(runbook=c.runbook, reason=kind).inc()
-        self.notifier.notify(Notification("blocked", c.runbook, node=c.node, mode=mode,
-                                          reason=f"{reason} (page: {c.reason})"))
+        self._refusal_notice(c.runbook, c.node, kind, Notification(
+            "blocked", c.runbook, node=c.node, mode=mode, reason=f"{reason} (page: {c.reason})"))
         return Decision("blocked", reason, runbook=c.runbook, node=c.node, mode=mode, transient=transient)
 
-    def _consider(self, c: Candidate) -> Decision:
+    def _consider(self, c: Candidate, requested_by: str = "") -> Decision:
         mode = self.config.mode_for(c.runbook, c.mode)
         claim = self.guards.reserve(f"{c.runbook}|{c.dedup_key}", c.node)
         if isinstance(claim, str):
             return Decision("duplicate", claim, runbook=c.runbook, node=c.node)
         try:
-            decision = self._guarded(c, mode, claim)
+            decision = self._guarded(c, mode, claim, requested_by)
         except BaseException:
             self.guards.release(claim)
             raise
@@ -286,7 +338,7 @@ class Dispatcher:
             self.guards.release(claim, keep_key=not decision.transient)
         return decision
 
-    def _guarded(self, c: Candidate, mode: Mode, claim: Reservation) -> Decision:
+    def _guarded(self, c: Candidate, mode: Mode, claim: Reservation, requested_by: str = "") -> Decision:
         try:
             snapshot = self.cluster.snapshot()
         except ClusterUnavailable as e:
@@ -315,14 +367,17 @@ class Dispatcher:
                                  f"({self.worker.stats()['capacity']} runs queued or running)", mode,
                                  transient=True)
         request = RunRequest(runbook=c.runbook, params=dict(c.params), node=c.node, mode=mode,
-                             source=c.source, reason=c.reason, warnings=warnings, dedup_key=c.dedup_key)
+                             source=c.source, reason=c.reason, warnings=warnings, dedup_key=c.dedup_key,
+                             requested_by=requested_by)
         try:
             ticket = self.starter.submit(request)
         except RunbookError as e:
             self.worker.release()
             self._undo(c, auto_slot, mode)
-            return Decision("rejected", str(e).splitlines()[0] if str(e) else type(e).__name__,
-                            runbook=c.runbook, node=c.node, mode=mode)
+            why = _cut(str(e).splitlines()[0] if str(e) else type(e).__name__, self.config.limits.max_reason_bytes)
+            self._refusal_notice(c.runbook, c.node, "rejected", Notification(
+                "blocked", c.runbook, node=c.node, mode=mode, reason=f"refused: {why} (page: {c.reason})"))
+            return Decision("rejected", why, runbook=c.runbook, node=c.node, mode=mode)
         except BaseException:
             self.worker.release()
             self._undo(c, auto_slot, mode)
@@ -413,9 +468,15 @@ class Dispatcher:
         except RunbookError as e:
             raise NotFound(str(e)) from e
 
-    def approve(self, run_id: str, plan_digest: str, approved_by: str) -> dict[str, Any]:
-        """Record the approval (StalePlan / UsageError propagate) and queue the run if it is ours."""
-        self.run(run_id)  # NotFound first, so an unknown id is a 404 and not a 409
+    def approve(self, run_id: str, plan_digest: str, who: Identity) -> dict[str, Any]:
+        """Record ``who``'s approval (StalePlan / UsageError propagate) and queue the run if it is ours.
+
+        The approver recorded is the identity bound to the credential, nothing the caller wrote."""
+        current = self.run(run_id)  # NotFound first, so an unknown id is a 404 and not a 409
+        if self.config.auth.requester_cannot_approve and current.get("requested_by") == who.name:
+            raise SelfApproval(f"run {run_id} was requested by {who.name}; another person must approve it "
+                               "(auth.requester_cannot_approve)")
+        approved_by = who.name
         summary = dict(self.starter.approve(run_id, plan_digest, approved_by))
         with self._lock:
             meta = self._runs.get(run_id)

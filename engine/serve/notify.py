@@ -12,13 +12,17 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
 log = logging.getLogger(__name__)
+MAX_NOTIFICATION_BYTES = 60 * 1024  # every POST stays under 64 KiB whatever an alert carried
+_MAX_FIELD = 2048
+_MAX_WARNINGS = 5
 _ICONS = {"started": ":arrow_forward:", "waiting-approval": ":raised_hand:", "finished": ":white_check_mark:",
           "failed": ":x:", "blocked": ":no_entry:"}
 
@@ -50,9 +54,94 @@ class Notification:
         return "\n".join(parts)
 
     def payload(self) -> dict[str, Any]:
-        return {"text": self.text(), "runbook_event": {
-            "event": self.event, "run_id": self.run_id, "runbook": self.runbook, "node": self.node,
-            "mode": self.mode, "reason": self.reason, "warnings": list(self.warnings), **dict(self.extra)}}
+        """The POST body, bounded (< 64 KiB): long fields are cut with a marker, at most 5 warnings,
+        10 extra fields of 1 KiB."""
+        b = self.bounded()
+        return {"text": b.text(), "runbook_event": {
+            "event": b.event, "run_id": b.run_id, "runbook": b.runbook, "node": b.node,
+            "mode": b.mode, "reason": b.reason, "warnings": list(b.warnings), **dict(b.extra)}}
+
+    def bounded(self) -> Notification:
+        warnings = [_cut(w) for w in list(self.warnings)[:_MAX_WARNINGS]]
+        if len(self.warnings) > _MAX_WARNINGS:
+            warnings.append(f"... and {len(self.warnings) - _MAX_WARNINGS} more warnings")
+        extra = {_cut(str(k), 64): (_cut(v, 1024) if isinstance(v, str) else v if isinstance(v, int | float | None)
+                                   else _cut(str(v), 1024))
+                 for k, v in list(self.extra.items())[:10]}
+        return Notification(self.event, _cut(self.runbook, 256), node=_cut(self.node, 256) if self.node else None,
+                            run_id=self.run_id, mode=self.mode, reason=_cut(self.reason), warnings=warnings,
+                            extra=extra)
+
+
+def _cut(text: str, limit: int = _MAX_FIELD) -> str:
+    if len(text) <= limit:
+        return text
+    return text[: limit - 14] + "...[truncated]"
+
+
+class RefusalDigest:
+    """Summarises refused and blocked pages so a storm cannot become a notification storm.
+
+    Per window (``dedup.node_cooldown``): the first refusal of each node (or runbook, when there is
+    no node) is notified on its own, at most ``max_individual`` of them; a refusal repeating one
+    already seen in the window (same runbook, node and kind: a re-sent group) counts for nothing;
+    every other one is counted, and when the window is over one aggregate "N alerts refused in the
+    last M minutes" notification reports them. Memory is bounded by ``max_keys``. Thread-safe."""
+
+    def __init__(self, window: float, *, max_individual: int = 20, max_keys: int = 10_000,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.window = max(window, 1.0)
+        self.max_individual = max_individual
+        self.max_keys = max_keys
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._start: float | None = None
+        self._notified: set[str] = set()
+        self._seen: set[tuple[str, str, str]] = set()
+        self._count = 0
+        self._kinds: dict[str, int] = {}
+
+    def admit(self, runbook: str, node: str | None, kind: str) -> bool | None:
+        """True: notify this one; False: counted for the aggregate; None: a repeat (ignore)."""
+        with self._lock:
+            now = self._clock()
+            if self._start is None:
+                self._start = now
+            key = (runbook, node or "", kind)
+            if key in self._seen:
+                return None
+            if len(self._seen) < self.max_keys:
+                self._seen.add(key)
+            target = node or f"runbook:{runbook}"
+            if target not in self._notified and len(self._notified) < self.max_individual:
+                self._notified.add(target)
+                return True
+            self._count += 1
+            if len(self._kinds) < 50 or kind in self._kinds:
+                self._kinds[kind] = self._kinds.get(kind, 0) + 1
+            return False
+
+    def count(self, n: int, kind: str) -> None:
+        """``n`` refusals that are never notified one by one (e.g. alerts over the per-delivery cap)."""
+        with self._lock:
+            if self._start is None:
+                self._start = self._clock()
+            self._count += n
+            self._kinds[kind] = self._kinds.get(kind, 0) + n
+
+    def due(self, *, force: bool = False) -> Notification | None:
+        """The aggregate notification when the window is over (and starts a new window)."""
+        with self._lock:
+            if self._start is None or (not force and self._clock() - self._start < self.window):
+                return None
+            count, kinds = self._count, self._kinds
+            self._start, self._notified, self._seen, self._count, self._kinds = None, set(), set(), 0, {}
+        if not count:
+            return None
+        minutes = max(1, round(self.window / 60))
+        detail = ", ".join(f"{k}: {v}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])[:10])
+        return Notification("blocked", "(all)", reason=f"{count} alerts refused in the last {minutes} minutes "
+                            f"without a notification of their own ({detail})", extra={"refused": count})
 
 
 class Notifier:

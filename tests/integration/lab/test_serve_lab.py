@@ -156,7 +156,8 @@ def test_forged_and_unsigned_pagerduty_webhooks_start_nothing(unchanged_lab: Any
         "service": "PF9KMXH", "title_pattern": r"Node (?P<node>[a-z0-9.-]+) is NotReady", "runbook": RUNBOOK}]}}
     body = json.dumps({"event": {
         "id": "01DFA8ZJ3AZQ9TAQ9BJ7DR6ZS2", "event_type": "incident.triggered", "resource_type": "incident",
-        "occurred_at": "2026-12-02T03:04:05.123Z", "agent": None, "client": None,
+        "occurred_at": time.strftime("%Y-%m-%dT%H:%M:%S.000Z", time.gmtime()),  # older ones are refused
+        "agent": None, "client": None,
         "data": {"id": "Q2XAMPLE1", "type": "incident", "number": 42, "status": "triggered", "urgency": "high",
                  "title": "Node omen2 is NotReady",
                  "service": {"id": "PF9KMXH", "summary": "GPU nodes", "type": "service_reference"}}}}).encode()
