@@ -48,6 +48,9 @@ TARGETS: dict[str, tuple[str, float, str]] = {
     "p5_webhook_rps": (">=", 1000.0, "req/s"),
     "p5_webhook_p99_ms": ("<=", 50.0, "ms"),
     "p6_rss_mb": ("<=", 150.0, "MB"),
+    # issue 13: a fleet of 20 swap-broken GPU nodes, --max-parallel 10
+    "p7_fleet_20_vs_script_ratio": ("<=", 1.3, "ratio"),
+    "p7_fleet_20_vs_1_ratio": ("<=", 3.0, "ratio"),
 }
 METRICS = tuple(TARGETS)
 

@@ -40,8 +40,9 @@ PRODUCES: dict[str, tuple[str, ...]] = {
     "p4": ("p4_plan_1_s", "p4_plan_100_vs_ansible_ratio"),
     "p1": ("p1_recovery_vs_checked_script_ratio", "p1_recovery_vs_bare_script_ratio", "p6_rss_mb"),
     "p5": ("p5_webhook_rps", "p5_webhook_p99_ms"),
+    "p7": ("p7_fleet_20_vs_script_ratio", "p7_fleet_20_vs_1_ratio"),
 }
-ORDER = ("p3", "p2", "p4", "p1", "p5")  # cheapest first; the real server last
+ORDER = ("p3", "p2", "p4", "p7", "p1", "p5")  # cheapest first, the fleet labs together; the real server last
 
 
 def _runner(name: str, args: argparse.Namespace) -> Callable[[Context], list[Metric]]:
@@ -57,6 +58,10 @@ def _runner(name: str, args: argparse.Namespace) -> Callable[[Context], list[Met
         from bench import p3_cold
 
         return p3_cold.run
+    if name == "p7":
+        from bench import p7_fleet
+
+        return p7_fleet.run
     if name == "p4":
         from bench import p4_plan
 
@@ -68,15 +73,16 @@ def _runner(name: str, args: argparse.Namespace) -> Callable[[Context], list[Met
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench/run", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="CI smoke: 1-2 runs each, a 10-node fleet, short rounds")
-    p.add_argument("--only", default="", help="comma-separated benchmarks: p1,p2,p3,p4,p5,p6 (p6 runs p1)")
+    p.add_argument("--quick", action="store_true", help="CI smoke: 1-2 runs each, 10- and 4-node fleets, short rounds")
+    p.add_argument("--only", default="", help="comma-separated benchmarks: p1,p2,p3,p4,p5,p6,p7 (p6 runs p1)")
     p.add_argument("--runs", type=int, default=5, help="repetitions per variant (>= 5 unless --quick)")
     p.add_argument("--lab-dir", type=Path, default=Path(DEFAULT_LAB_DIR))
     p.add_argument("--fleet-lab-dir", type=Path, default=Path(DEFAULT_FLEET_LAB_DIR))
     p.add_argument("--journal", type=Path, default=Path(DEFAULT_JOURNAL))
     p.add_argument("--work-dir", type=Path, default=Path(DEFAULT_WORK_DIR), help="per-run logs")
     p.add_argument("--results-dir", type=Path, default=RESULTS)
-    p.add_argument("--keep-fleet-lab", action="store_true", help="leave P4's 100-node lab running")
+    p.add_argument("--keep-fleet-lab", action="store_true",
+                   help="leave the fleet lab (P4's 100 nodes or P7's 20) running")
     p.add_argument("--down", action="store_true",
                    help="take the incident lab down at the end (it is otherwise left up for the next run)")
     p.add_argument("--p5-fake", action="store_true", help="P5 against bench.fake_serve (no lab needed)")

@@ -125,6 +125,8 @@ class FakeKube:
         self.evicted: list[PodRef] = []
         self.deleted: list[PodRef] = []
         self.leases: dict[tuple[str, str], LeaseRecord] = {}
+        # api_version -> served plurals; an api_version not named here serves the kinds of ``objects``
+        self.served: dict[str, set[str]] = {}
         self.fail: dict[str, Any] = {}
         self.on_patch: Callable[[str, Any], None] | None = None  # e.g. an operator that reverts a label
         self._lock = threading.Lock()
@@ -256,6 +258,16 @@ class FakeKube:
         if namespace:
             objs = [o for o in objs if (o.get("metadata") or {}).get("namespace") == namespace]
         return copy.deepcopy(objs)
+
+    def served_resources(self, api_version: str) -> frozenset[str] | None:
+        self.calls.append(("served_resources", api_version))
+        _raise_scripted(self.fail, "served_resources")
+        if api_version in self.served:
+            return frozenset(self.served[api_version])
+        if api_version == "v1":
+            return frozenset({"nodes", "pods"})
+        kinds = {k for (v, k) in self.objects if v == api_version}
+        return frozenset(kinds) if kinds else None
 
     def wait_for_node(self, name: str, predicate: Callable[[NodeFacts | None], bool],
                       timeout: float) -> tuple[bool, NodeFacts | None]:

@@ -64,6 +64,11 @@ class KubeAPI(Protocol):
         """Any listable kind (core or custom), as plain mappings."""
         ...
 
+    def served_resources(self, api_version: str) -> frozenset[str] | None:
+        """API discovery: the resource names (plurals) the server serves under ``api_version``
+        (e.g. ``"remediation.medik8s.io/v1alpha1"``), or None when it serves no such group/version."""
+        ...
+
     def wait_for_node(self, name: str, predicate: Callable[[NodeFacts | None], bool],
                       timeout: float) -> tuple[bool, NodeFacts | None]:
         """Watch the node until ``predicate`` holds (True, node) or ``timeout`` (False, last seen)."""

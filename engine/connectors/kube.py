@@ -377,6 +377,18 @@ class KubeConnector:
         obj = self._raw("GET", path, what, query=[("labelSelector", label_selector)])
         return [MappingProxyType(i) for i in obj.get("items") or ()]
 
+    def served_resources(self, api_version: str) -> frozenset[str] | None:
+        """Discovery (``/api/v1`` or ``/apis/<group>/<version>``): the plural names served there,
+        subresources left out; None on 404 (the group/version is not served)."""
+        path = f"/api/{_q(api_version)}" if "/" not in api_version else (
+            "/apis/" + "/".join(_q(p) for p in api_version.split("/", 1)))
+        try:
+            obj = self._raw("GET", path, f"discover {api_version}")
+        except NotFound:
+            return None
+        return frozenset(str(r.get("name")) for r in obj.get("resources") or ()
+                         if isinstance(r, Mapping) and "/" not in str(r.get("name", "/")))
+
     # ------------------------------------------------------------------ leases
 
     @staticmethod

@@ -175,7 +175,8 @@ class Node(_Model):
 
 
 class Generate(_Model):
-    """Many ordinary GPU nodes for fleet benchmarks: ``{prefix}{index:03d}``, healthy, no SSH host."""
+    """Many ordinary GPU nodes for fleet benchmarks: ``{prefix}{index:03d}``; healthy with no SSH host
+    unless ``ssh`` / ``host`` say otherwise (``host``: every generated node gets a copy, e.g. swap on)."""
 
     count: int = Field(ge=1, le=5000)
     prefix: str = Field(default="gpu-", pattern=r"^[a-z0-9][-a-z0-9]*$")
@@ -186,11 +187,12 @@ class Generate(_Model):
     cpu: int = 32
     memory: str = "128Gi"
     ssh: bool = False
+    host: Host | None = None  # given: each node's host (its own ``ssh`` wins over the one above)
 
     def nodes(self) -> list[Node]:
         return [Node(name=f"{self.prefix}{i:03d}", zone=self.zones[(i - self.start) % len(self.zones)],
                      labels=dict(self.labels), cpu=self.cpu, memory=self.memory, gpus=list(self.gpus),
-                     host=Host(ssh=self.ssh))
+                     host=self.host.model_copy(deep=True) if self.host is not None else Host(ssh=self.ssh))
                 for i in range(self.start, self.start + self.count)]
 
 

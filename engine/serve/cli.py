@@ -60,7 +60,7 @@ def build_app(settings: Settings, config_file: Path | None, listen: str | None) 
     if not _is_loopback(host) and not config.webhook_token:
         raise UsageError(f"refusing to listen on {host} without RUNBOOK_WEBHOOK_TOKEN: anyone could start runs")
     starter = load_run_starter(settings, config)
-    cluster = KubeClusterView(settings.kube, config.exclusions, ttl=config.cluster_cache_ttl)
+    cluster = KubeClusterView(settings.kube, config.run_guards(), ttl=config.cluster_cache_ttl)
     return create_app(config, starter, cluster=cluster), config
 
 

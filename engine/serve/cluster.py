@@ -5,7 +5,9 @@ One snapshot holds: how many nodes are unhealthy (Ready is not True) and how man
 ``nvidia.com/*`` capacities such as passthrough devices); which nodes carry an exclusion label
 (ours ``runbook.io/exclude=true``, Medik8s' ``remediation.medik8s.io/exclude-from-remediation=true``);
 and which nodes kured's reboot lock names (the ``weave.works/kured-node-lock`` annotation of the
-kured DaemonSet, single or multi-owner form, with its TTL).
+kured DaemonSet, single or multi-owner form, with its TTL). The reading and counting rules are
+``engine.run_guards``'s (the guards every run obeys); this module adds the server's cache and the
+snapshot its dispatcher and breaker look at.
 
 Reads only, never writes. An API error or an unreadable lock raises ``ClusterUnavailable``: the
 caller fails closed. A snapshot is reused for ``cluster_cache_ttl`` seconds so an alert storm costs
@@ -14,18 +16,28 @@ one API round trip, not one per alert.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
-from typing import Any, Protocol
+from typing import Protocol
 
+from engine import run_guards
 from engine.connectors.base import KubeAPI
 from engine.errors import KubeError
 from engine.facts import NodeFacts
-from engine.serve.config import ExclusionConfig, KuredConfig
+from engine.run_guards import (
+    ExclusionConfig,
+    GuardUnreadable,
+    KuredConfig,
+    exclusion_reason,
+    gpu_count,
+    kured_locks,
+    unhealthy,
+)
+
+__all__ = ["ClusterSnapshot", "ClusterUnavailable", "ClusterView", "KubeClusterView", "gpu_count",
+           "kured_locks", "read_kured_locks", "snapshot_from"]
 
 
 class ClusterUnavailable(Exception):
@@ -54,88 +66,21 @@ class ClusterView(Protocol):
         ...
 
 
-def _int(value: Any) -> int:
-    try:
-        return int(str(value))
-    except (TypeError, ValueError):
-        return 0
-
-
-def gpu_count(node: NodeFacts) -> int:
-    """GPUs a node carries, from GPU Feature Discovery's label or the advertised capacity."""
-    label = _int(node.labels.get("nvidia.com/gpu.count"))
-    if label:
-        return label
-    cap = _int(node.capacity.get("nvidia.com/gpu"))
-    if cap:
-        return cap
-    return sum(_int(v) for k, v in node.capacity.items() if k.startswith("nvidia.com/"))
-
-
-def exclusion_reason(node: NodeFacts, labels: Mapping[str, str]) -> str | None:
-    for key, value in labels.items():
-        actual = node.labels.get(key)
-        if actual is not None and actual.strip().lower() == value.lower():
-            return f"node {node.name} is excluded from remediation by label {key}={actual}"
-    return None
-
-
-def _parse_go_time(text: str) -> float:
-    # Go writes RFC 3339 with up to 9 fractional digits; Python reads at most 6.
-    if "." in text:
-        head, _, tail = text.partition(".")
-        digits = "".join(c for c in tail if c.isdigit())
-        zone = tail[len(digits):]
-        text = f"{head}.{digits[:6]}{zone}"
-    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
-
-
-def kured_locks(value: str, now: float) -> dict[str, str]:
-    """Nodes named by a live kured lock annotation (single or multi-owner); ValueError if unreadable."""
-    data = json.loads(value)
-    if not isinstance(data, dict):
-        raise ValueError("not a JSON object")
-    entries = data.get("locks", [data])
-    if not isinstance(entries, list):
-        raise ValueError("'locks' is not a list")
-    out: dict[str, str] = {}
-    for entry in entries or ():
-        node = entry.get("nodeID") if isinstance(entry, dict) else None
-        if not isinstance(node, str) or not node:
-            raise ValueError("a lock without nodeID")
-        ttl_ns = _int(entry.get("TTL"))
-        created = entry.get("created")
-        if ttl_ns > 0 and isinstance(created, str) and now - _parse_go_time(created) >= ttl_ns / 1e9:
-            continue  # expired: kured itself would take it over
-        out[node] = f"kured holds its reboot lock for node {node} (since {created or 'unknown'})"
-    return out
-
-
 def read_kured_locks(kube: KubeAPI, cfg: KuredConfig, now: float) -> dict[str, str]:
-    if not cfg.enabled:
-        return {}
-    for ds in kube.list_objects("apps/v1", "daemonsets", namespace=cfg.namespace):
-        meta = ds.get("metadata") or {}
-        if meta.get("name") != cfg.daemonset:
-            continue
-        value = (meta.get("annotations") or {}).get(cfg.annotation)
-        if not value:
-            return {}
-        try:
-            return kured_locks(value, now)
-        except (ValueError, KeyError, TypeError) as e:
-            raise ClusterUnavailable(
-                f"cannot read kured's lock ({cfg.namespace}/{cfg.daemonset} {cfg.annotation}): {e}") from e
-    return {}  # no kured installed: no lock
+    """Kured's live locks (``engine.run_guards``); an unreadable lock is ``ClusterUnavailable``."""
+    try:
+        return run_guards.read_kured_locks(kube, cfg, now)
+    except GuardUnreadable as e:
+        raise ClusterUnavailable(str(e)) from e
 
 
 def snapshot_from(nodes: list[NodeFacts], exclusions: ExclusionConfig,
                   kured: Mapping[str, str], now: float) -> ClusterSnapshot:
-    unhealthy = [n for n in nodes if not n.ready]
+    sick, sick_gpus = unhealthy(nodes)
     excluded = {n.name: r for n in nodes if (r := exclusion_reason(n, exclusions.labels))}
     return ClusterSnapshot(
-        total_nodes=len(nodes), unhealthy_nodes=tuple(sorted(n.name for n in unhealthy)),
-        unhealthy_gpus=sum(gpu_count(n) for n in unhealthy), excluded=excluded,
+        total_nodes=len(nodes), unhealthy_nodes=tuple(sick),
+        unhealthy_gpus=sick_gpus, excluded=excluded,
         kured_locked=dict(kured), taken_at=now)
 
 

@@ -16,15 +16,30 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from engine.errors import UsageError
 from engine.model import parse_duration
+from engine.run_guards import (
+    EXCLUDE_LABEL,
+    KURED_LOCK_ANNOTATION,
+    MEDIK8S_EXCLUDE_LABEL,
+    ExclusionConfig,
+    GuardConfig,
+    KuredConfig,
+)
 from engine.serve.alertmanager import format_validation_error
 
-EXCLUDE_LABEL = "runbook.io/exclude"  # ours: `runbook.io/exclude=true` keeps runbook serve off a node
-MEDIK8S_EXCLUDE_LABEL = "remediation.medik8s.io/exclude-from-remediation"
-KURED_LOCK_ANNOTATION = "weave.works/kured-node-lock"
+__all__ = ["EXCLUDE_LABEL", "KURED_LOCK_ANNOTATION", "MEDIK8S_EXCLUDE_LABEL", "ExclusionConfig",
+           "GuardConfig", "KuredConfig", "ServeConfig", "load_config", "split_listen"]
 
 
 def _seconds(value: Any) -> Any:
@@ -53,19 +68,6 @@ class BreakerConfig(_Section):
     max_unhealthy_gpus: int = Field(default=8, ge=0)  # more GPUs on such nodes than this: no auto run
     max_pending_approvals: int = Field(default=10, ge=0)  # approve-mode runs waiting at once
     state_file: Path | None = None  # where node-breaker resets are kept (default: memory only)
-
-
-class KuredConfig(_Section):
-    enabled: bool = True
-    namespace: str = "kube-system"
-    daemonset: str = "kured"
-    annotation: str = KURED_LOCK_ANNOTATION
-
-
-class ExclusionConfig(_Section):
-    labels: dict[str, str] = Field(default_factory=lambda: {
-        EXCLUDE_LABEL: "true", MEDIK8S_EXCLUDE_LABEL: "true"})
-    kured: KuredConfig = Field(default_factory=KuredConfig)
 
 
 class NotifyConfig(_Section):
@@ -121,6 +123,7 @@ class ServeConfig(_Section):
     dedup: DedupConfig = Field(default_factory=DedupConfig)
     breaker: BreakerConfig = Field(default_factory=BreakerConfig)
     exclusions: ExclusionConfig = Field(default_factory=ExclusionConfig)
+    guards: GuardConfig | None = None  # the run guards (engine.run_guards); exclusions above when unset
     notify: NotifyConfig = Field(default_factory=NotifyConfig)
     pagerduty: PagerDutyConfig = Field(default_factory=PagerDutyConfig)
 
@@ -129,6 +132,20 @@ class ServeConfig(_Section):
     def _host_port(cls, v: str) -> str:
         split_listen(v)
         return v
+
+    @model_validator(mode="after")
+    def _one_exclusion_source(self) -> ServeConfig:
+        if self.guards is not None and "exclusions" in self.model_fields_set:
+            raise ValueError("give the exclusion labels and kured's lock in guards: (labels, kured), "
+                             "not in exclusions: as well")
+        return self
+
+    def run_guards(self) -> GuardConfig:
+        """The guards every run of this server obeys: ``guards:``, else the defaults with the
+        ``exclusions:`` section's labels and kured settings."""
+        if self.guards is not None:
+            return self.guards
+        return GuardConfig(labels=dict(self.exclusions.labels), kured=self.exclusions.kured)
 
     def mode_for(self, runbook: str, declared: Literal["auto", "approve"]) -> Literal["auto", "approve"]:
         """The runbook's mode, after the per-runbook override and the forced mode."""

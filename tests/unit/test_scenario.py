@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import textwrap
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -84,6 +85,15 @@ def test_a_fleet_of_generated_gpu_nodes_for_benchmarks() -> None:
     assert len(names) == 101 and names[1] == "gpu-001" and names[-1] == "gpu-100"
     assert all(starts_ready(n) and not n.host.ssh and n.gpus for n in sc.all_nodes[1:])
     assert {n.zone for n in sc.all_nodes[1:]} == {"zone-a", "zone-b", "zone-c"}
+
+
+def test_a_generated_fleet_can_be_broken_by_swap_each_node_with_its_own_host() -> None:
+    sc = load_scenario(Path(__file__).resolve().parents[2] / "engine" / "lab" / "scenarios" / "fleet-20.yaml")
+    fleet = [n for n in sc.all_nodes if n.labels.get("bench.runbook.io/fleet20") == "true"]
+    assert len(fleet) == 20 and fleet[0].name == "fleet-001"
+    assert all(n.host.ssh and n.host.swap.active == ["/swap.img"] and not starts_ready(n) for n in fleet)
+    assert len({id(n.host) for n in fleet}) == 20  # copies, not one shared host
+    assert [n.name for n in sc.all_nodes if starts_ready(n)] == ["cp-1", "worker-1"]
 
 
 @pytest.mark.parametrize(("value", "expected"), [
