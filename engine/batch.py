@@ -124,7 +124,8 @@ class SharedPlaybooks:
         if not self._waiting or any(n not in self._waiting for n in self._active):
             return
         groups: dict[tuple[str, str, bool, float], list[_Call]] = {}
-        for call in self._waiting.values():
+        order = {n: i for i, n in enumerate(self.members)}
+        for call in sorted(self._waiting.values(), key=lambda c: order.get(c.node, len(order))):
             groups.setdefault(call.key, []).append(call)
         self._waiting = {}
         for calls in groups.values():

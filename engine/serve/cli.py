@@ -29,8 +29,7 @@ from engine.settings import Settings
 def load_run_starter(settings: Settings, config: ServeConfig) -> RunStarter:
     """The engine's ``RunStarter``: automatic runs through the run service, under the run guards
     of the server's configuration (never overridden)."""
-    guards = config.run_guards() if hasattr(config, "run_guards") else None
-    return JournalRunStarter(settings, guards=guards)
+    return JournalRunStarter(settings, guards=config.run_guards())
 
 
 def _is_loopback(host: str) -> bool:
