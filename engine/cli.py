@@ -151,10 +151,8 @@ def overrides_from(names: tuple[str, ...], reasons: tuple[str, ...]) -> dict[str
 class LazyGroup(click.Group):
     """Sub-groups that live in their own packages load only when used (``runbook --help`` stays fast)."""
 
-    LAZY = {"lab": ("engine.lab.labcli", "lab_group",
-                    "The lab: a simulated GPU cluster reproducing the omen2 incident."),
-            "serve": ("engine.serve.cli", "serve_command",
-                      "Receive Alertmanager and PagerDuty webhooks and start runbooks inside guards.")}
+    LAZY = {"lab": "The lab: a simulated GPU cluster reproducing the omen2 incident.",
+            "serve": "Receive Alertmanager and PagerDuty webhooks and start runbooks inside guards."}
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted([*super().list_commands(ctx), *self.LAZY])
@@ -163,18 +161,21 @@ class LazyGroup(click.Group):
         rows = []
         for name in self.list_commands(ctx):
             if name in self.LAZY:
-                rows.append((name, self.LAZY[name][2]))
+                rows.append((name, self.LAZY[name]))
             else:
                 rows.append((name, self.commands[name].get_short_help_str(70)))
         with formatter.section("Commands"):
             formatter.write_dl(rows)
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
-        if cmd_name in self.LAZY:
-            import importlib
+        if cmd_name == "lab":
+            from engine.lab.labcli import lab_group
 
-            module, attr, _ = self.LAZY[cmd_name]
-            return getattr(importlib.import_module(module), attr)
+            return lab_group
+        if cmd_name == "serve":
+            from engine.serve.cli import serve_command
+
+            return serve_command
         return super().get_command(ctx, cmd_name)
 
 
