@@ -211,6 +211,18 @@ class FleetResult:
         return {"runs": [r.as_dict() for r in self.runs], "summary": self.summary()}
 
 
+class _NodeCancel(threading.Event):
+    """One node's cancel within a fleet: set by its own run (its Lease was lost) or by the fleet's
+    (a signal), so that a node losing its Lease stops only itself."""
+
+    def __init__(self, fleet: threading.Event) -> None:
+        super().__init__()
+        self._fleet = fleet
+
+    def is_set(self) -> bool:
+        return super().is_set() or self._fleet.is_set()
+
+
 # -- the service ------------------------------------------------------------------------------------
 
 
@@ -636,7 +648,8 @@ class RunService:
             run_id: str | None = None
             try:
                 run_id = self.create(prep, p, approval_required=p.approval, source=source)
-                result = self.execute(run_id, prep, p, cancel=cancel, overrides=overrides, nodes_for_run=shared)
+                result = self.execute(run_id, prep, p, cancel=_NodeCancel(cancel), overrides=overrides,
+                                      nodes_for_run=shared)
             except RunbookError as e:
                 if run_id is not None:
                     self.journal.append(run_id, "run.failed", reason=str(e))

@@ -296,3 +296,17 @@ def test_a_single_excluded_node_exits_3_naming_the_label(
     assert fleet.kube.patches == []
     runs = fleet.service.journal.list_runs()
     assert [r.state for r in runs] == [RunState.BLOCKED.value]
+
+
+def test_a_node_whose_lease_another_run_holds_is_blocked_while_the_batch_goes_on(tmp_path: Path) -> None:
+    from engine.locks import DEFAULT_NAMESPACE, lease_name
+
+    fleet = _fleet(tmp_path, broken=["gpu-1", "gpu-2"])
+    fleet.kube.create_lease(DEFAULT_NAMESPACE, lease_name("gpu-2"), "someone-else", 10**9)  # fake wall clock: 2023
+    targets, plans = fleet.plan()
+    result = fleet.service.run_targets(targets, plans, max_parallel=2)
+    assert _rows(result) == {"gpu-1": "succeeded", "gpu-2": "blocked"}
+    assert "someone-else" in next(r.reason for r in result.runs if r.node == "gpu-2")
+    assert fleet.patched() == {"gpu-1"}
+    assert fleet.playbook_runs("swap-off.yml") == [["gpu-1"]]  # gpu-2 left the batch before its turn
+    assert result.exit_code == ExitCode.BLOCKED
