@@ -211,6 +211,16 @@ class FleetResult:
         return {"runs": [r.as_dict() for r in self.runs], "summary": self.summary()}
 
 
+# Guards about capacity: a run whose plan changes nothing takes no capacity away, so they do not stop it.
+_CAPACITY_GUARDS = frozenset({"gpu-budget"})
+
+
+def _stops(verdicts: Sequence[GuardVerdict], *, changes: bool) -> list[GuardVerdict]:
+    """The verdicts that stop a run: every blocking one, except the capacity guards for a run whose
+    plan has nothing to do (it re-checks live and never acts; a guard that cannot be read still blocks)."""
+    return [v for v in blocking(verdicts) if changes or v.name not in _CAPACITY_GUARDS or not v.evaluated]
+
+
 class _NodeCancel(threading.Event):
     """One node's cancel within a fleet: set by its own run (its Lease was lost) or by the fleet's
     (a signal), so that a node losing its Lease stops only itself."""
@@ -363,7 +373,8 @@ class RunService:
         return evaluate_run_guards(kube, node, self.guard_config(), overrides=given,
                                    in_flight=sorted(self._in_flight), actor=current_user())
 
-    def guard_blocks(self, nodes: Sequence[str], overrides: Mapping[str, str] | None = None) -> dict[str, str]:
+    def guard_blocks(self, nodes: Sequence[str], overrides: Mapping[str, str] | None = None, *,
+                     changing: Sequence[str] | None = None) -> dict[str, str]:
         """Which of ``nodes`` the guards refuse now, and why (one read of the cluster for all).
         Read-only, not journaled: ``execute`` evaluates them again before each node's Lease."""
         if not nodes:
@@ -377,12 +388,13 @@ class RunService:
         facts = read_guard_facts(kube, config)
         out = {}
         for n in nodes:
-            stops = blocking(judge(facts, n, config, overrides=given, actor=current_user()))
+            stops = _stops(judge(facts, n, config, overrides=given, actor=current_user()),
+                           changes=changing is None or n in changing)
             if stops:
                 out[n] = "; ".join(f"guard {v.name}: {v.reason}" for v in stops)
         return out
 
-    def _pass_guards(self, run_id: str, node: str, overrides: Mapping[str, str]) -> str | None:
+    def _pass_guards(self, run_id: str, node: str, overrides: Mapping[str, str], *, changes: bool) -> str | None:
         """Under the guard lock: evaluate, journal, and (when they pass) count the node in flight."""
         verdicts = self.guard_verdicts(node, overrides)
         self.journal.append(run_id, "guards", node=node, verdicts=[v.as_dict() for v in verdicts])
@@ -390,7 +402,7 @@ class RunService:
             if v.overridden is not None:
                 self.journal.append(run_id, "guard.override", guard=v.name, by=v.overridden.by,
                                     reason=v.overridden.reason, finding=v.reason)
-        stops = blocking(verdicts)
+        stops = _stops(verdicts, changes=changes)
         if stops:
             return "; ".join(f"guard {v.name}: {v.reason}" for v in stops)
         self._in_flight.add(node)
@@ -442,7 +454,8 @@ class RunService:
                                   "it back; nothing was done on resume: check the node and finish by hand")
         journal.set_state(run_id, RunState.RUNNING.value)
         with self._guard_lock:  # one node at a time, so that a batch's GPU budget counts its own nodes
-            refused = self._pass_guards(run_id, prepared.node, overrides or {})
+            refused = self._pass_guards(run_id, prepared.node, overrides or {},
+                                        changes=plan.state is not PlanState.NOTHING_TO_DO)
         if refused is not None:
             # A resume stopped by a guard stays resumable; a new run is simply blocked.
             state = RunState.INTERRUPTED if resume else RunState.BLOCKED
@@ -581,7 +594,8 @@ class RunService:
                 blocked_reasons[p.node] = "; ".join(p.blocked_reasons) or "the plan is blocked"
             elif p.state is not PlanState.NOTHING_TO_DO or execute_nothing_to_do:
                 candidates.append((prep, p))
-        guarded = self.guard_blocks([prep.node for prep, _ in candidates], overrides)
+        guarded = self.guard_blocks([prep.node for prep, _ in candidates], overrides,
+                                    changing=[p.node for _, p in candidates if p.state is PlanState.READY])
         blocked_reasons.update(guarded)
         todo = [(prep, p) for prep, p in candidates if prep.node not in guarded]
         for prep, p in zip(targets, plans, strict=True):

@@ -48,8 +48,8 @@ class Fleet:
     service: RunService
 
     def targets(self, names: list[str]) -> list[PreparedRun]:
-        return self.service.targets(str(RUNBOOK), [], selector="") if not names else [
-            t for t in self.service.targets(str(RUNBOOK), [], selector="") if t.node in names]
+        every = self.service.targets(str(RUNBOOK), [], selector="")
+        return [t for t in every if t.node in names] if names else every
 
     def plan(self, names: list[str] | None = None) -> tuple[list[PreparedRun], list[Plan]]:
         targets = self.targets(names or [])
@@ -310,3 +310,15 @@ def test_a_node_whose_lease_another_run_holds_is_blocked_while_the_batch_goes_on
     assert fleet.patched() == {"gpu-1"}
     assert fleet.playbook_runs("swap-off.yml") == [["gpu-1"]]  # gpu-2 left the batch before its turn
     assert result.exit_code == ExitCode.BLOCKED
+
+
+def test_a_run_with_nothing_to_do_is_not_stopped_by_the_gpu_budget(tmp_path: Path) -> None:
+    # gpu-1 is in service and has nothing to do; the budget allows no GPU out of service at all,
+    # but re-checking gpu-1 takes no GPU away.
+    fleet = _fleet(tmp_path, broken=["gpu-2"], healthy=["gpu-1"],
+                   guards=GuardConfig(gpu_budget=GpuBudget(max_gpus=0, max_percent=None)))
+    targets, plans = fleet.plan(["gpu-1"])
+    assert [p.state for p in plans] == [PlanState.NOTHING_TO_DO]
+    result = fleet.service.run_targets(targets, plans, execute_nothing_to_do=True)
+    assert _rows(result) == {"gpu-1": "nothing-to-do"}, result.runs
+    assert fleet.service.guard_blocks(["gpu-1"])["gpu-1"].startswith("guard gpu-budget")  # were it to change
