@@ -322,3 +322,12 @@ def test_a_run_with_nothing_to_do_is_not_stopped_by_the_gpu_budget(tmp_path: Pat
     result = fleet.service.run_targets(targets, plans, execute_nothing_to_do=True)
     assert _rows(result) == {"gpu-1": "nothing-to-do"}, result.runs
     assert fleet.service.guard_blocks(["gpu-1"])["gpu-1"].startswith("guard gpu-budget")  # were it to change
+
+
+def test_fail_fast_sees_a_node_the_guards_refuse_before_anything_starts(tmp_path: Path) -> None:
+    fleet = _fleet(tmp_path, broken=["gpu-1", "gpu-2"], excluded=["gpu-2"])
+    targets, plans = fleet.plan()
+    assert [p.state for p in plans] == [PlanState.READY, PlanState.READY]  # only a guard refuses gpu-2
+    result = fleet.service.run_targets(targets, plans, fail_fast=True)
+    assert _rows(result) == {"gpu-1": "not-started", "gpu-2": "blocked"}
+    assert fleet.kube.patches == [] and result.exit_code == ExitCode.BLOCKED
