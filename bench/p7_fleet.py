@@ -18,6 +18,7 @@ and left out. The fleet lab is brought up for this benchmark and taken down afte
 
 from __future__ import annotations
 
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -94,6 +95,7 @@ def run(ctx: Context) -> list[Metric]:
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
     problems: list[str] = []
     loads: list[list[float]] = []
+    skipped_restart: dict[str, int] = {}  # nodes whose kubelet came back by itself once swap was off
     commands = {
         "engine-fleet": runbook_cmd("run", "gpu-node-recovery", "-l", SELECTOR, "--max-parallel", str(parallel),
                                     "--yes"),
@@ -113,6 +115,10 @@ def run(ctx: Context) -> list[Metric]:
                                   log_path=log_path, timeout=900)
             else:
                 t = run_timed(commands[variant], env=env, log_path=log_path, timeout=900)
+            if variant != "script":
+                text = log_path.read_text(errors="replace")
+                skipped_restart[variant] = skipped_restart.get(variant, 0) + len(
+                    re.findall(r"restart-kubelet\s+skipped", text))
             state = recovered(lab, [ONE] if variant == "engine-1" else names)
             log(f"P7 {variant:12} run {i + 1}: {t.seconds:6.2f} s rc={t.rc} recovered={state['ok']} "
                 f"(reset {reset_s:.0f} s, load {loads[-1][:1]})")
@@ -131,6 +137,7 @@ def run(ctx: Context) -> list[Metric]:
         "engine_1_s": summary(times["engine-1"]),
         "engine_command": " ".join(commands["engine-fleet"][-7:]),
         "baseline_command": f"bench/baseline/recover-fleet.sh {SELECTOR} {parallel}",
+        "engine_skipped_restart_kubelet": skipped_restart,
         "lab_timing": timing, "loadavg_at_runs": loads, "problems": problems,
         "note": "wall time from spawn to exit on a freshly reset lab; variants alternate in rotating order",
     }

@@ -193,6 +193,17 @@ def blocking(verdicts: Iterable[GuardVerdict]) -> list[GuardVerdict]:
     return [v for v in verdicts if v.blocks]
 
 
+def overridden(verdicts: Iterable[GuardVerdict]) -> list[GuardVerdict]:
+    """The verdicts a person passed on purpose: the run journals each (guard, reason, by, why)."""
+    return [v for v in verdicts if v.overridden is not None]
+
+
+def block_reason(verdicts: Iterable[GuardVerdict]) -> str | None:
+    """One line for a blocked node (``guard NAME: reason; ...``), or None when nothing blocks."""
+    blocks = blocking(verdicts)
+    return "; ".join(f"guard {v.name}: {v.reason}" for v in blocks) if blocks else None
+
+
 # ------------------------------------------------------------------------------------------------
 # Reading the cluster
 # ------------------------------------------------------------------------------------------------

@@ -17,9 +17,11 @@ from engine.run_guards import (
     GUARD_NAMES,
     GuardConfig,
     GuardVerdict,
+    block_reason,
     blocking,
     evaluate_run_guards,
     load_guard_config,
+    overridden,
     selector_matches,
 )
 from tests.fakes import FakeKube, make_node
@@ -95,7 +97,8 @@ def test_an_override_passes_the_named_guard_and_reports_who_and_why() -> None:
     assert v.overridden is not None and (v.overridden.by, v.overridden.reason) == (
         "alice", "label left over from the RMA")
     assert v.as_dict()["overridden"] == {"by": "alice", "reason": "label left over from the RMA"}
-    assert blocking(verdicts) == []
+    assert blocking(verdicts) == [] and block_reason(verdicts) is None
+    assert [o.name for o in overridden(verdicts)] == ["exclusion"]
 
 
 def test_an_override_of_one_guard_leaves_the_others_blocking() -> None:
@@ -103,6 +106,8 @@ def test_an_override_of_one_guard_leaves_the_others_blocking() -> None:
     kube.objects[("apps/v1", "daemonsets")] = [kured({"nodeID": "omen2", "created": "2027-01-15T08:00:00Z"})]
     verdicts = evaluate_run_guards(kube, "omen2", GuardConfig(), now=T0, overrides={"exclusion": "RMA"})
     assert [v.name for v in blocking(verdicts)] == ["kured-lock"]
+    assert block_reason(verdicts) == "guard kured-lock: kured holds its reboot lock for node omen2 " \
+                                     "(since 2027-01-15T08:00:00Z)"
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
@@ -292,3 +297,27 @@ def test_a_bad_guards_section_is_a_located_usage_error(tmp_path: Path, text: str
     with pytest.raises(UsageError, match=message) as e:
         load_guard_config(f)
     assert str(f) in str(e.value)
+
+
+# -- runbook serve's configuration -------------------------------------------------------------------
+
+
+def test_serve_takes_a_guards_section_else_its_exclusions_section() -> None:
+    from engine.serve.config import load_config
+
+    older = load_config(None, env={}, overrides={"exclusions": {"labels": {"ops.example/hands-off": "yes"},
+                                                                 "kured": {"namespace": "kured"}}})
+    guards = older.run_guards()
+    assert guards.labels == {"ops.example/hands-off": "yes"} and guards.kured.namespace == "kured"
+    assert guards.nhc_pause and guards.gpu_budget.max_percent == 50
+    newer = load_config(None, env={}, overrides={"guards": {"gpu_budget": {"max_gpus": 2}}})
+    assert newer.run_guards().gpu_budget.max_gpus == 2
+    assert newer.run_guards().labels == GuardConfig().labels
+    assert load_config(None, env={}).run_guards() == GuardConfig()
+
+
+def test_serve_refuses_exclusions_and_guards_together() -> None:
+    from engine.serve.config import load_config
+
+    with pytest.raises(UsageError, match="not in exclusions: as well"):
+        load_config(None, env={}, overrides={"guards": {}, "exclusions": {"labels": {}}})
