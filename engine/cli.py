@@ -41,7 +41,7 @@ SHARED_OPTIONS = (
     click.option("--ask-become-pass", "-K", is_flag=True, help="Prompt for the sudo password."),
     click.option("--guards-config", envvar="RUNBOOK_GUARDS_CONFIG", type=click.Path(dir_okay=False),
                  help="YAML file whose `guards:` section configures the run guards (env RUNBOOK_GUARDS_CONFIG; "
-                      "default: the built-in guards, see docs/design.md)."),
+                      "default: the built-in guards, see docs/guards.md)."),
     click.option("--debug", is_flag=True, help="Show tracebacks and connector debug output."),
 )
 SHARED_NAMES = ("kubeconfig", "kube_context", "inventory", "runbooks_dir", "journal", "become_password_file",
