@@ -11,7 +11,12 @@ run fails only its own node's step; what the executor does next (verify, roll ba
 node. Calls that differ (another playbook, a rendered variable that differs) run as separate
 processes of the same round.
 
-Check-mode runs, facts runs and calls for nodes outside the batch pass straight through. This
+Host-facts runs (a step's ``skip_if`` and guards, verification polls, the closing report) are
+shared too, without a barrier: the first node of the batch that asks for facts waits at most
+``gather_window`` seconds (or until every node of the batch has asked) for the others asking for
+the same files, then one facts run covers them all.
+
+Check-mode runs and calls for nodes outside the batch pass straight through. This
 module decides nothing about a run and never imports ``ansible_runner``: it wraps the
 ``NodeAutomation`` protocol.
 """
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +55,16 @@ class _Call:
 
 
 @dataclass
+class _Gather:
+    files: tuple[str, ...]
+    nodes: list[str] = field(default_factory=list)
+    started: bool = False
+    done: bool = False
+    result: Mapping[str, HostFacts | Exception] | None = None
+    error: BaseException | None = None
+
+
+@dataclass
 class SharedPlaybooks:
     """A ``NodeAutomation`` for the executors of one batch (see the module docstring).
 
@@ -59,16 +75,18 @@ class SharedPlaybooks:
     inner: NodeAutomation
     members: Sequence[str]
     processes: list[list[str]] = field(default_factory=list)  # nodes of each shared run started
+    gather_window: float = 0.3  # seconds a facts request waits for the batch's others
 
     def __post_init__(self) -> None:
         self._cv = threading.Condition()
         self._active = set(self.members)
         self._waiting: dict[str, _Call] = {}
         self._hosts: dict[str, str] = {}
+        self._gathers: dict[tuple[str, ...], _Gather] = {}
 
     def __getattr__(self, name: str) -> Any:
         # Everything else (facts_become, cancel, ...) is the connector's own.
-        if name in ("inner", "members", "processes") or name.startswith("_"):
+        if name in ("inner", "members", "processes", "gather_window") or name.startswith("_"):
             raise AttributeError(name)
         return getattr(self.inner, name)
 
@@ -78,7 +96,44 @@ class SharedPlaybooks:
         return self.inner.inventory_host(node)
 
     def gather_facts(self, nodes: Sequence[str], files: Sequence[str] = ()) -> Mapping[str, HostFacts | Exception]:
-        return self.inner.gather_facts(nodes, files)
+        with self._cv:
+            shared = len(nodes) == 1 and nodes[0] in self._active and len(self._active) > 1
+        if not shared:
+            return self.inner.gather_facts(nodes, files)
+        node, key = nodes[0], tuple(sorted(files))
+        with self._cv:
+            group = self._gathers.get(key)
+            leader = group is None or group.started
+            if leader:
+                group = self._gathers[key] = _Gather(key)
+            assert group is not None
+            group.nodes.append(node)
+            self._cv.notify_all()
+            if leader:
+                deadline = time.monotonic() + self.gather_window
+                while len(set(group.nodes)) < len(self._active) and (left := deadline - time.monotonic()) > 0:
+                    self._cv.wait(left)
+                group.started = True
+                if self._gathers.get(key) is group:
+                    del self._gathers[key]
+        if leader:
+            try:
+                result: Mapping[str, HostFacts | Exception] | None = self.inner.gather_facts(
+                    sorted(set(group.nodes)), list(key))
+                error: BaseException | None = None
+            except BaseException as e:
+                result, error = None, e
+            with self._cv:
+                group.result, group.error, group.done = result, error, True
+                self._cv.notify_all()
+        else:
+            with self._cv:
+                while not group.done:
+                    self._cv.wait()
+        if group.error is not None:
+            raise group.error
+        assert group.result is not None
+        return {node: group.result[node]} if node in group.result else {}
 
     def close(self) -> None:
         """The batch does not own the connector: closing it is the caller's business."""

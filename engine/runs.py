@@ -253,6 +253,7 @@ class RunService:
     executor_options: Mapping[str, Any] = field(default_factory=dict)
     automatic: bool = False
     guards: GuardConfig | None = None
+    gather_window: float = 0.3  # a batch's facts requests wait this long for each other (engine.batch)
 
     def __post_init__(self) -> None:
         self.journal: Journal = self.settings.open_journal()
@@ -655,7 +656,8 @@ class RunService:
         first = batch[0][0]
         shared: SharedPlaybooks | None = None
         if any(needs_hosts(prep.loaded, prep.params) for prep, _ in batch) and len(batch) > 1:
-            shared = SharedPlaybooks(self.settings.nodes(first.loaded.playbooks_dir), [p.node for p, _ in batch])
+            shared = SharedPlaybooks(self.settings.nodes(first.loaded.playbooks_dir), [p.node for p, _ in batch],
+                                     gather_window=self.gather_window)
 
         def one(prep: PreparedRun, p: Plan) -> NodeOutcome:
             t0 = time.monotonic()

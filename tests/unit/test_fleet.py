@@ -78,7 +78,7 @@ def _fleet(tmp_path: Path, *, broken: list[str], healthy: list[str] = (),  # typ
         kube.set_label(n, EXCLUDE_LABEL, "true")
     settings = Settings(journal=tmp_path / "journal.sqlite", inventory=tmp_path / "hosts.yml")
     settings._cache.update(kube=kube, nodes=nodes)  # our fakes instead of the real connectors
-    service = RunService(settings, guards=guards,
+    service = RunService(settings, guards=guards, gather_window=30.0,  # a loaded machine: wait for all
                          executor_options={"clock": clock, "sleep": clock.sleep, "wall": clock.wall})
     return Fleet(clock, kube, nodes, service)
 
@@ -118,9 +118,12 @@ def test_blocked_nodes_are_reported_and_untouched_while_the_others_recover_in_ba
 
 def test_each_batch_runs_a_playbook_step_as_one_ansible_run_over_its_hosts(mixed: Fleet) -> None:
     targets, plans = mixed.plan()
+    planned = len(mixed.nodes.gathers)
     mixed.service.run_targets(targets, plans, max_parallel=2)
     assert mixed.playbook_runs("swap-off.yml") == [["gpu-1", "gpu-2"], ["gpu-3"]]
     assert mixed.playbook_runs("restart-kubelet.yml") == [["gpu-1", "gpu-2"], ["gpu-3"]]
+    # the runs' own host-facts requests are shared within a batch too
+    assert [sorted(g[0]) for g in mixed.nodes.gathers[planned:]] == [["gpu-1", "gpu-2"]] * 2 + [["gpu-3"]] * 2
 
 
 def test_a_host_failing_in_the_shared_run_fails_only_its_own_node(tmp_path: Path) -> None:
