@@ -211,13 +211,15 @@ class FleetResult:
         return {"runs": [r.as_dict() for r in self.runs], "summary": self.summary()}
 
 
-# Guards about capacity: a run whose plan changes nothing takes no capacity away, so they do not stop it.
+# Guards about capacity: a run whose plan changes nothing takes no capacity away, and a resumed run
+# took its node's capacity when it started, so they do not stop those.
 _CAPACITY_GUARDS = frozenset({"gpu-budget"})
 
 
 def _stops(verdicts: Sequence[GuardVerdict], *, changes: bool) -> list[GuardVerdict]:
-    """The verdicts that stop a run: every blocking one, except the capacity guards for a run whose
-    plan has nothing to do (it re-checks live and never acts; a guard that cannot be read still blocks)."""
+    """The verdicts that stop a run: every blocking one, except the capacity guards for a run that
+    takes no new capacity (``changes`` False: nothing to do, or a resume); a guard that cannot be
+    read still blocks."""
     return [v for v in blocking(verdicts) if changes or v.name not in _CAPACITY_GUARDS or not v.evaluated]
 
 
@@ -455,8 +457,10 @@ class RunService:
                                   "it back; nothing was done on resume: check the node and finish by hand")
         journal.set_state(run_id, RunState.RUNNING.value)
         with self._guard_lock:  # one node at a time, so that a batch's GPU budget counts its own nodes
+            # A resumed run started before (its node's capacity is already taken): only new work
+            # is held to the capacity guards.
             refused = self._pass_guards(run_id, prepared.node, overrides or {},
-                                        changes=plan.state is not PlanState.NOTHING_TO_DO)
+                                        changes=not resume and plan.state is not PlanState.NOTHING_TO_DO)
         if refused is not None:
             # A resume stopped by a guard stays resumable; a new run is simply blocked.
             state = RunState.INTERRUPTED if resume else RunState.BLOCKED

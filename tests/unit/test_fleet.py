@@ -334,3 +334,21 @@ def test_fail_fast_sees_a_node_the_guards_refuse_before_anything_starts(tmp_path
     result = fleet.service.run_targets(targets, plans, fail_fast=True)
     assert _rows(result) == {"gpu-1": "not-started", "gpu-2": "blocked"}
     assert fleet.kube.patches == [] and result.exit_code == ExitCode.BLOCKED
+
+
+def test_the_gpu_budget_stops_a_new_run_but_not_the_resume_of_one_that_started(tmp_path: Path) -> None:
+    fleet = _fleet(tmp_path, broken=[], guards=GuardConfig(gpu_budget=GpuBudget(max_gpus=0, max_percent=None)))
+    fleet.kube.nodes["gpu-1"] = healthy_node("gpu-1")  # in service, one GPU; its plan relabels it
+    fleet.kube.set_label("gpu-1", GPU_LABEL, "vm-passthrough")
+    fleet.nodes.hosts["gpu-1"] = healthy_host("gpu-1")
+    (prep,), (plan,) = fleet.plan()
+    assert plan.state is PlanState.READY
+    service = fleet.service
+    new = service.execute(service.create(prep, plan), prep, plan)
+    assert new.state is RunState.BLOCKED and "guard gpu-budget" in new.reason
+    assert fleet.kube.patches == []
+    run_id = service.create(prep, plan)
+    service.journal.set_state(run_id, RunState.INTERRUPTED.value)  # an engine died mid-run
+    resumed = service.execute(run_id, prep, plan, resume=True)
+    assert resumed.state is RunState.SUCCEEDED, resumed.reason
+    assert fleet.kube.nodes["gpu-1"].labels[GPU_LABEL] == "container"
