@@ -39,10 +39,13 @@ SHARED_OPTIONS = (
     click.option("--become-password-file", type=click.Path(exists=True, dir_okay=False),
                  help="File holding the sudo password for node hosts (or env RUNBOOK_BECOME_PASSWORD)."),
     click.option("--ask-become-pass", "-K", is_flag=True, help="Prompt for the sudo password."),
+    click.option("--guards-config", envvar="RUNBOOK_GUARDS_CONFIG", type=click.Path(dir_okay=False),
+                 help="YAML file whose `guards:` section configures the run guards (env RUNBOOK_GUARDS_CONFIG; "
+                      "default: the built-in guards, see docs/guards.md)."),
     click.option("--debug", is_flag=True, help="Show tracebacks and connector debug output."),
 )
 SHARED_NAMES = ("kubeconfig", "kube_context", "inventory", "runbooks_dir", "journal", "become_password_file",
-                "ask_become_pass", "debug")
+                "ask_become_pass", "guards_config", "debug")
 
 
 def shared_options(func: F) -> F:
@@ -62,6 +65,7 @@ def settings_from(opts: dict[str, Any]) -> Settings:
         journal=Path(v["journal"]) if v["journal"] else None,
         become_password_file=Path(v["become_password_file"]) if v["become_password_file"] else None,
         ask_become_pass=v["ask_become_pass"], debug=v["debug"],
+        guards_config=Path(v["guards_config"]) if v["guards_config"] else None,
     )
 
 
@@ -113,6 +117,37 @@ def target_options(func: F) -> F:
     return func
 
 
+def fleet_options(func: F) -> F:
+    func = click.option("--max-failures", type=click.IntRange(1), default=1, show_default=True,
+                        help="Fleet: after this many failed nodes no further batch starts.")(func)
+    func = click.option("--fail-fast", is_flag=True,
+                        help="Fleet: refuse the whole fleet when any node's plan is blocked.")(func)
+    return func
+
+
+def override_options(func: F) -> F:
+    func = click.option("--override-guard", "override_guards", multiple=True, metavar="NAME",
+                        help="Pass the run guard NAME deliberately (repeatable; each needs a --reason, "
+                             "journaled with your user name).")(func)
+    func = click.option("--reason", "override_reasons", multiple=True, metavar="TEXT",
+                        help="Why the guard named by the matching --override-guard is passed.")(func)
+    return func
+
+
+def overrides_from(names: tuple[str, ...], reasons: tuple[str, ...]) -> dict[str, str]:
+    """``--override-guard A --reason X --override-guard B --reason Y`` -> {A: X, B: Y}; exit 2 otherwise."""
+    from engine.errors import UsageError
+
+    if len(names) != len(reasons):
+        raise UsageError(f"give one --reason per --override-guard ({len(names)} guards, {len(reasons)} reasons)")
+    out: dict[str, str] = {}
+    for name, reason in zip(names, reasons, strict=True):
+        if name in out:
+            raise UsageError(f"--override-guard {name} given twice")
+        out[name] = reason
+    return out
+
+
 def metrics_textfile_option(func: F) -> F:
     """``--metrics-textfile PATH``: after the command, rewrite PATH (``*.prom``) for node_exporter's
     textfile collector from the journal (``engine.textfile_metrics``). A failure to write is a
@@ -142,10 +177,8 @@ def metrics_textfile_option(func: F) -> F:
 class LazyGroup(click.Group):
     """Sub-groups that live in their own packages load only when used (``runbook --help`` stays fast)."""
 
-    LAZY = {"lab": ("engine.lab.labcli", "lab_group",
-                    "The lab: a simulated GPU cluster reproducing the omen2 incident."),
-            "serve": ("engine.serve.cli", "serve_command",
-                      "Receive Alertmanager and PagerDuty webhooks and start runbooks inside guards.")}
+    LAZY = {"lab": "The lab: a simulated GPU cluster reproducing the omen2 incident.",
+            "serve": "Receive Alertmanager and PagerDuty webhooks and start runbooks inside guards."}
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted([*super().list_commands(ctx), *self.LAZY])
@@ -154,18 +187,21 @@ class LazyGroup(click.Group):
         rows = []
         for name in self.list_commands(ctx):
             if name in self.LAZY:
-                rows.append((name, self.LAZY[name][2]))
+                rows.append((name, self.LAZY[name]))
             else:
                 rows.append((name, self.commands[name].get_short_help_str(70)))
         with formatter.section("Commands"):
             formatter.write_dl(rows)
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
-        if cmd_name in self.LAZY:
-            import importlib
+        if cmd_name == "lab":
+            from engine.lab.labcli import lab_group
 
-            module, attr, _ = self.LAZY[cmd_name]
-            return getattr(importlib.import_module(module), attr)
+            return lab_group
+        if cmd_name == "serve":
+            from engine.serve.cli import serve_command
+
+            return serve_command
         return super().get_command(ctx, cmd_name)
 
 
@@ -253,14 +289,26 @@ def plan(settings: Settings, name: str, node: str | None, selector: str | None, 
 @click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
 @click.option("-o", "--output", type=OUTPUT, default="text")
 @click.option("--lock-wait", type=click.FloatRange(0), default=0.0, help="Seconds to wait for the node's Lease.")
+@fleet_options
+@override_options
 @metrics_textfile_option
 def run(settings: Settings, name: str, node: str | None, selector: str | None, max_parallel: int,
-        settle: float, params: tuple[str, ...], dry_run: bool, yes: bool, output: str, lock_wait: float) -> int:
-    """Run a runbook: preconditions, then per step guards -> act -> verify; stop at the first failure."""
+        settle: float, params: tuple[str, ...], dry_run: bool, yes: bool, output: str, lock_wait: float,
+        max_failures: int, fail_fast: bool, override_guards: tuple[str, ...],
+        override_reasons: tuple[str, ...]) -> int:
+    """Run a runbook: preconditions, then per step guards -> act -> verify; stop at the first failure.
+
+    \b
+    With --selector, every matching node: blocked nodes are reported and left untouched, the others
+    run in rolling batches; exit 0 all succeeded or had nothing to do, 1 any failed, 3 none failed
+    but some were blocked, 4 cancelled.
+    """
     from engine import app
 
     return app.run(settings, name, node=node, selector=selector, raw_params=params, dry_run=dry_run,
-                   yes=yes, output=output, max_parallel=max_parallel, settle=settle, lock_wait=lock_wait)
+                   yes=yes, output=output, max_parallel=max_parallel, settle=settle, lock_wait=lock_wait,
+                   max_failures=max_failures, fail_fast=fail_fast,
+                   overrides=overrides_from(override_guards, override_reasons))
 
 
 @main.command()
@@ -268,12 +316,15 @@ def run(settings: Settings, name: str, node: str | None, selector: str | None, m
 @click.argument("plan_file", type=click.Path(exists=True, dir_okay=False))
 @click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
 @click.option("-o", "--output", type=OUTPUT, default="text")
+@override_options
 @metrics_textfile_option
-def apply(settings: Settings, plan_file: str, yes: bool, output: str) -> int:
+def apply(settings: Settings, plan_file: str, yes: bool, output: str, override_guards: tuple[str, ...],
+          override_reasons: tuple[str, ...]) -> int:
     """Execute a saved plan, refusing (exit 5) if the runbook, the facts or the clock moved on."""
     from engine import app
 
-    return app.apply(settings, Path(plan_file), yes=yes, output=output)
+    return app.apply(settings, Path(plan_file), yes=yes, output=output,
+                     overrides=overrides_from(override_guards, override_reasons))
 
 
 @main.command()
@@ -293,12 +344,15 @@ def approve(settings: Settings, run_id: str, plan_digest: str, approved_by: str 
 @click.argument("run_id")
 @click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
 @click.option("-o", "--output", type=OUTPUT, default="text")
+@override_options
 @metrics_textfile_option
-def resume(settings: Settings, run_id: str, yes: bool, output: str) -> int:
+def resume(settings: Settings, run_id: str, yes: bool, output: str, override_guards: tuple[str, ...],
+           override_reasons: tuple[str, ...]) -> int:
     """Continue an interrupted or approved run; completed steps are not redone."""
     from engine import app
 
-    return app.resume(settings, run_id, yes=yes, output=output)
+    return app.resume(settings, run_id, yes=yes, output=output,
+                      overrides=overrides_from(override_guards, override_reasons))
 
 
 @main.group(invoke_without_command=True)

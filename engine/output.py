@@ -217,6 +217,25 @@ def result_text(result: RunResult, run_id: str | None = None) -> str:
     return "\n".join(lines)
 
 
+def fleet_text(doc: Mapping[str, Any]) -> str:
+    """A fleet's closing summary (``RunService.run_targets(...).as_json()``): one row per node
+    (node, outcome, run id, duration, reason), then the counts and the exit code."""
+    rows = list(doc.get("runs") or [])
+    width = max((len(str(r["node"])) for r in rows), default=4)
+    run_w = max((len(str(r.get("run_id") or "-")) for r in rows), default=3)
+    lines = [f"{'node':<{width}}  {'outcome':<13} {'run':<{run_w}} {'time':>7}  reason"]
+    for r in rows:
+        took = f"{float(r.get('duration') or 0):6.1f}s"
+        lines.append(f"{r['node']:<{width}}  {r['outcome']:<13} {r.get('run_id') or '-':<{run_w}} {took:>7}  "
+                     f"{_one_line(str(r.get('reason') or ''))}")
+    summary = dict(doc.get("summary") or {})
+    counts = ", ".join(f"{v} {k}" for k, v in summary.items() if k not in ("nodes", "exit_code", "refused"))
+    lines.append(f"fleet: {summary.get('nodes', len(rows))} nodes: {counts} (exit {summary.get('exit_code')})")
+    if summary.get("refused"):
+        lines.append(str(summary["refused"]))
+    return "\n".join(lines)
+
+
 def result_json(result: RunResult, run_id: str | None = None) -> dict[str, Any]:
     doc = result.model_dump(mode="json")
     if run_id:

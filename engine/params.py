@@ -10,11 +10,15 @@ limits and API paths.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from engine.errors import UsageError
 from engine.model import Param, ParamValue, Runbook
+
+if TYPE_CHECKING:
+    from engine.loader import LoadedRunbook
 
 # Why fullmatch everywhere: ``$`` also matches before a trailing newline, so ``re.match(r"^...$")``
 # let ``omen2\n`` through as a node name.
@@ -143,3 +147,37 @@ def resolve_params(runbook: Runbook, raw: Mapping[str, Any] | Iterable[str] = ()
     if problems:
         raise UsageError("; ".join(problems))
     return values
+
+
+@dataclass(frozen=True)
+class PreparedRun:
+    """A loaded runbook with resolved, validated params for one node: one target of a run."""
+
+    loaded: LoadedRunbook
+    params: dict[str, Any]
+    node: str
+
+    @property
+    def runbook(self) -> Runbook:
+        return self.loaded.runbook
+
+
+def prepare_run(loaded: LoadedRunbook, raw_params: Mapping[str, Any] | Iterable[str] = (), *,
+                node: str | None = None) -> PreparedRun:
+    """Resolve ``-p key=value`` (or a mapping) + ``--node`` into typed params for one node."""
+    params = resolve_params(loaded.runbook, raw_params, node=node)
+    key = loaded.runbook.node_param
+    if key is None or key not in params:
+        raise UsageError(f"runbook {loaded.name} needs a node: give --node or -p {key or 'node'}=NAME")
+    return PreparedRun(loaded=loaded, params=params, node=str(params[key]))
+
+
+def prepare_fleet(loaded: LoadedRunbook, raw_params: Mapping[str, Any] | Iterable[str],
+                  node_names: Sequence[str]) -> list[PreparedRun]:
+    """One prepared run per node (the same params, the node param set to each node)."""
+    given = dict(raw_params) if isinstance(raw_params, Mapping) else None
+    items = list(raw_params) if given is None else []
+    out = [prepare_run(loaded, given if given is not None else items, node=n) for n in node_names]
+    if not out:
+        raise UsageError("the selector matches no node")
+    return out

@@ -17,6 +17,7 @@ from engine.errors import UsageError
 if TYPE_CHECKING:
     from engine.connectors.base import KubeAPI, NodeAutomation
     from engine.journal import Journal
+    from engine.run_guards import GuardConfig
 
 
 @dataclass
@@ -29,6 +30,7 @@ class Settings:
     become_password_file: Path | None = None
     ask_become_pass: bool = False
     debug: bool = False
+    guards_config: Path | None = None  # a YAML file with a ``guards:`` section (``engine.run_guards``)
     _cache: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def become_password(self) -> str | None:
@@ -73,6 +75,14 @@ class Settings:
             self._cache["nodes"] = AnsibleConnector(self.inventory, playbooks_dir,
                                                     become_password=self.become_password())
         return self._cache["nodes"]
+
+    def guard_config(self) -> GuardConfig:
+        """The run guards' configuration: ``--guards-config`` (its ``guards:`` section), else the defaults."""
+        if "guards" not in self._cache:
+            from engine.run_guards import load_guard_config
+
+            self._cache["guards"] = load_guard_config(self.guards_config)
+        return self._cache["guards"]
 
     def open_journal(self) -> Journal:
         if "journal" not in self._cache:

@@ -1,14 +1,14 @@
 """``runbook serve``: run the webhook server; ``runbook serve breaker-reset``: close a breaker.
 
-Thin: options -> ``load_config`` -> ``create_app`` -> uvicorn. The run machinery comes from
-``engine.app.create_run_starter(settings, config)`` (the ``RunStarter`` of ``engine.serve.starter``);
+Thin: options -> ``load_config`` -> ``create_app`` -> uvicorn. The run machinery is the run
+service's adapter ``engine.serve_starter.JournalRunStarter`` (the ``RunStarter`` of
+``engine.serve.starter``), imported plainly: the same road to the executor as the CLI's;
 the cluster view reads through ``Settings.kube()``. Options shared with the other commands are
 declared here again rather than imported from ``engine.cli``, which loads this module (no cycle).
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import sys
@@ -22,17 +22,14 @@ from engine.errors import ExitCode, RunbookError, UsageError
 from engine.serve.access import Access, is_loopback
 from engine.serve.config import ServeConfig, load_config, split_listen
 from engine.serve.starter import RunStarter
+from engine.serve_starter import JournalRunStarter
 from engine.settings import Settings
 
 
 def load_run_starter(settings: Settings, config: ServeConfig) -> RunStarter:
-    """The engine's ``RunStarter`` (``engine.app.create_run_starter``)."""
-    try:
-        factory = importlib.import_module("engine.app").create_run_starter
-    except (ImportError, AttributeError) as e:
-        raise UsageError("this build has no run starter: engine.app.create_run_starter is missing") from e
-    starter: RunStarter = factory(settings, config)
-    return starter
+    """The engine's ``RunStarter``: automatic runs through the run service, under the run guards
+    of the server's configuration (never overridden)."""
+    return JournalRunStarter(settings, guards=config.run_guards())
 
 
 INSECURE_BANNER = """\

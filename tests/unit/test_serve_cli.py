@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 import time
-import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,26 +14,26 @@ from click.testing import CliRunner
 
 from engine.errors import UsageError
 from engine.lab.ports import free_port
+from engine.serve import cli as serve_cli
 from engine.serve.app import create_app
 from engine.serve.cli import build_app, load_run_starter, serve_command, start_banner
 from engine.serve.config import ServeConfig, load_config
 from engine.serve.notify import Notifier
 from engine.serve.testing import INCIDENT_NODES, FakeRunStarter, StaticClusterView, trigger_spec
+from engine.serve_starter import JournalRunStarter
 from engine.settings import Settings
 
 
 @pytest.fixture
 def fake_engine_app(monkeypatch: pytest.MonkeyPatch) -> list[ServeConfig]:
-    """Stand in for ``engine.app.create_run_starter`` (written by the engine, not by serve)."""
+    """Stand in for the engine's starter (``load_run_starter``: the run service's adapter)."""
     seen: list[ServeConfig] = []
 
     def create_run_starter(settings: Settings, config: ServeConfig) -> FakeRunStarter:
         seen.append(config)
         return FakeRunStarter([trigger_spec()])
 
-    module = types.ModuleType("engine.app")
-    module.create_run_starter = create_run_starter  # type: ignore[attr-defined]
-    monkeypatch.setitem(__import__("sys").modules, "engine.app", module)
+    monkeypatch.setattr(serve_cli, "load_run_starter", create_run_starter)
     return seen
 
 
@@ -89,10 +88,12 @@ def test_insecure_no_auth_is_refused_beyond_loopback_and_announced_loudly(
     assert app.state.handlers.access.identify(None).name == "insecure-no-auth"
 
 
-def test_a_build_without_the_engines_starter_is_a_usage_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(__import__("sys").modules, "engine.app", types.ModuleType("engine.app"))
-    with pytest.raises(UsageError, match="create_run_starter"):
-        load_run_starter(Settings(), ServeConfig())
+def test_the_servers_starter_is_the_run_service_and_its_runs_are_automatic(tmp_path: Path) -> None:
+    starter = load_run_starter(Settings(journal=tmp_path / "j.sqlite"), ServeConfig())
+    assert isinstance(starter, JournalRunStarter)
+    assert starter.service.automatic  # no guard override can reach a paged run
+    with pytest.raises(UsageError, match="for people"):
+        starter.service.check_overrides({"exclusion": "the server tried"})
 
 
 def test_a_bad_config_file_exits_2_with_the_file_named(tmp_path: Path, fake_engine_app: list[ServeConfig]) -> None:
