@@ -445,7 +445,8 @@ def test_the_shipped_flagship_restarts_a_stopped_kubelet_after_relabel_and_swap_
     assert cuda_pids(lab) == CUDA_PIDS
     restart = result.outcomes[2]
     checks = {v["check"]: (v["holds"], v["observed"]) for v in restart.evidence["verify"]}
-    assert checks["no host CUDA process killed since the plan"] == (True, "1 CUDA process; all 1 from the plan still run")
+    assert checks["no host CUDA process killed since the plan"] == (
+        True, "1 CUDA process; all 1 from the plan still run")
     assert checks["node is Ready"][0] is True
     assert "host CUDA processes: 1 when planned, 1 now (none killed)" in result.report
 

@@ -144,7 +144,8 @@ def test_the_shipped_flagships_plan_reads_relabel_then_swap_off_then_a_guarded_r
     ]
     restart = lines[lines.index("3. [~] restart-kubelet (ansible): run playbook restart-kubelet.yml on omen2 as root"):]
     assert [ln for ln in restart if ln.startswith(("guard:", "then verify:"))] == [
-        "guard: label nvidia.com/gpu.workload.config = container = yes (label nvidia.com/gpu.workload.config=container)",
+        "guard: label nvidia.com/gpu.workload.config = container = yes "
+        "(label nvidia.com/gpu.workload.config=container)",
         "guard: swap is off = yes (swap off)",
         "then verify: service kubelet is active (within 60s)",
         "then verify: node is Ready (within 120s)",
