@@ -108,6 +108,7 @@ def _paths(value: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
 def _lines_of(text: str, path: tuple[Any, ...]) -> tuple[int, int]:
     """(first, last) line of the YAML node at ``path`` in ``text``, the first being its key's line."""
     node = yaml.compose(text)
+    assert node is not None
     first = 1
     for part in path:
         if isinstance(node, yaml.MappingNode):
