@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from typing import Any
 
@@ -125,8 +126,17 @@ def test_last_error_prefers_klog_error_lines() -> None:
 
 def test_json_form_carries_summary_chain_fix_and_evidence() -> None:
     d = explain("omen2", incident_node(), incident_host(), VMS, kubevirts=KUBEVIRT)
-    doc = d.as_json()
-    assert doc["cause"] == "swap" and doc["known"] is True and doc["fix"] == d.fix
-    assert doc["summary"] == d.summary and doc["chain"] == list(d.chain)
-    assert doc["evidence"]["kubelet_state"] == "activating"
-    assert isinstance(Diagnosis("n", "swap", ("x",), None).summary, str)
+    doc = json.loads(json.dumps(d.as_json()))  # what `diagnose -o json` prints: plain JSON values
+    assert set(doc) == {"node", "cause", "known", "summary", "chain", "fix", "notes", "evidence"}
+    assert (doc["node"], doc["cause"], doc["known"]) == ("omen2", "swap", True)
+    assert doc["summary"] == "swap on -> kubelet refuses -> NotReady -> GPU labels gone -> 2 VMs ErrorUnschedulable"
+    assert doc["fix"] == "runbook run gpu-node-recovery --node omen2"
+    assert [link.split(" (")[0] for link in doc["chain"]] == [
+        "swap on", "kubelet refuses to start", "node NotReady", "GPU labels gone", "2 VMs ErrorUnschedulable"]
+    assert "running with swap on is not supported" in doc["chain"][1]
+    ev = doc["evidence"]
+    assert (ev["kubelet_state"], ev["workload_label"], ev["gpu_driver"]) == ("activating", "vm-passthrough", "nvidia")
+    assert ev["swap_devices"] == [{"name": "/swapfile", "type": "file", "size_bytes": 32 << 30}]
+    assert ev["fstab_active_swap"] == ["/swapfile none swap sw 0 0"]
+    assert [v["vm"] for v in ev["waiting_gpu_vms"]] == ["gpu-vms/gpu-fedora", "gpu-vms/rhel9-gpu-vm"]
+    assert Diagnosis("n", "swap", ("x",), None).as_json()["fix"] is None  # no fix: null, not a made-up command

@@ -164,6 +164,13 @@ def test_known_secrets_and_secret_looking_keys_never_reach_the_file(tmp_path: Pa
     raw = b"".join(p.read_bytes() for p in tmp_path.glob("j.sqlite*"))
     for secret in (b"s3cr3t-Become", b"tok-123", b"p4ss"):
         assert secret not in raw
+    # the run and the event around the secrets were written, masked, not dropped
+    again = Journal(path)
+    assert again.get_run(run_id).params == {"node": "omen2", "api_token": "***"}
+    (event,) = again.events(run_id)
+    assert (event.kind, event.step) == ("ansible.task", "s")
+    assert event.data == {"msg": "sudo: *** rejected", "password": "***"}
+    again.close()
 
 
 # -- progress: what a resume must know -------------------------------------------------------

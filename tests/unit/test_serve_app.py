@@ -120,7 +120,10 @@ def test_resolved_alerts_never_start_runs() -> None:
         r = s.post_alerts(alert("omen2", status="resolved"), alert("omen3", status="resolved"))
         assert r.status_code == 200
         assert r.json()["status"] == "ignored"
-        assert all("resolved" in d["reason"] for d in r.json()["decisions"])
+        decisions = r.json()["decisions"]
+        assert [(d["outcome"], d["reason"]) for d in decisions] == [
+            ("ignored", "resolved alerts never start runs")] * 2  # one decision per alert, both resolved
+        assert [d["alert"].split('node="')[1].split('"')[0] for d in decisions] == ["omen2", "omen3"]
         assert s.starter.requests == []
 
 

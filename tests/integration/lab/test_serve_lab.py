@@ -327,6 +327,9 @@ def test_approve_mode_waits_refuses_a_wrong_digest_survives_a_restart_and_comple
         time.sleep(1.0)  # nothing may run after a refused approval
         run = first.run(run_id)
         assert (run["state"], run["approved_by"]) == ("waiting-approval", None)
+        kinds = [e["kind"] for e in run["events"]]
+        assert "plan" in kinds and "approval.waiting" in kinds, kinds  # the run's events, read
+        assert "lock.acquired" not in kinds and "action.intent" not in kinds, kinds  # nothing started to act
         assert first.get("/healthz").json()["workers"]["running"] == 0
         omen2_untouched(fresh_lab, sh)
 
