@@ -22,7 +22,6 @@ from engine.diagnose import (
     last_error,
     load_catalogue,
     node_gpu_resources,
-    pod_status,
     render_table,
     render_text,
 )
