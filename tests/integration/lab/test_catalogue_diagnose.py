@@ -108,6 +108,25 @@ def test_a_failing_start_is_tried_once_and_the_run_fails_with_containerds_journa
     assert again.returncode == 3 and "containerd-can-start" in again.stdout  # now refused outright
 
 
+def test_zram_swap_is_refused_at_plan_time_before_the_relabel_and_nothing_changes(
+        fresh_lab: Any, sh: Any, tmp_path: Path) -> None:
+    state = _states(fresh_lab)["gpu-3090-1"]
+
+    def zram(s: dict[str, Any]) -> None:
+        s["swap"]["devices"]["/dev/zram0"] = {"type": "partition", "size": 4 << 30, "used": 0}
+        s["swap"]["active"].append("/dev/zram0")
+
+    state.update(zram)
+    calls_before = state.calls()
+    labels_before = kube_node(sh, "gpu-3090-1")["metadata"]["labels"]
+    r = runbook(sh, "run gpu-node-recovery --node gpu-3090-1 --yes", journal=tmp_path / "j.sqlite")
+    assert r.returncode == 3, r.stdout + r.stderr
+    out = " ".join(r.stdout.split())
+    assert "precondition swap-can-be-kept-off" in out and "zram device /dev/zram0" in out
+    assert state.calls() == calls_before
+    assert kube_node(sh, "gpu-3090-1")["metadata"]["labels"] == labels_before
+
+
 @pytest.mark.timeout(900)
 def test_containerd_recovery_brings_gpu_3090_2_back_to_ready_with_its_gpu(
         fresh_lab: Any, sh: Any, tmp_path: Path) -> None:
