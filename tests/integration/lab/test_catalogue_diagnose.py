@@ -48,6 +48,8 @@ def test_diagnose_all_names_every_sick_node_with_its_runbook_and_command_read_on
     rows = {ln.split()[0]: ln.split() for ln in table.stdout.splitlines()[1:]}
     assert rows["gpu-3090-2"][2:5] == ["containerd-down", "containerd-recovery", "high"]
     assert set(rows) == set(GPU_NODES)  # the Ready nodes are not listed
+    picked = json.loads(runbook(sh, "diagnose -l nvidia.com/gpu.workload.config=vm-passthrough -o json").stdout)
+    assert [(d["node"], d["cause"]) for d in picked["nodes"]] == [("omen2", "swap")]
     assert {n: s.calls() for n, s in states.items()} == calls_before  # read-only
 
 
@@ -55,6 +57,8 @@ def test_diagnose_a_healthy_node_says_nothing_is_wrong(incident: Any, sh: Any) -
     r = runbook(sh, "diagnose --node cp-1")
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.startswith("node cp-1: nothing is wrong")
+    none = runbook(sh, "diagnose -l node-role.kubernetes.io/control-plane")
+    assert none.returncode == 0 and none.stdout.startswith("nothing is wrong"), none.stdout + none.stderr
 
 
 def test_diagnose_one_node_shows_the_matched_evidence_of_containerd_down(incident: Any, sh: Any) -> None:
