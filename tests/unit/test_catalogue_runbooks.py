@@ -8,6 +8,7 @@ from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
+import pytest
 from fakes import GPU_LABEL, incident_host, incident_node, make_host, make_node
 
 from engine.facts import Facts, HostFacts, ServiceFacts
@@ -88,13 +89,16 @@ def test_an_expired_client_certificate_is_refused_with_the_manual_steps() -> Non
     assert "kubectl certificate approve" in reasons and "kubeadm certs renew" in reasons
 
 
-def test_zram_swap_is_refused_at_plan_time_before_the_relabel() -> None:
-    host = replace(incident_host(), unhandled_swap_sources=("zram device /dev/zram0",))
+@pytest.mark.parametrize("source", ["zram device /dev/zram0",
+                                    "systemd unit swap2.img.swap (/etc/systemd/system/swap2.img.swap)"])
+def test_swap_it_cannot_keep_off_is_refused_at_plan_time_before_the_relabel(source: str) -> None:
+    host = replace(incident_host(), unhandled_swap_sources=(source,))
     rb = runbook("gpu-node-recovery")
     f = Facts(node_name="omen2", node=incident_node(), host=host)
     p = plan_run(rb, {"node": "omen2", "workload": "container", "ready_timeout": 120, "gpu_timeout": 180}, f,
                  runbook_digest="f" * 64, now=NOW)
     assert p.state is PlanState.BLOCKED and p.exit_code == 3
     reasons = " ".join(p.blocked_reasons)
-    assert "precondition swap-can-be-kept-off" in reasons and "zram device /dev/zram0" in reasons
-    assert "Nothing was changed" in reasons and "zram-generator" in reasons
+    assert "precondition swap-can-be-kept-off" in reasons and source in reasons
+    assert "Nothing was changed" in reasons and "zram-generator" in reasons and "systemctl mask" in reasons
+    assert p.blocked_reasons[0].startswith("precondition swap-can-be-kept-off")  # a precondition, not a step
