@@ -368,11 +368,8 @@ def explain(facts: Facts, catalogue: Sequence[Runbook], *, vms: Sequence[Mapping
 
     if matches:
         best = matches[0]
-        held = [e for e in best.evidence if e.holds is True]
         chain = [f"{best.title} [{best.runbook}, confidence {best.confidence}]"]
-        chain += [f"evidence {e.id}: {e.says or e.check}" + (f" ({e.observed})" if e.observed else "")
-                  for e in held]
-        chain += [text for _, text in node_links]
+        chain += [text for _, text in node_links]  # the evidence itself: the match's lines
         links = [best.cause, *(link for link, _ in node_links)]
         for other in matches[1:]:
             notes.append(f"also matches: {other.cause} ({other.runbook}, confidence {other.confidence}): "
