@@ -381,12 +381,15 @@ def runs_show(settings: Settings, run_id: str, output: str) -> int:
 
 @main.command()
 @common_options
-@click.option("--node", required=True, help="The node to examine.")
+@click.option("--node", default=None, help="The node to examine.")
+@click.option("--all", "all_nodes", is_flag=True, help="Every NotReady, unschedulable or GPU-less node.")
+@click.option("-l", "--selector", default=None, help="Like --all, among the nodes this label selector picks.")
 @click.option("-o", "--output", type=OUTPUT, default="text")
-def diagnose(settings: Settings, node: str, output: str) -> int:
-    """Collect evidence read-only and name the cause and the runbook that fixes it."""
+def diagnose(settings: Settings, node: str | None, all_nodes: bool, selector: str | None, output: str) -> int:
+    """Collect evidence read-only and name the cause and the runbook that fixes it (from the runbooks'
+    declared diagnoses)."""
     from engine import diagnose as diag
 
-    return diag.diagnose_command(settings, node, output)
+    return diag.diagnose_command(settings, node, output, all_nodes=all_nodes, selector=selector)
 
 

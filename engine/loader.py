@@ -485,6 +485,33 @@ def _semantic_problems(rb: Runbook, data: Mapping[str, Any], *, stem: str | None
                     if not pb.is_file():
                         out.append((apath, f"playbook {action.ansible.playbook!r} not found in {playbooks_dir}"))
 
+    # The diagnosis: unique evidence ids, at least one required piece, declared params only.
+    if rb.diagnosis is not None:
+        diag = rb.diagnosis
+        seen: dict[str, str] = {}
+        for section, items in (("evidence", diag.evidence), ("excludes", diag.excludes)):
+            for i, ev in enumerate(items):
+                if ev.id in seen:
+                    out.append((("diagnosis", section, i, "id"),
+                                f"duplicate evidence id {ev.id!r} (first in diagnosis.{seen[ev.id]})"))
+                else:
+                    seen[ev.id] = section
+        if not any(ev.weight == "required" for ev in diag.evidence):
+            out.append((("diagnosis", "evidence"), "a diagnosis needs at least one piece of required evidence "
+                                                   "(weight: required), or every sick node would match"))
+        for i, ev in enumerate(diag.excludes):
+            if ev.weight != "required":
+                out.append((("diagnosis", "excludes", i, "weight"),
+                            "excludes rule the cause out when they hold: weight does not apply (leave it out)"))
+        for key in diag.params:
+            if key not in rb.params:
+                out.append((("diagnosis", "params", key), f"param {key!r} is not declared in params"))
+            elif key == rb.node_param:
+                out.append((("diagnosis", "params", key),
+                            f"param {key!r} is the node param: diagnose fills it with the diagnosed node"))
+        if rb.node_param is None:
+            out.append((("diagnosis",), "a diagnosis is about a node: declare a param of type node"))
+
     # Node-targeting work needs a node param.
     if rb.node_param is None:
         targets = any(isinstance(s.action, KubeAction | _Ansible) for s in rb.steps)
