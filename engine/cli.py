@@ -148,6 +148,32 @@ def overrides_from(names: tuple[str, ...], reasons: tuple[str, ...]) -> dict[str
     return out
 
 
+def metrics_textfile_option(func: F) -> F:
+    """``--metrics-textfile PATH``: after the command, rewrite PATH (``*.prom``) for node_exporter's
+    textfile collector from the journal (``engine.textfile_metrics``). A failure to write is a
+    warning: the command's exit code stands."""
+
+    @click.option("--metrics-textfile", envvar="RUNBOOK_METRICS_TEXTFILE", type=click.Path(dir_okay=False),
+                  help="After the run, write CLI run metrics for node_exporter's textfile collector to this "
+                       "*.prom file (env RUNBOOK_METRICS_TEXTFILE).")
+    @functools.wraps(func)
+    def wrapper(settings: Settings, *args: Any, metrics_textfile: str | None, **kwargs: Any) -> Any:
+        if metrics_textfile is None:
+            return func(settings, *args, **kwargs)
+        from engine.textfile_metrics import check_textfile_path, write_textfile
+
+        path = check_textfile_path(metrics_textfile)  # bad input: refused before anything runs
+        try:
+            return func(settings, *args, **kwargs)
+        finally:
+            try:
+                write_textfile(path, settings.journal)
+            except Exception as e:  # Why: metrics must never change a run's outcome or exit code
+                click.echo(f"runbook: warning: could not write metrics to {path}: {e}", err=True)
+
+    return wrapper  # type: ignore[return-value]
+
+
 class LazyGroup(click.Group):
     """Sub-groups that live in their own packages load only when used (``runbook --help`` stays fast)."""
 
@@ -181,7 +207,10 @@ class LazyGroup(click.Group):
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(package_name="runbook")
-def main() -> None:
+@click.option("--log-format", type=click.Choice(["text", "json"]), envvar="RUNBOOK_LOG_FORMAT", default="text",
+              show_default=True, help="Logs on stderr: text, or JSON lines with run id, step, node and event "
+                                      "(env RUNBOOK_LOG_FORMAT). Secrets are masked.")
+def main(log_format: str) -> None:
     """Guarded remediation runbooks: plan, approve, run and verify recoveries of Kubernetes nodes.
 
     \b
@@ -189,6 +218,9 @@ def main() -> None:
     2 usage or invalid runbook, 3 blocked (precondition, guard, lock), 4 cancelled,
     5 stale plan or invalid approval.
     """
+    from engine.logformat import configure_logging
+
+    configure_logging(log_format)
 
 
 @main.command("list")
@@ -259,6 +291,7 @@ def plan(settings: Settings, name: str, node: str | None, selector: str | None, 
 @click.option("--lock-wait", type=click.FloatRange(0), default=0.0, help="Seconds to wait for the node's Lease.")
 @fleet_options
 @override_options
+@metrics_textfile_option
 def run(settings: Settings, name: str, node: str | None, selector: str | None, max_parallel: int,
         settle: float, params: tuple[str, ...], dry_run: bool, yes: bool, output: str, lock_wait: float,
         max_failures: int, fail_fast: bool, override_guards: tuple[str, ...],
@@ -284,6 +317,7 @@ def run(settings: Settings, name: str, node: str | None, selector: str | None, m
 @click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
 @click.option("-o", "--output", type=OUTPUT, default="text")
 @override_options
+@metrics_textfile_option
 def apply(settings: Settings, plan_file: str, yes: bool, output: str, override_guards: tuple[str, ...],
           override_reasons: tuple[str, ...]) -> int:
     """Execute a saved plan, refusing (exit 5) if the runbook, the facts or the clock moved on."""
@@ -311,6 +345,7 @@ def approve(settings: Settings, run_id: str, plan_digest: str, approved_by: str 
 @click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
 @click.option("-o", "--output", type=OUTPUT, default="text")
 @override_options
+@metrics_textfile_option
 def resume(settings: Settings, run_id: str, yes: bool, output: str, override_guards: tuple[str, ...],
            override_reasons: tuple[str, ...]) -> int:
     """Continue an interrupted or approved run; completed steps are not redone."""

@@ -21,6 +21,7 @@ so they are masked wherever they appear.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import sqlite3
@@ -39,6 +40,7 @@ ACTIVE_STATES = ("pending", "waiting-approval", "running")
 FINAL_STATES = ("succeeded", "failed", "blocked", "cancelled")
 RESUMABLE_STATES = ("interrupted",)
 DONE_STEP_STATUSES = ("succeeded", "skipped")  # a step with one of these outcomes is never redone
+_events_log = logging.getLogger("runbook.events")
 SECRET_KEY_MARKERS = ("password", "secret", "token", "authorization", "become_pass")
 
 _SCHEMA = """
@@ -420,12 +422,25 @@ class Journal:
 
 
 class JournalSink:
-    """An EventSink that writes to the journal before returning (write-ahead)."""
+    """An EventSink that writes to the journal before returning (write-ahead), then logs the event
+    on ``runbook.events`` (what ``--log-format json`` shows; masked like the journal)."""
 
     def __init__(self, journal: Journal, run_id: str) -> None:
         self.journal = journal
         self.run_id = run_id
+        self._who: tuple[str, str | None] | None = None
 
     def emit(self, kind: str, **data: Any) -> None:
         step = data.pop("step", None)
         self.journal.append(self.run_id, kind, step=step, **data)
+        if _events_log.isEnabledFor(logging.INFO):
+            self._log(kind, step, data)
+
+    def _log(self, kind: str, step: str | None, data: dict[str, Any]) -> None:
+        if self._who is None:
+            rec = self.journal.get_run(self.run_id)
+            self._who = (rec.runbook, rec.nodes[0] if rec.nodes else None)
+        safe = redact({k: data.get(k) for k in ("status", "reason")}, frozenset(self.journal._secrets))
+        _events_log.info("%s%s", kind, f" {step}" if step else "", extra={
+            "run_id": self.run_id, "runbook": self._who[0], "node": self._who[1], "step": step, "event": kind,
+            "status": safe["status"], "reason": safe["reason"]})

@@ -120,6 +120,10 @@ class JournalRunStarter:
                 "outcome_reason": outcome_reason(events),
                 "events": [e.as_dict() for e in events]}
 
+    def record_event(self, run_id: str, kind: str, data: Mapping[str, Any]) -> None:
+        self.journal.get_run(run_id)  # UsageError for an unknown id
+        self.journal.append(run_id, kind, **dict(data))
+
     def recover(self) -> Sequence[str]:
         """Runs a previous server left: the ids to execute (pending, interrupted, or approved while
         waiting). Runs still waiting for a person are left waiting (disowned), never re-planned or

@@ -13,7 +13,7 @@ export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
 command -v apt-get >/dev/null || { say "needs apt (Debian or Ubuntu)"; exit 2; }
 
 PACKAGES="openssh-server openssh-client sudo rsync curl openssl ca-certificates prometheus-alertmanager
-  python3 make util-linux debian-archive-keyring wrk"
+  prometheus python3 make util-linux debian-archive-keyring wrk"
 . scripts/env.sh
 [ -n "$PY" ] || PACKAGES="$PACKAGES python3-venv python3-pip"
 missing=$(for p in $PACKAGES; do
@@ -21,8 +21,19 @@ missing=$(for p in $PACKAGES; do
 if [ -n "$missing" ]; then
   say "apt: installing $(echo $missing)"
   export DEBIAN_FRONTEND=noninteractive
+  # Why: prometheus, prometheus-alertmanager and openssh-server ship system services that would
+  # listen beyond loopback; the lab and the tests start their own. Forbid starting any unit while
+  # installing (invoke-rc.d honours policy-rc.d), unless the machine already has its own policy.
+  own_policy=""
+  if [ ! -e /usr/sbin/policy-rc.d ]; then
+    printf '#!/bin/sh\n# runbook prepare.sh: no service starts during this install\nexit 101\n' > /usr/sbin/policy-rc.d
+    chmod 755 /usr/sbin/policy-rc.d
+    own_policy=1
+    trap 'rm -f /usr/sbin/policy-rc.d' EXIT
+  fi
   apt-get update -q
   apt-get install -y -q --no-install-recommends $missing
+  if [ -n "$own_policy" ]; then rm -f /usr/sbin/policy-rc.d; trap - EXIT; fi
 else
   say "apt: all packages present"
 fi

@@ -1,28 +1,50 @@
-"""Ansible YAML inventories, read for one purpose: which inventory host is a Kubernetes node.
+"""The user's Ansible inventory, read by Ansible itself, for one purpose: which host is which node.
 
-A node maps to the host whose host variable ``k8s_node_name`` names it, else to the host of the
-same name. Only the YAML inventory format is read (``all: {hosts, vars, children}``), the way
-Ansible reads it: a host listed in several groups is one host. Values are never interpreted
-beyond ``k8s_node_name`` and ``ansible_host`` (tagged values such as ``!vault`` are kept as
-opaque text), so an inventory with vaulted secrets loads without the vault password.
+Whatever ``ansible-playbook -i`` accepts is accepted here, because Ansible reads it: INI, YAML
+and TOML files, a folder of inventory sources, host ranges (``gpu[01:03]``), ``group_vars/``
+and ``host_vars/`` beside the inventory, executable inventory scripts and inventory plugin
+configs (``plugin: ansible.builtin.constructed``, ``amazon.aws.aws_ec2``, ...). One
+``ansible-inventory --list`` run per load, in a child process with the environment runbook's
+playbook runs get (a private ``ANSIBLE_HOME`` and an empty ``ansible.cfg``, so the user's own
+Ansible config is not read here either); a source Ansible cannot parse fails the load instead of
+being skipped with a warning. Measured against ansible-core's ``InventoryManager`` +
+``VariableManager`` in-process (docs/inventory.md): the child costs ~0.3 s more per run but keeps
+ansible-core's global config, plugin loader and vars-plugin caches out of a long-lived
+``runbook serve``, and its JSON output is a stable interface where the Python API is not.
 
-What this module must not do: run Ansible, resolve templates, or read secrets.
+The mapping rule: a node maps to the host whose variable ``k8s_node_name`` names it (from any
+variable source Ansible merges: inline, group vars, host vars, a constructed ``compose``), else
+to the host of the same name. Two hosts claiming one node is a located error. Values are never
+interpreted beyond ``k8s_node_name`` and ``ansible_host``: inline ``!vault`` values stay opaque
+(``{"__ansible_vault": ...}``), so an inventory with vaulted values loads without the vault
+password (a wholly vaulted vars file needs it, as it does for ``ansible-playbook``).
+
+What this module must not do: import ansible-core (it runs ``ansible-inventory``), run
+playbooks, resolve templates, or read secrets.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-import yaml
-
 from engine.errors import HostError, LoadError, Location
 
 NODE_VAR = "k8s_node_name"
-_GROUP_KEYS = frozenset({"hosts", "vars", "children"})
+READ_TIMEOUT = 120.0  # seconds: a script or cloud plugin that hangs is an error, not a stuck run
+SECRET_ENV = ("RUNBOOK_BECOME_PASSWORD",)  # never handed to the child
+_MAX_SCAN = 1_000_000  # bytes: files larger than this are not searched when locating a claim
 
 
 @dataclass(frozen=True)
@@ -31,7 +53,7 @@ class InventoryHost:
     node: str  # the Kubernetes node it runs
     address: str = ""  # ``ansible_host`` when given
     groups: tuple[str, ...] = ()
-    vars: Mapping[str, Any] = field(default_factory=dict)  # host-level variables as written
+    vars: Mapping[str, Any] = field(default_factory=dict)  # host variables as Ansible merged them
 
 
 @dataclass(frozen=True)
@@ -60,150 +82,283 @@ class Inventory:
         return tuple(sorted(h.name for h in self.hosts.values() if name in h.groups))
 
 
-def load_inventory(path: Path) -> Inventory:
-    """Read a YAML inventory file (or every ``*.yml``/``*.yaml`` of a directory, as Ansible does).
+def load_inventory(path: Path, *, timeout: float = READ_TIMEOUT) -> Inventory:
+    """Read an inventory (file, folder, script or plugin config) the way ``ansible-playbook -i`` does.
 
-    Raises ``LoadError`` (``PATH:LINE: message``) for invalid YAML, a wrong structure, or two
-    hosts claiming the same node.
+    Raises ``LoadError`` (``PATH[:LINE]: message``) when Ansible cannot parse a source, when
+    ``k8s_node_name`` is not a plain node name, or when two hosts claim the same node.
     """
     path = Path(path)
-    if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.suffix in (".yml", ".yaml") and p.is_file())
-        if not files:
-            raise LoadError([(Location(str(path)), "no *.yml or *.yaml inventory file in this folder")])
-    else:
-        files = [path]
-    builder = _Builder()
-    for f in files:
-        builder.read(f)
-    return builder.finish(path)
+    listing, warnings = read_listing(path, timeout=timeout)
+    return inventory_from_listing(path, listing, warnings=warnings)
 
 
-class _Builder:
-    def __init__(self) -> None:
-        self.problems: list[tuple[Location, str]] = []
-        self.vars: dict[str, dict[str, Any]] = {}
-        self.groups: dict[str, set[str]] = {}
-        self.lines: dict[str, Location] = {}
+# ============================================================================ reading (effects)
 
-    def read(self, path: Path) -> None:
+
+def read_listing(path: Path, *, timeout: float = READ_TIMEOUT) -> tuple[Mapping[str, Any], list[str]]:
+    """``ansible-inventory -i PATH --list`` as parsed JSON, with Ansible's warnings; ``LoadError``
+    when Ansible refuses the inventory."""
+    if not path.exists():
+        raise LoadError([(Location(str(path)), "inventory not found")])
+    with tempfile.TemporaryDirectory(prefix="runbook-inventory-") as tmp:
+        d = Path(tmp)
+        (d / "ansible.cfg").write_text("# written by runbook: isolates the inventory read\n[defaults]\n")
+        for sub in ("home", "tmp"):
+            (d / sub).mkdir(mode=0o700)
+        argv = [sys.executable, "-m", "ansible.cli.inventory", "-i", str(path.resolve()), "--list"]
+        try:  # its own session: a timeout or ^C ends it with the scripts it started
+            proc = subprocess.Popen(argv, env=_child_env(d), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, start_new_session=True)
+        except OSError as e:
+            raise LoadError([(Location(str(path)), f"cannot run ansible-inventory: {e}")]) from e
         try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            self.problems.append((Location(str(path)), f"cannot read inventory: {e}"))
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            raise LoadError([(Location(str(path)), f"Ansible did not finish reading the inventory in "
+                                                   f"{timeout:g} s (a hanging inventory script or "
+                                                   "plugin?)")]) from None
+        except BaseException:
+            _kill_group(proc)
+            raise
+    if proc.returncode != 0:
+        raise LoadError(parse_failure(path, stderr))
+    try:
+        listing = json.loads(stdout)
+    except ValueError as e:
+        raise LoadError([(Location(str(path)), f"ansible-inventory printed no JSON listing: {e}")]) from e
+    if not isinstance(listing, dict):
+        raise LoadError([(Location(str(path)), "ansible-inventory printed no JSON listing")])
+    return listing, warnings_of(stderr)
+
+
+def _kill_group(proc: subprocess.Popen[str]) -> None:
+    with contextlib.suppress(OSError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.communicate(timeout=5)
+
+
+def _child_env(d: Path) -> dict[str, str]:
+    """The environment of ``ansible-playbook`` runs (engine.connectors.ansible), plus strictness."""
+    env = dict(os.environ)
+    env.update({
+        "ANSIBLE_CONFIG": str(d / "ansible.cfg"),
+        "ANSIBLE_HOME": str(d / "home"),
+        "ANSIBLE_LOCAL_TEMP": str(d / "tmp"),
+        "ANSIBLE_NOCOLOR": "1",
+        "ANSIBLE_FORCE_COLOR": "0",
+        # Ansible only warns about a source it cannot parse and goes on without its hosts: for a
+        # remediation tool, a host silently missing is worse than a refusal.
+        "ANSIBLE_INVENTORY_UNPARSED_FAILED": "True",
+        "ANSIBLE_INVENTORY_ANY_UNPARSED_IS_FAILED": "True",
+        "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+    })
+    for name in SECRET_ENV:
+        env.pop(name, None)
+    return env
+
+
+_FAILED = re.compile(r"^\[WARNING\]:\s*(?:\*\s*)?Failed to parse (?:inventory )?(?:\S+ )?with '?([\w.]+)'? plugin: "
+                     r"(.*)$")
+_ORIGIN = re.compile(r"^Origin: (/[^<>]*?)(?::(\d+)(?::(\d+))?)?\s*$")
+_PLUGIN_ORIGIN = re.compile(r"^Origin: <inventory plugin .* with source '(.+)'>\s*$")
+_WARNING = re.compile(r"^\[WARNING\]:\s*(.*)$")
+_ERROR = re.compile(r"^\[ERROR\]:\s*(.*)$")
+
+
+def parse_failure(path: Path, stderr: str) -> list[tuple[Location, str]]:
+    """Ansible's complaints (stderr of a failed ``ansible-inventory``) as located problems.
+
+    Each plugin that tried a source and failed says why and where (``Origin: FILE[:LINE[:COL]]``);
+    when some of them name a line, the others (e.g. the INI plugin choking on a YAML file) are
+    noise and dropped. Falls back to Ansible's ``[ERROR]`` lines at the inventory's path."""
+    lines = stderr.splitlines()
+    failures: list[tuple[Location, str, str]] = []  # (where, message, plugin)
+    for i, line in enumerate(lines):
+        m = _FAILED.match(line.strip())
+        if not m:
+            continue
+        plugin, message = m.group(1), m.group(2).strip()
+        location = Location(str(path))
+        for following in lines[i + 1:]:
+            if _FAILED.match(following.strip()) or _ERROR.match(following.strip()):
+                break
+            o = _ORIGIN.match(following.strip())
+            if o:
+                location = Location(o.group(1), int(o.group(2) or 1),
+                                    int(o.group(3)) if o.group(3) else None)
+                break
+            o = _PLUGIN_ORIGIN.match(following.strip())
+            if o:
+                location = Location(o.group(1))
+                break
+        failures.append((location, f"{plugin} plugin: {message}", plugin))
+    problems = _unique((loc, msg) for loc, msg, _ in _relevant(failures))
+    if not problems:
+        errors = [m.group(1).strip() for line in lines if (m := _ERROR.match(line.strip()))]
+        detail = "; ".join(errors) or (stderr.strip().splitlines() or ["ansible-inventory failed"])[-1]
+        problems = [(Location(str(path)), f"Ansible cannot read this inventory: {detail}")]
+    return problems
+
+
+def _relevant(failures: list[tuple[Location, str, str]]) -> list[tuple[Location, str, str]]:
+    """Of the plugins that failed on a source, the ones whose complaint is about that source's
+    kind: a YAML file's syntax error, not the INI plugin's (or ``auto``'s "no plugin key")."""
+    def keep(rule: Callable[[tuple[Location, str, str]], bool]) -> None:
+        nonlocal failures
+        kept = [f for f in failures if rule(f)]
+        failures = kept or failures
+
+    keep(lambda f: f[0].line > 1 or bool(f[0].column))
+    keep(lambda f: "no root 'plugin' key found" not in f[1])
+    keep(lambda f: not (Path(f[0].path).suffix in (".yml", ".yaml", ".json") and f[2] in ("ini", "toml")))
+    return failures
+
+
+def warnings_of(stderr: str) -> list[str]:
+    """Ansible's ``[WARNING]`` lines (first line of each)."""
+    return [m.group(1).strip() for line in stderr.splitlines() if (m := _WARNING.match(line.strip()))]
+
+
+def _unique(problems: Iterable[tuple[Location, str]]) -> list[tuple[Location, str]]:
+    return list(dict.fromkeys(problems))
+
+
+# ============================================================================ mapping (pure)
+
+
+def inventory_from_listing(path: Path, listing: Mapping[str, Any], *,
+                           warnings: Sequence[str] = ()) -> Inventory:
+    """The ``--list`` JSON -> ``Inventory``, applying the mapping rule; ``LoadError`` on a conflict
+    or when there is no host at all (with Ansible's ``warnings``, which then say why)."""
+    meta = listing.get("_meta")
+    hostvars: Mapping[str, Any] = (meta.get("hostvars") if isinstance(meta, dict) else None) or {}
+    groups = _groups_of_hosts(listing)
+    names = list(dict.fromkeys([*hostvars, *groups]))
+    problems: list[tuple[Location, str]] = []
+    hosts: dict[str, InventoryHost] = {}
+    claimed: dict[str, str] = {}  # node -> host
+    by_var: dict[str, bool] = {}  # host -> claims its node through k8s_node_name
+    for name in names:
+        entry = hostvars.get(name)
+        host_vars: Mapping[str, Any] = _plain(entry) if isinstance(entry, dict) else {}
+        node = host_vars.get(NODE_VAR, name)
+        if not isinstance(node, str) or not node.strip() or "{{" in node or "{%" in node:
+            problems.append((locate_claim(path, name, str(node)),
+                             f"host {name}: {NODE_VAR} must be a plain node name, not {node!r}"))
+            continue
+        if node in claimed:
+            first = claimed[node]
+            problems.append((locate_claim(path, name, node, by_variable=NODE_VAR in host_vars),
+                             f"hosts {first} and {name} both claim node {node} ({first}: "
+                             f"{_where(locate_claim(path, first, node, by_variable=by_var[first]))})"))
+            continue
+        claimed[node] = name
+        by_var[name] = NODE_VAR in host_vars
+        address = host_vars.get("ansible_host")
+        hosts[name] = InventoryHost(
+            name=name, node=node, address=address if isinstance(address, str) else "",
+            groups=tuple(sorted(groups.get(name, {"all"}))),
+            vars=MappingProxyType(dict(host_vars)))
+    if not names:
+        said = f" (Ansible warned: {'; '.join(warnings)})" if warnings else ""
+        problems.append((Location(str(path)), f"Ansible found no hosts in this inventory{said}"))
+    if problems:
+        raise LoadError(problems)
+    return Inventory(path=path, hosts=MappingProxyType(hosts))
+
+
+def _plain(value: Any) -> Any:
+    """A value of the listing without Ansible's ``{"__ansible_unsafe": x}`` wrapper (values from
+    scripts and plugins are marked unsafe for templating; runbook never templates them)."""
+    if isinstance(value, dict):
+        if set(value) == {"__ansible_unsafe"}:
+            return _plain(value["__ansible_unsafe"])
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _groups_of_hosts(listing: Mapping[str, Any]) -> dict[str, set[str]]:
+    """host -> every group it is in, directly or through children (``all`` included)."""
+    members: dict[str, set[str]] = {}
+    children: dict[str, list[str]] = {}
+    for group, body in listing.items():
+        if group == "_meta" or not isinstance(body, dict):
+            continue
+        members[group] = {str(h) for h in body.get("hosts") or ()}
+        children[group] = [str(c) for c in body.get("children") or ()]
+
+    def hosts_of(group: str, seen: frozenset[str]) -> set[str]:
+        found = set(members.get(group, ()))
+        for child in children.get(group, ()):
+            if child not in seen:
+                found |= hosts_of(child, seen | {child})
+        return found
+
+    out: dict[str, set[str]] = {}
+    for group in members:
+        for host in hosts_of(group, frozenset({group})):
+            out.setdefault(host, {"all"}).add(group)
+    return out
+
+
+# ============================================================================ locating a claim
+
+
+def locate_claim(path: Path, host: str, node: str, *, by_variable: bool = True) -> Location:
+    """Best effort: the file and line that make ``host`` claim ``node`` (``by_variable``: through
+    ``k8s_node_name``; else by its own name, located where the host is listed).
+
+    Ansible's listing does not say where a variable came from, so the files Ansible reads for the
+    host are searched in its order of precedence: ``host_vars/HOST*``, the inventory sources,
+    ``group_vars/``. Falls back to the inventory's path."""
+    base = path if path.is_dir() else path.parent
+    setting = re.compile(rf"\b{NODE_VAR}\b\s*[:=]\s*['\"]?{re.escape(node)}(?:['\"\s,}}]|$)")
+    mention = re.compile(rf"(?:^|[\s\[\]{{,])['\"]?{re.escape(host)}['\"]?(?:[\s:=,}}]|$)")
+    host_files = [p for p in _files(base / "host_vars") if p.name.split(".")[0] == host
+                  or p.parent.name == host]
+    sources = [path] if path.is_file() else [p for p in _files(path) if not _in_vars_dir(p, path)]
+    group_files = list(_files(base / "group_vars"))
+    if by_variable:
+        for candidates, need_host in ((host_files, False), (sources, True), (sources, False),
+                                      (group_files, False)):
+            for f in candidates:
+                for number, line in _lines(f):
+                    m = setting.search(line)
+                    if m and (not need_host or mention.search(line[:m.start()])):
+                        return Location(str(f), number)
+    for f in sources:  # where the host is listed
+        for number, line in _lines(f):
+            if mention.search(line.split(NODE_VAR)[0]) and not line.lstrip().startswith(("#", ";")):
+                return Location(str(f), number)
+    return Location(str(path))
+
+
+def _files(folder: Path) -> Iterator[Path]:
+    if not folder.is_dir():
+        return
+    for p in sorted(folder.rglob("*")):
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts):
+            yield p
+
+
+def _in_vars_dir(p: Path, root: Path) -> bool:
+    return any(part in ("host_vars", "group_vars") for part in p.relative_to(root).parts[:-1])
+
+
+def _lines(f: Path) -> Iterator[tuple[int, str]]:
+    try:
+        if f.stat().st_size > _MAX_SCAN:
             return
-        try:
-            root = yaml.compose(text, Loader=yaml.SafeLoader)
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            line = mark.line + 1 if mark is not None else 1
-            self.problems.append((Location(str(path), line), f"invalid YAML: {getattr(e, 'problem', e)}"))
-            return
-        if root is None:
-            self.problems.append((Location(str(path)), "empty inventory"))
-            return
-        if not isinstance(root, yaml.MappingNode):
-            self.problems.append((_loc(path, root), "an inventory is a mapping of groups (e.g. all:)"))
-            return
-        for key, value in _pairs(root):
-            self._group(path, key.value, value, ())
-
-    def _group(self, path: Path, name: str, node: yaml.Node, parents: tuple[str, ...]) -> None:
-        lineage = (*parents, name)
-        if name in parents:
-            self.problems.append((_loc(path, node), f"group {name} contains itself"))
-            return
-        self.groups.setdefault(name, set())
-        if _is_null(node):
-            return
-        if not isinstance(node, yaml.MappingNode):
-            self.problems.append((_loc(path, node), f"group {name}: expected a mapping with "
-                                                    "hosts, vars or children"))
-            return
-        for key, value in _pairs(node):
-            if key.value not in _GROUP_KEYS:
-                self.problems.append((_loc(path, key), f"group {name}: unknown key {key.value!r} "
-                                                       "(hosts, vars or children)"))
-            elif key.value == "hosts":
-                self._hosts(path, name, value, lineage)
-            elif key.value == "children":
-                if _is_null(value):
-                    continue
-                if not isinstance(value, yaml.MappingNode):
-                    self.problems.append((_loc(path, value), f"group {name}: children must be a mapping"))
-                    continue
-                for child, child_node in _pairs(value):
-                    self._group(path, child.value, child_node, lineage)
-            elif not _is_null(value) and not isinstance(value, yaml.MappingNode):
-                self.problems.append((_loc(path, value), f"group {name}: vars must be a mapping"))
-
-    def _hosts(self, path: Path, group: str, node: yaml.Node, lineage: tuple[str, ...]) -> None:
-        if _is_null(node):
-            return
-        if not isinstance(node, yaml.MappingNode):
-            self.problems.append((_loc(path, node), f"group {group}: hosts must be a mapping of "
-                                                    "hostnames (to their variables or nothing)"))
-            return
-        for key, value in _pairs(node):
-            host = str(key.value)
-            host_vars = self.vars.setdefault(host, {})
-            self.lines.setdefault(host, _loc(path, key))
-            if isinstance(value, yaml.MappingNode):
-                for k, v in _pairs(value):
-                    host_vars[str(k.value)] = _plain(v)
-            elif not _is_null(value):
-                self.problems.append((_loc(path, value), f"host {host}: variables must be a mapping"))
-            for g in lineage:
-                self.groups.setdefault(g, set()).add(host)
-
-    def finish(self, path: Path) -> Inventory:
-        hosts: dict[str, InventoryHost] = {}
-        claimed: dict[str, str] = {}
-        for name, host_vars in self.vars.items():
-            node = host_vars.get(NODE_VAR, name)
-            if not isinstance(node, str) or not node:
-                self.problems.append((self.lines[name], f"host {name}: {NODE_VAR} must be a node name"))
-                continue
-            if node in claimed:
-                self.problems.append((self.lines[name], f"hosts {claimed[node]} and {name} both "
-                                                        f"claim node {node}"))
-                continue
-            claimed[node] = name
-            address = host_vars.get("ansible_host")
-            hosts[name] = InventoryHost(
-                name=name, node=node, address=address if isinstance(address, str) else "",
-                groups=tuple(sorted(g for g, members in self.groups.items() if name in members)),
-                vars=MappingProxyType(dict(host_vars)))
-        if self.problems:
-            raise LoadError(self.problems)
-        return Inventory(path=path, hosts=MappingProxyType(hosts))
+        text = f.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return
+    yield from enumerate(text.splitlines(), start=1)
 
 
-def _pairs(node: yaml.MappingNode) -> Iterator[tuple[yaml.ScalarNode, yaml.Node]]:
-    for key, value in node.value:
-        if isinstance(key, yaml.ScalarNode):
-            yield key, value
-
-
-def _is_null(node: yaml.Node) -> bool:
-    return isinstance(node, yaml.ScalarNode) and node.tag.endswith(":null")
-
-
-def _plain(node: yaml.Node) -> Any:
-    """A host variable's value: scalars as text (ints/bools resolved), collections as given."""
-    if isinstance(node, yaml.ScalarNode):
-        if node.tag.startswith("tag:yaml.org,2002:"):
-            try:
-                return yaml.safe_load(yaml.serialize(node))
-            except yaml.YAMLError:
-                return node.value
-        return node.value  # e.g. !vault: opaque
-    if isinstance(node, yaml.SequenceNode):
-        return [_plain(v) for v in node.value]
-    if isinstance(node, yaml.MappingNode):
-        return {str(k.value): _plain(v) for k, v in _pairs(node)}
-    return None
-
-
-def _loc(path: Path, node: yaml.Node) -> Location:
-    return Location(str(path), node.start_mark.line + 1, node.start_mark.column + 1)
+def _where(loc: Location) -> str:
+    return f"{loc.path}:{loc.line}"

@@ -51,10 +51,22 @@ def lab_group() -> None:
 @click.option("--scenario", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Scenario file (default: the packaged incident-omen2 scenario).")
 @click.option("--timeout", default=180.0, show_default=True, help="Seconds to wait for the scenario's state.")
+@click.option("--with-monitoring", is_flag=True,
+              help="Also start Prometheus and Alertmanager (paging runbook serve); on a running lab, add them.")
+@click.option("--alert-webhook", metavar="URL",
+              help="Where Alertmanager sends its webhooks (default http://127.0.0.1:8080/hooks/alertmanager).")
+@click.option("--monitoring-rules", "monitoring_rules", multiple=True,
+              type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Extra Prometheus rule files to load (e.g. deploy/monitoring/runbook-alerts.yaml); repeatable.")
 @_lab_dir_option
-def up_command(lab: Any, scenario: Path | None, timeout: float) -> None:
-    """Start control plane, node hosts and simulator; wait until the scenario's state is reached."""
-    summary = lab.up(scenario, timeout=timeout, progress=_say)
+def up_command(lab: Any, scenario: Path | None, timeout: float, with_monitoring: bool, alert_webhook: str | None,
+               monitoring_rules: tuple[Path, ...]) -> None:
+    """Start control plane, node hosts and simulator; wait until the scenario's state is reached.
+
+    Alertmanager's bearer token is $RUNBOOK_WEBHOOK_TOKEN (or a new one): `runbook lab env` exports it
+    for `runbook serve`."""
+    summary = lab.up(scenario, timeout=timeout, progress=_say, with_monitoring=with_monitoring,
+                     alert_webhook=alert_webhook, monitoring_rules=monitoring_rules)
     for line in summary["started"] or ["nothing new: the lab was already running"]:
         click.echo(f"started {line}" if summary["started"] else line)
     click.echo(f"lab ready in {summary['lab_dir']}: eval \"$(runbook lab env)\" to use it")
@@ -72,7 +84,8 @@ def env_command(lab: Any) -> None:
 @click.option("-o", "--output", type=click.Choice(["text", "json"]), default="text", show_default=True)
 @_lab_dir_option
 def status_command(lab: Any, output: str) -> None:
-    """Per node: Ready, workload label, GPU driver, CUDA jobs running/killed; VM statuses."""
+    """Per node: Ready, workload label, GPU driver, CUDA jobs running/killed; VM statuses; with
+    monitoring, the alerts Prometheus has pending or firing."""
     data = lab.status()
     if output == "json":
         click.echo(json.dumps(data, indent=2))
@@ -88,6 +101,17 @@ def status_command(lab: Any, output: str) -> None:
                    f"{n['cuda_jobs_running']:<6}{n['cuda_jobs_killed']:<7}{alloc or '-'}")
     for vm in data["vms"]:
         click.echo(f"vm {vm['namespace']}/{vm['name']}: {vm['status']}")
+    monitoring = data.get("monitoring")
+    if monitoring:
+        click.echo(f"prometheus {monitoring['prometheus']}  alertmanager {monitoring['alertmanager']}  "
+                   f"paging {monitoring['webhook_url']}")
+        alerts = monitoring["alerts"]
+        if isinstance(alerts, str):
+            click.echo(f"alerts: unknown ({alerts})")
+        elif not alerts:
+            click.echo("alerts: none")
+        for a in alerts if isinstance(alerts, list) else []:
+            click.echo(f"alert {a['alertname']} node={a['node'] or '-'}: {a['state']} since {a['active_at']}")
 
 
 @lab_group.group("job")

@@ -3,7 +3,8 @@
 A lab lives in one folder (default ``${XDG_STATE_HOME:-~/.local/state}/runbook/lab``, or
 ``$RUNBOOK_LAB_DIR``) holding ``lab.json`` (what runs: control plane, node hosts by PID and start time,
 the simulator), the control plane's state, the node hosts' workdir and inventory, each node's host
-state folder, and ``simulator.log``. Every function returns values; the CLI (``labcli``) prints them.
+state folder, and ``simulator.log``; with monitoring, ``monitoring/`` (Prometheus and Alertmanager,
+see ``monitoring``). Every function returns values; the CLI (``labcli``) prints them.
 
 Must not: stop a process other than by its recorded PID and start time, touch this machine's swap,
 fstab or services, or listen anywhere but loopback.
@@ -27,8 +28,9 @@ from engine.lab import procs, sim_gpu, sim_seed
 from engine.lab.controlplane import ControlPlane, ControlPlaneSettings
 from engine.lab.errors import LabError
 from engine.lab.hoststate import HostState
+from engine.lab.monitoring import DEFAULT_WEBHOOK, Monitoring
 from engine.lab.nodehosts import NodeHost, NodeHostSet, NodeHostSpec, start_node_hosts
-from engine.lab.ports import free_loopback_block
+from engine.lab.ports import free_loopback_block, free_port
 from engine.lab.scenario import Scenario, load_scenario, starts_ready
 from engine.lab.sim_kube import NODES, PODS, VMS, Kube
 
@@ -84,7 +86,14 @@ class Lab:
         record = self.record()
         refs = [procs.ProcessRef.from_json(h["process"]) for h in record["hosts"].values()]
         refs.append(procs.ProcessRef.from_json(record["simulator"]))
+        if record.get("monitoring") and not self.monitoring(record).running():
+            return False
         return all(r.alive() for r in refs) and ControlPlane.from_state(record["controlplane_dir"]).is_running()
+
+    def monitoring(self, record: dict[str, Any] | None = None) -> Monitoring:
+        """The lab's Prometheus + Alertmanager (``record['monitoring']`` empty when not started)."""
+        record = record if record is not None else self.record()
+        return Monitoring(self.dir / "monitoring", record.get("monitoring"))
 
     def scenario(self) -> Scenario:
         return load_scenario(self.record()["scenario"])
@@ -97,8 +106,15 @@ class Lab:
 
     # -- up -----------------------------------------------------------------------------------------
     def up(self, scenario_path: Path | str | None = None, *, timeout: float = 180.0,
-           progress: Progress = _quiet) -> dict[str, Any]:
-        """Start control plane, node hosts and simulator; wait until the scenario's state is reached."""
+           progress: Progress = _quiet, with_monitoring: bool = False, alert_webhook: str | None = None,
+           webhook_token: str | None = None, monitoring_rules: tuple[Path, ...] = ()) -> dict[str, Any]:
+        """Start control plane, node hosts and simulator; wait until the scenario's state is reached.
+        With monitoring (``with_monitoring`` or the scenario's ``monitoring: true``) also start
+        Prometheus and Alertmanager (``start_monitoring``)."""
+        def monitoring_up() -> str:
+            return self.start_monitoring(alert_webhook=alert_webhook, webhook_token=webhook_token,
+                                         extra_rules=monitoring_rules)
+
         if self.exists():
             if self.running():
                 wanted = str(Path(scenario_path).resolve()) if scenario_path else None
@@ -106,7 +122,11 @@ class Lab:
                     raise LabError(f"a lab with scenario {self.record()['scenario']} runs in {self.dir}: "
                                    "run `runbook lab down` first")
                 progress(f"lab already running in {self.dir}")
-                return self.summary(started=[])
+                added: list[str] = []
+                if (with_monitoring or self.scenario().monitoring) and not self.record().get("monitoring"):
+                    added.append(monitoring_up())
+                    progress(added[-1])
+                return self.summary(started=added)
             progress("a previous lab is partly down: cleaning it up first")
             self.down()
         scenario_file = Path(scenario_path).resolve() if scenario_path else None
@@ -140,6 +160,9 @@ class Lab:
             progress(started[-1])
             self._wait_for_scenario(kube, scenario, timeout, progress)
             kube.close()
+            if with_monitoring or scenario.monitoring:
+                started.append(monitoring_up())
+                progress(started[-1])
         except BaseException:
             progress("start-up failed: stopping what was started")
             with contextlib.suppress(Exception):
@@ -196,8 +219,10 @@ class Lab:
             HostState(record["nodes"][node.name]["state_dir"]).initialise(state, journal)
 
     def _start_simulator(self, record: dict[str, Any]) -> None:
+        if not record.get("metrics_port"):  # the exporters' port stays the same across resets
+            record["metrics_port"] = free_port("127.0.0.1")
         config = {"scenario": record["scenario"], "kubeconfig": record["simulator_kubeconfig"],
-                  "nodes": record["nodes"]}
+                  "nodes": record["nodes"], "metrics_port": record["metrics_port"]}
         config_path = self.dir / "simulator.json"
         config_path.write_text(json.dumps(config, indent=2))
         with (self.dir / "simulator.log").open("ab") as log:
@@ -212,6 +237,49 @@ class Lab:
     def _stop_simulator(self, record: dict[str, Any]) -> None:
         ref = procs.ProcessRef.from_json(record["simulator"])
         procs.stop_processes([ref], timeout=10.0, reap=procs.reap_child)
+
+    # -- monitoring -----------------------------------------------------------------------------------
+    def start_monitoring(self, *, alert_webhook: str | None = None, webhook_token: str | None = None,
+                         extra_rules: tuple[Path, ...] | list[Path] = ()) -> str:
+        """Start Prometheus (scraping the simulator's exporters, with the lab's rules and
+        ``extra_rules``) and Alertmanager (paging ``alert_webhook`` with ``webhook_token``, by default
+        runbook serve's default address and ``$RUNBOOK_WEBHOOK_TOKEN`` or a new token)."""
+        record = self.record()
+        if record.get("monitoring"):
+            raise LabError(f"the lab in {self.dir} already has monitoring")
+        if not record.get("metrics_port"):  # a lab started before the exporters existed
+            self._stop_simulator(record)
+            self._start_simulator(record)
+        token = webhook_token or os.environ.get("RUNBOOK_WEBHOOK_TOKEN") or secrets.token_urlsafe(24)
+        monitoring = self.monitoring(record)
+        record["monitoring"] = monitoring.start(self.scenario().timing, record["metrics_port"],
+                                                webhook_url=alert_webhook or DEFAULT_WEBHOOK, token=token,
+                                                extra_rules=tuple(Path(r) for r in extra_rules))
+        self._save(record)
+        ends = monitoring.endpoints
+        return (f"monitoring: Prometheus {ends.prometheus}, Alertmanager {ends.alertmanager} "
+                f"(paging {record['monitoring']['webhook_url']}), exporters {ends.exporters}")
+
+    def scrape_serve(self, name: str, address: str, *, token: str | None = None) -> None:
+        """Have the lab's Prometheus scrape a ``runbook serve`` at ``address`` (job ``runbook-serve``)."""
+        record = self.record()
+        if not record.get("monitoring"):
+            raise LabError(f"the lab in {self.dir} has no monitoring (runbook lab up --with-monitoring)")
+        monitoring = self.monitoring(record)
+        monitoring.add_scrape_target(name, address, token=token)
+        record["monitoring"] = monitoring.record
+        self._save(record)
+
+    def stop_monitoring(self) -> list[str]:
+        """Stop Prometheus and Alertmanager (by PID) and remove their folder; the lab runs on."""
+        record = self.record()
+        if not record.get("monitoring"):
+            return []
+        stopped = self.monitoring(record).stop()
+        record.pop("monitoring")
+        self._save(record)
+        shutil.rmtree(self.dir / "monitoring", ignore_errors=True)
+        return stopped
 
     # -- waiting for the scenario -------------------------------------------------------------------------
     def _wait_for_scenario(self, kube: Kube, scenario: Scenario, timeout: float, progress: Progress) -> None:
@@ -231,6 +299,12 @@ class Lab:
             out["RUNBOOK_INVENTORY"] = record["inventory"]
         if record.get("become_password"):
             out["RUNBOOK_BECOME_PASSWORD"] = record["become_password"]
+        if record.get("monitoring"):
+            ends = self.monitoring(record).endpoints
+            out["RUNBOOK_LAB_PROMETHEUS_URL"] = ends.prometheus
+            out["RUNBOOK_LAB_ALERTMANAGER_URL"] = ends.alertmanager
+            # runbook serve reads it: Alertmanager pages with this bearer token
+            out["RUNBOOK_WEBHOOK_TOKEN"] = (self.dir / "monitoring" / "webhook-token").read_text()
         return out
 
     def summary(self, started: list[str]) -> dict[str, Any]:
@@ -265,9 +339,19 @@ class Lab:
                 "gpu_allocatable": {k: v for k, v in api.get("status", {}).get("allocatable", {}).items()
                                     if k.startswith("nvidia.com/")},
             })
+        monitoring: dict[str, Any] | None = None
+        if record.get("monitoring"):
+            mon = self.monitoring(record)
+            try:
+                alerts: list[dict[str, Any]] | str = mon.alerts()
+            except LabError as e:
+                alerts = str(e)
+            monitoring = {"prometheus": mon.endpoints.prometheus, "alertmanager": mon.endpoints.alertmanager,
+                          "exporters": mon.endpoints.exporters, "webhook_url": record["monitoring"]["webhook_url"],
+                          "alerts": alerts}
         return {
             "lab_dir": str(self.dir), "kubeconfig": record["kubeconfig"], "inventory": record.get("inventory"),
-            "scenario": record["scenario"], "running": self.running(),
+            "scenario": record["scenario"], "running": self.running(), "monitoring": monitoring,
             "simulator": {"pid": record["simulator"]["pid"], "log": str(self.dir / "simulator.log")},
             "nodes": nodes,
             "vms": [{"namespace": vm["metadata"]["namespace"], "name": vm["metadata"]["name"],
@@ -339,6 +423,8 @@ class Lab:
             return {"stopped": [], "removed": str(self.dir)}
         record = self.record()
         stopped: list[str] = []
+        if record.get("monitoring"):
+            stopped += self.monitoring(record).stop()
         if record["simulator"].get("pid"):
             self._stop_simulator(record)
             stopped.append(f"simulator {record['simulator']['pid']}")

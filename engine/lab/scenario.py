@@ -250,6 +250,14 @@ class Timing(_Model):
     operand_start_seconds: float = Field(default=1.0, ge=0)  # operand pods run after kubelet is up
     gfd_relabel_seconds: float = Field(default=2.0, ge=0)  # GFD / NFD relabel period (60 s)
     tick_seconds: float = Field(default=0.2, gt=0, le=5)  # the simulator's loop period
+    # monitoring (a lab started with --with-monitoring or `monitoring: true`)
+    scrape_seconds: float = Field(default=1.0, gt=0)  # Prometheus scrape_interval (30 s)
+    rule_evaluation_seconds: float = Field(default=1.0, gt=0)  # evaluation_interval (30 s)
+    alert_for_seconds: float = Field(default=10.0, ge=0)  # the upstream rules' `for:` (15 m)
+    alert_resend_seconds: float = Field(default=2.0, gt=0)  # Prometheus -> Alertmanager re-send (1 m)
+    alert_group_wait_seconds: float = Field(default=1.0, ge=0)  # Alertmanager group_wait (30 s)
+    alert_group_interval_seconds: float = Field(default=5.0, gt=0)  # group_interval (5 m)
+    alert_repeat_interval_seconds: float = Field(default=15.0, gt=0)  # repeat_interval (4 h)
 
 
 class Scenario(_Model):
@@ -265,6 +273,7 @@ class Scenario(_Model):
     nodes: list[Node] = Field(min_length=1)
     generate: list[Generate] = []
     vms: list[Vm] = []
+    monitoring: bool = False  # also start Prometheus and Alertmanager (as `lab up --with-monitoring`)
 
     @property
     def all_nodes(self) -> list[Node]:

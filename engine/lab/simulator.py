@@ -10,6 +10,9 @@ PID in the lab folder, logging to ``simulator.log``). Each tick (and on every wa
    effect on the host's GPU driver and CUDA jobs (``sim_gpu``), NotReady nodes included;
 4. reconciles VirtualMachines: VMI, virt-launcher pod, VMI and VM status (``sim_kubevirt``).
 
+With ``metrics_port`` in its configuration (a lab with monitoring) it also serves the exporters of
+``sim_metrics`` on 127.0.0.1, computed at scrape time from its watch caches and host states.
+
 It never marks a node NotReady or taints it: the real node lifecycle controller does, once the
 heartbeats stop. It never schedules a pod: the real kube-scheduler does. Must not touch anything but
 the lab's API server and the lab's host state folders.
@@ -27,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.lab import sim_gpu, sim_kubelet, sim_kubevirt, sim_nodes, sim_pods
+from engine.lab import sim_gpu, sim_kubelet, sim_kubevirt, sim_metrics, sim_nodes, sim_pods
 from engine.lab.hoststate import HostState
 from engine.lab.scenario import Node, Scenario, load_scenario
 from engine.lab.sim_kube import LEASES, NODES, PODS, VMIS, VMS, Informer, Kube, Obj, rfc3339
@@ -64,6 +67,7 @@ class Simulator:
         self.created: dict[tuple[str, ...], float] = {}
         self.gpu_names = sim_gpu.gpu_resource_names(self.scenario)
         self.last_trim = 0.0
+        self.metrics_port = int(config.get("metrics_port") or 0)
 
     # -- the loop -----------------------------------------------------------------------------------
     def run(self) -> None:
@@ -72,6 +76,12 @@ class Simulator:
         for informer in self.informers.values():
             informer.synced.wait(timeout=30)
         log.info("simulating %d nodes, %d VMs", len(self.nodes), len(self.scenario.vms))
+        server = None
+        if self.metrics_port:
+            server = sim_metrics.make_metrics_server("127.0.0.1", self.metrics_port, self.lab_state)
+            threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
+            log.info("exporters on http://127.0.0.1:%d (/metrics, /kubevirt/metrics, /dcgm/metrics)",
+                     self.metrics_port)
         tick = self.scenario.timing.tick_seconds
         while not self.stopping.is_set():
             self.wake.wait(tick)
@@ -83,6 +93,15 @@ class Simulator:
                 self.stopping.wait(0.5)
         for informer in self.informers.values():
             informer.stop()
+        if server is not None:
+            server.shutdown()
+
+    def lab_state(self) -> sim_metrics.LabState:
+        """What the exporters read at scrape time (called from the metrics server's thread)."""
+        return sim_metrics.LabState(
+            nodes=self.informers["nodes"].snapshot(), pods=self.informers["pods"].snapshot(),
+            vmis=self.informers["virtualmachineinstances"].snapshot(),
+            hosts={name: rt.state for name, rt in self.nodes.items() if rt.state})
 
     def stop(self, *_: Any) -> None:
         self.stopping.set()

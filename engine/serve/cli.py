@@ -71,7 +71,13 @@ def serve(settings: Settings, config_file: Path | None, listen: str | None) -> i
     host, port = split_listen(config.listen)
     logging.basicConfig(level=logging.DEBUG if settings.debug else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(app, host=host, port=port, log_level="debug" if settings.debug else "info",
+    from uvicorn.config import LOGGING_CONFIG
+
+    from engine.logformat import current_format
+
+    # json: uvicorn's own lines go through the root logger's JSON handler too
+    log_config = None if current_format() == "json" else LOGGING_CONFIG
+    uvicorn.run(app, host=host, port=port, log_level="debug" if settings.debug else "info", log_config=log_config,
                 lifespan="on", timeout_graceful_shutdown=int(config.shutdown_grace) + 5)
     return 0
 

@@ -12,7 +12,9 @@ For every firing alert (or incident) and every trigger it matches, in this order
 5. ``RunStarter.submit`` (fast) -> ``started`` with the run id; execution goes to the worker pool.
 
 Outcomes of runs come back through ``_finish``: notifications, metrics, and the node breaker for a
-failed automatic run. This module holds no HTTP and no parsing; it must never block on a run.
+failed automatic run. A *resolved* alert whose firing started a run is recorded against that run
+(event ``alert.resolved``), once; it never starts or stops anything. This module holds no HTTP and
+no parsing; it must never block on a run.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from datetime import datetime
 from typing import Any, Literal
 
 from engine.errors import RunbookError
-from engine.serve.alertmanager import WebhookPayload
+from engine.serve.alertmanager import Alert, WebhookPayload
 from engine.serve.cluster import ClusterSnapshot, ClusterUnavailable, ClusterView
 from engine.serve.config import ServeConfig
 from engine.serve.guards import Guards, Reservation
@@ -120,6 +122,7 @@ class Dispatcher:
         self._runs: dict[str, _RunMeta] = {}  # runs this server owns and has not seen end
         self._known_breaker_keys: set[tuple[str, str]] = set()
         self._last_cluster: ClusterSnapshot | None = None
+        self._alert_runs: dict[str, str] = {}  # alert dedup key -> the run its firing started
         self._stop = threading.Event()
         self._sweeper: threading.Thread | None = None
 
@@ -186,10 +189,26 @@ class Dispatcher:
         for alert in payload.alerts:
             label = alert.describe()
             if not alert.firing:
-                decisions.append(Decision("ignored", "resolved alerts never start runs", alert=label))
+                decisions.append(self._resolved(alert, label))
                 continue
             decisions += self._decide(self.index.for_alert(alert), label)
         return decisions
+
+    def _resolved(self, alert: Alert, label: str) -> Decision:
+        """Record a resolved alert against the run its firing started (once), then ignore it."""
+        with self._lock:
+            run_id = self._alert_runs.pop(alert.dedup_key, None)
+        if run_id is None:
+            return Decision("ignored", "resolved alerts never start runs", alert=label)
+        try:
+            self.starter.record_event(run_id, "alert.resolved", {
+                "alert": label, "fingerprint": alert.dedup_key,
+                "ends_at": alert.ends_at.isoformat() if alert.ends_at else None})
+        except Exception as e:  # Why: a journal hiccup must not turn the webhook into an error
+            log.warning("could not record the resolved alert %s against run %s: %s", label, run_id, e)
+            return Decision("ignored", "resolved alerts never start runs", alert=label, run_id=run_id)
+        return Decision("ignored", f"resolved alerts never start runs; recorded against run {run_id}",
+                        alert=label, run_id=run_id)
 
     def handle_incident(self, incident: Incident) -> list[Decision]:
         return self._decide(self.index.for_incident(incident), f"incident {incident.id}")
@@ -204,6 +223,10 @@ class Dispatcher:
         for alert in payload.alerts:
             label = alert.describe()
             if not alert.firing:
+                with self._lock:
+                    started_a_run = alert.dedup_key in self._alert_runs
+                if started_a_run:
+                    return None  # recording it is I/O: the full path does it
                 decisions.append(Decision("ignored", "resolved alerts never start runs", alert=label))
                 continue
             quick = self._quick(self.index.for_alert(alert), label)
@@ -310,6 +333,10 @@ class Dispatcher:
             self.guards.bind_approval(run_id)
         with self._lock:
             self._runs[run_id] = _RunMeta(c.runbook, c.node, mode, warnings, c.reason, state=ticket.state)
+            if c.source == "alertmanager":
+                if len(self._alert_runs) >= 10000:  # bounded: forget the oldest
+                    self._alert_runs.pop(next(iter(self._alert_runs)))
+                self._alert_runs[c.dedup_key] = run_id
         self.metrics.runs_started.labels(runbook=c.runbook, mode=mode).inc()
         if mode == "auto":
             self.notifier.notify(Notification("started", c.runbook, node=c.node, run_id=run_id, mode=mode,

@@ -120,6 +120,11 @@ class RunStarter(Protocol):
         """One run's summary (``UsageError`` if unknown); may add ``plan``, ``warnings``, ``events``."""
         ...
 
+    def record_event(self, run_id: str, kind: str, data: Mapping[str, Any]) -> None:
+        """Append an event to the run's record (``alert.resolved``: the page that started it ended).
+        Fast (one journal write); ``UsageError`` for an unknown run id."""
+        ...
+
     def recover(self) -> Sequence[str]:
         """At server start: claim the runs a previous server process left (pending, interrupted,
         approved but not executed) and return the ids that should be queued for ``execute``.

@@ -137,6 +137,13 @@ class FakeRunStarter:
                 raise UsageError(f"unknown run id {run_id!r}")
             return dict(self._runs[run_id])
 
+    def record_event(self, run_id: str, kind: str, data: Mapping[str, Any]) -> None:
+        with self._cond:
+            if run_id not in self._runs:
+                raise UsageError(f"unknown run id {run_id!r}")
+            self._runs[run_id].setdefault("events", []).append({"kind": kind, **dict(data)})
+            self._cond.notify_all()
+
     def recover(self) -> Sequence[str]:
         return list(self._recover)
 
