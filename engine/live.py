@@ -150,7 +150,7 @@ class LiveDisplay:
     ``stop()`` leaves the last frame on the screen; the caller prints the closing table after it.
     """
 
-    def __init__(self, stream: TextIO = sys.stderr, *, clock: Any = time.monotonic) -> None:
+    def __init__(self, stream: TextIO = sys.stderr, *, clock: Any = time.monotonic, auto_start: bool = True) -> None:
         from rich.console import Console
 
         self.console = Console(file=stream)
@@ -161,6 +161,7 @@ class LiveDisplay:
         self._threads: dict[int, str] = {}
         self._lock = threading.Lock()
         self._live: Live | None = None
+        self._auto_start = auto_start
 
     def expect(self, plans: Sequence[Plan], max_parallel: int = 1) -> None:
         """The nodes, their batches and steps (pending) and the verify timeouts, from the plans."""
@@ -197,7 +198,7 @@ class LiveDisplay:
             node = self._current_node(data if kind == "run.start" else {})
             if node is not None:
                 self._apply(node, kind, data)
-        if kind == "run.start" and self._live is None:
+        if kind == "run.start" and self._live is None and self._auto_start:
             self.start()
 
     def _apply(self, node: _Node, kind: str, data: Mapping[str, Any]) -> None:
