@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tomllib
 from pathlib import Path
+
 import pytest
 import yaml
 from click.testing import CliRunner
