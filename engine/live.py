@@ -265,6 +265,7 @@ class LiveDisplay:
 
     def _render_one(self) -> RenderableType:
         from rich.console import Group
+        from rich.padding import Padding
         from rich.table import Table
         from rich.text import Text
 
@@ -274,41 +275,54 @@ class LiveDisplay:
         now = self.clock()
         head = Text.assemble((f"{node.runbook} on {node.name}", "bold"), "  ",
                              (node.state, STYLE.get(node.state, "")), f"  {_elapsed(node, now)}")
-        table = Table.grid(padding=(0, 2))
-        for col in ("", "step", "state", "time", "detail"):
-            table.add_column(col, no_wrap=col != "detail")
+        id_width = max((len(s.id) for s in node.steps.values()), default=4)
+
+        def grid() -> Table:
+            # The same column widths in every part, so the steps line up around a verification's bar.
+            table = Table.grid(padding=(0, 2))
+            table.add_column(width=1)
+            table.add_column(width=id_width, no_wrap=True)
+            table.add_column(width=10, no_wrap=True)
+            table.add_column(width=7, no_wrap=True, justify="right")
+            table.add_column(overflow="ellipsis", no_wrap=True)
+            return table
+
+        parts: list[Any] = [head]
+        table = grid()
         for s in node.steps.values():
             took = ""
             if s.started is not None:
                 took = f"{(s.finished if s.finished is not None else now) - s.started:.1f}s"
-            detail: Any = Text(s.reason)
-            if s.state == "running":
-                detail = Text(node.task)
+            detail = Text(node.task if s.state == "running" else s.reason)
             table.add_row(Text(GLYPH.get(s.state, "?"), STYLE.get(s.state, "")), s.id,
                           Text(s.state, STYLE.get(s.state, "")), took, detail)
             if s.state == "running" and node.wait is not None:
-                table.add_row("", "", "", "", self._wait_bar(node.wait, now))
-        parts: list[Any] = [head, table]
+                parts += [table, Padding(self._wait_bar(node.wait, now), (0, 0, 0, 3))]
+                table = grid()
+        if table.row_count:
+            parts.append(table)
         if node.note:
             parts.append(Text(node.note, "yellow"))
         return Group(*parts)
 
-    def _wait_bar(self, wait: _Wait, now: float) -> RenderableType:
+    def _wait_bar(self, wait: _Wait, now: float, *, bar_width: int = 30) -> RenderableType:
+        """``verify CHECK`` over ``━━━━━━━━───── Ready=Unknown, 12 s of 120 s`` (no timeout: no bar)."""
+        from rich.console import Group
         from rich.progress_bar import ProgressBar
         from rich.table import Table
         from rich.text import Text
 
         elapsed = max(0.0, now - wait.started)
-        grid = Table.grid(padding=(0, 1))
-        grid.add_row(Text(f"verify {wait.check}", "bold"))
         row = Table.grid(padding=(0, 1))
         if wait.timeout:
-            row.add_row(ProgressBar(total=wait.timeout, completed=min(elapsed, wait.timeout), width=30),
+            row.add_column(width=bar_width, no_wrap=True)
+            row.add_column(no_wrap=True, overflow="ellipsis")
+            row.add_row(ProgressBar(total=wait.timeout, completed=min(elapsed, wait.timeout), width=bar_width),
                         Text(f"{wait.observed}, {elapsed:.0f} s of {wait.timeout:.0f} s"))
         else:
+            row.add_column(no_wrap=True, overflow="ellipsis")
             row.add_row(Text(f"{wait.observed}, {elapsed:.0f} s"))
-        grid.add_row(row)
-        return grid
+        return Group(Text(f"verify {wait.check}", "bold", no_wrap=True, overflow="ellipsis"), row)
 
     def _render_fleet(self) -> RenderableType:
         from rich.table import Table
@@ -325,7 +339,7 @@ class LiveDisplay:
                                           if s.state != "pending"), "")
             detail: Any = Text(node.note or node.task)
             if node.wait is not None:
-                detail = self._wait_bar(node.wait, now)
+                detail = self._wait_bar(node.wait, now, bar_width=16)
             table.add_row(str(node.batch or "-"), node.name, step, Text(node.state, STYLE.get(node.state, "")),
                           _elapsed(node, now), detail)
         return table
