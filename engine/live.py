@@ -4,7 +4,7 @@ Both are ``EventSink``s fed the executor's events (``engine.execution.EventSink`
 service's ``live`` sink; neither decides anything, touches the journal or talks to outside systems.
 
 * ``LiveDisplay`` (a terminal, colours allowed): rich's live rendering of the steps with their state
-  (pending / running / succeeded / skipped with reason / failed), the running action's Ansible task,
+  (pending / running / succeeded / skipped with reason / failed), the running action's last finished Ansible task,
   and for a verification wait a bar of elapsed time against its timeout with the last observed value
   (``Ready=Unknown, 12 s of 120 s``). A fleet shows one row per node (batch, step, state, elapsed).
 * ``PlainProgress`` (pipes, CI, ``--no-tty``, ``NO_COLOR``/``--no-color``): one line per event worth
@@ -215,7 +215,8 @@ class LiveDisplay:
         elif kind == "action.intent":
             node.task = short(data.get("summary") or data.get("command") or "", 90)
         elif kind == "ansible.task":
-            node.task = f"task: {short(data.get('task', ''), 80)}"
+            # ansible-runner reports a task when it ends: this is the last one done (and how it went)
+            node.task = f"last task: {short(data.get('task', ''), 80)} ({data.get('status', '')})"
         elif kind == "verify.attempt":
             check = str(data.get("check") or "")
             if node.wait is None or node.wait.check != check:
@@ -280,11 +281,13 @@ class LiveDisplay:
         def grid() -> Table:
             # The same column widths in every part, so the steps line up around a verification's bar.
             table = Table.grid(padding=(0, 2))
-            table.add_column(width=1)
-            table.add_column(width=id_width, no_wrap=True)
-            table.add_column(width=10, no_wrap=True)
-            table.add_column(width=7, no_wrap=True, justify="right")
-            table.add_column(overflow="ellipsis", no_wrap=True)
+            table.add_column(min_width=1, max_width=1)
+            table.add_column(min_width=id_width, no_wrap=True)
+            table.add_column(min_width=10, no_wrap=True)
+            table.add_column(min_width=7, no_wrap=True, justify="right")
+            # the detail takes what is left of the line (cut with an ellipsis), never the step names' room
+            table.add_column(max_width=max(10, self.console.width - id_width - 27), overflow="ellipsis",
+                             no_wrap=True)
             return table
 
         parts: list[Any] = [head]

@@ -61,7 +61,7 @@ def test_the_live_display_shows_each_step_state_the_task_and_a_verification_bar_
     display.emit("ansible.task", step="restart-kubelet", host="omen2", task="Restart kubelet", status="ok")
     frame = _frame(display)
     assert re.search(r"↷\s+relabel\s+skipped\s+\S+\s+label already container", frame), frame
-    assert re.search(r"●\s+restart-kubelet\s+running.*task: Restart kubelet", frame), frame
+    assert re.search(r"●\s+restart-kubelet\s+running.*last task: Restart kubelet \(ok\)", frame), frame
     clock.now += 2
     display.emit("verify.attempt", step="restart-kubelet", check="node Ready", attempt=1, holds=False,
                  observed="Ready=Unknown", elapsed=0.0)
