@@ -217,11 +217,19 @@ class LiveDisplay:
         elif kind == "ansible.task":
             # ansible-runner reports a task when it ends: this is the last one done (and how it went)
             node.task = f"last task: {short(data.get('task', ''), 80)} ({data.get('status', '')})"
+        elif kind == "action.result" and data.get("ok", True) and not data.get("rollback") and step is not None:
+            # The verifications start now; the first observation may take a while to be reported
+            # (a watch reports every 15 s until something changes): show the wait from its start.
+            checks = node.timeouts.get(step_id) or {}
+            if checks:
+                check, timeout = next(iter(checks.items()))
+                node.wait = _Wait(check, now, timeout, "not observed yet")
         elif kind == "verify.attempt":
             check = str(data.get("check") or "")
+            started = now - float(data.get("elapsed") or 0.0)  # the executor's own measure of the wait
             if node.wait is None or node.wait.check != check:
-                started = now - float(data.get("elapsed") or 0.0)
                 node.wait = _Wait(check, started, self._timeout(node, step_id, check))
+            node.wait.started = started
             node.wait.observed = short(data.get("observed") or "", 60)
             node.wait.holds = data.get("holds")
         elif kind == "verify.result":

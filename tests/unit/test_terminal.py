@@ -62,7 +62,9 @@ def test_the_live_display_shows_each_step_state_the_task_and_a_verification_bar_
     frame = _frame(display)
     assert re.search(r"↷\s+relabel\s+skipped\s+\S+\s+label already container", frame), frame
     assert re.search(r"●\s+restart-kubelet\s+running.*last task: Restart kubelet \(ok\)", frame), frame
+    display.emit("action.result", step="restart-kubelet", ok=True, changed=True, summary="restarted")
     clock.now += 2
+    assert "not observed yet, 2 s of 120 s" in _frame(display)  # the wait shows from its start
     display.emit("verify.attempt", step="restart-kubelet", check="node Ready", attempt=1, holds=False,
                  observed="Ready=Unknown", elapsed=0.0)
     clock.now += 12

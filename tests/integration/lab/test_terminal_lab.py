@@ -156,6 +156,7 @@ def test_on_a_terminal_a_verification_wait_shows_a_bar_of_elapsed_time_against_i
     term = Tmux(tmp_path, _script(lab, tmp_path, f"{cmd}; echo \"EXIT=$?\"; sleep 600", runbooks=runbooks))
     waits: list[tuple[int, str]] = []
     signed = False
+    labels: list[str] = []
     env = {**lab.env()}
 
     def seen(shown: str) -> None:
@@ -166,6 +167,8 @@ def test_on_a_terminal_a_verification_wait_shows_a_bar_of_elapsed_time_against_i
             if int(m.group(2)) >= 3 and not signed:
                 subprocess.run(["kubectl", "label", "node", "worker-1", "runbook.test/checked=yes", "--overwrite"],
                                env=env, capture_output=True, timeout=60, check=True)
+                labels.append(subprocess.run(["kubectl", "get", "node", "worker-1", "--show-labels"], env=env,
+                                             capture_output=True, text=True, timeout=60, check=False).stdout)
                 signed = True
 
     try:
@@ -174,7 +177,7 @@ def test_on_a_terminal_a_verification_wait_shows_a_bar_of_elapsed_time_against_i
         term.close()
         subprocess.run(["kubectl", "label", "node", "worker-1", "runbook.test/checked-", "runbook.test/started-",
                         "runbook.test/asked-"], env=env, capture_output=True, timeout=60, check=False)
-    assert "EXIT=0" in final, final
+    assert "EXIT=0" in final, f"{final}\nkubectl saw: {labels}"
     assert signed and waits, final
     seconds, during = waits[-1]
     (tmp_path / "screen-during.txt").write_text(during)
