@@ -247,3 +247,29 @@ def test_kubectl_runbook_works_through_the_real_kubectl(tmp_path: Path) -> None:
     listed = subprocess.run([kubectl, "runbook", "list", "-o", "yaml"], env=env, capture_output=True, text=True,
                             timeout=120, check=False)
     assert listed.returncode == 0 and any(d["name"] == "gpu-node-recovery" for d in yaml.safe_load(listed.stdout))
+
+
+@pytest.mark.parametrize("namespace", [None, "runbook-locks"])
+def test_the_node_lease_lives_in_the_namespace_given_with_n(tmp_path: Path, namespace: str | None) -> None:
+    from fakes import FakeClock as Clock
+    from fakes import FakeKube, FakeNodes, incident_host, incident_node, install_recovery_effects
+
+    from engine.params import prepare_run
+    from engine.runs import RunService
+    from engine.settings import Settings
+
+    clock = Clock()
+    kube = FakeKube([incident_node()], clock=clock)
+    nodes = FakeNodes({"omen2": incident_host()}, clock=clock)
+    install_recovery_effects(kube, nodes, ready_after=20.0, gpu_after=40.0)
+    settings = Settings(journal=tmp_path / "j.sqlite", runbooks_dir=ROOT / "runbooks", namespace=namespace)
+    settings._cache.update(kube=kube, nodes=nodes)  # our fakes instead of the real connectors
+    service = RunService(settings, executor_options={"clock": clock, "sleep": clock.sleep, "wall": clock.wall})
+    prepared = prepare_run(service.load("gpu-node-recovery"), {"node": "omen2"})
+    plan = service.plan(prepared)
+    run_id = service.create(prepared, plan)
+    result = service.execute(run_id, prepared, plan)
+    assert result.state.value == "succeeded", result.reason
+    acquired = [e.data for e in service.journal.events(run_id) if e.kind == "lock.acquired"]
+    assert [a["namespace"] for a in acquired] == [namespace or "kube-system"]
+    service.journal.close()
