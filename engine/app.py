@@ -38,9 +38,7 @@ def list_runbooks(settings: Settings, fmt: str) -> int:
                                  if lr.runbook.description.strip() else "",
                                  "params": sorted(lr.runbook.params)} for lr in loaded]))
     else:
-        for lr in loaded:
-            first = lr.runbook.description.strip().splitlines()
-            print(f"{lr.name:<28} {lr.runbook.version:<8} {first[0] if first else ''}")
+        print(output.runbooks_text(loaded, wide=fmt == "wide"))
     if problems:
         raise LoadError(problems)
     return ExitCode.OK
@@ -96,9 +94,17 @@ def validate(settings: Settings, paths: Sequence[Path]) -> int:
 
 
 def _service(settings: Settings, *, live: bool = True, lock_wait: float = 0.0) -> RunService:
+    from engine.live import progress_sink
     from engine.runs import RunService
 
-    return RunService(settings, live=output.LiveView() if live else None, lock_wait=lock_wait)
+    return RunService(settings, live=progress_sink(no_tty=settings.no_tty) if live else None, lock_wait=lock_wait)
+
+
+def _stop_live(service: RunService) -> None:
+    """End the live display (its last frame stays) before the closing table is printed."""
+    stop = getattr(service.live, "stop", None)
+    if stop is not None:
+        stop()
 
 
 def plan(settings: Settings, name: str, *, node: str | None, selector: str | None, raw_params: Sequence[str],
@@ -203,10 +209,16 @@ def _run_planned(service: RunService, targets: list[PreparedRun], plans: list[Pl
         confirm(f"Apply {len(changing)} plan{'s' if len(changing) > 1 else ''} "
                 f"({', '.join(p.node for p in changing)})?", yes)
 
-    with cancellation(on_abort=service.settings.abort_actions) as cancel:
-        done = service.run_targets(targets, plans, max_parallel=max_parallel, settle=settle,
-                                   max_failures=max_failures, fail_fast=fail_fast, cancel=cancel,
-                                   overrides=overrides, confirm=ask, execute_nothing_to_do=not fleet)
+    expect = getattr(service.live, "expect", None)
+    if expect is not None:
+        expect(plans, max_parallel)
+    try:
+        with cancellation(on_abort=service.settings.abort_actions) as cancel:
+            done = service.run_targets(targets, plans, max_parallel=max_parallel, settle=settle,
+                                       max_failures=max_failures, fail_fast=fail_fast, cancel=cancel,
+                                       overrides=overrides, confirm=ask, execute_nothing_to_do=not fleet)
+    finally:
+        _stop_live(service)
     if fleet:
         return _print_fleet(done, fmt)
     row = done.runs[0]
@@ -321,10 +333,16 @@ def resume(settings: Settings, run_id: str, *, yes: bool, output: str,
 
             return bool(click.confirm(f"step {step}: {why}. Run it again?", default=False, err=True))
 
-        with cancellation(on_abort=settings.abort_actions) as cancel:
-            result = service.execute(run_id, prepared, the_plan, cancel=cancel, approved=approved, resume=True,
-                                     confirm_rerun=ask_rerun if sys.stdin.isatty() else None,
-                                     overrides=overrides)
+        expect = getattr(service.live, "expect", None)
+        if expect is not None:
+            expect([the_plan])
+        try:
+            with cancellation(on_abort=settings.abort_actions) as cancel:
+                result = service.execute(run_id, prepared, the_plan, cancel=cancel, approved=approved, resume=True,
+                                         confirm_rerun=ask_rerun if sys.stdin.isatty() else None,
+                                         overrides=overrides)
+        finally:
+            _stop_live(service)
         _print_result(result, run_id, output)
         if result.outcomes and result.outcomes[-1].evidence.get("needs_confirmation"):
             print(f"step {result.outcomes[-1].step} is not idempotent: confirm re-running it with "
@@ -342,7 +360,7 @@ def list_runs(settings: Settings, fmt: str, limit: int) -> int:
     if fmt == "json":
         print(output.dump_json([r.summary() for r in runs]))
     else:
-        print(output.runs_text(runs))
+        print(output.runs_text(runs, wide=fmt == "wide"))
     return ExitCode.OK
 
 

@@ -22,8 +22,51 @@ from engine.settings import Settings
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-OUTPUT = click.Choice(["text", "json"])
-OUTPUT_MD = click.Choice(["text", "json", "markdown"])
+OUTPUT = click.Choice(["text", "json", "yaml"])
+OUTPUT_MD = click.Choice(["text", "json", "yaml", "markdown"])
+OUTPUT_WIDE = click.Choice(["text", "wide", "json", "yaml"])
+
+
+# -- completion of names: runbooks, nodes (from the API, briefly), run ids ------------------------
+
+
+def _settings_for_completion(ctx: click.Context) -> Settings:
+    p = ctx.params
+    return Settings(kubeconfig=p.get("kubeconfig"), context=p.get("kube_context"),
+                    runbooks_dir=Path(p["runbooks_dir"]) if p.get("runbooks_dir") else None,
+                    journal=Path(p["journal"]) if p.get("journal") else None, request_timeout=2.0)
+
+
+def complete_runbook(ctx: click.Context, _param: click.Parameter, incomplete: str) -> list[Any]:
+    """Runbook names in the runbooks directory (``runbook run gpu-<TAB>``)."""
+    from click.shell_completion import CompletionItem
+
+    try:
+        from engine.loader import list_runbooks
+
+        loaded, _ = list_runbooks(_settings_for_completion(ctx).runbooks_dir)
+    except Exception:  # Why: completion must never print a traceback into the user's shell
+        return []
+    return [CompletionItem(lr.name, help=lr.runbook.description.strip().split("\n")[0])
+            for lr in loaded if lr.name.startswith(incomplete)]
+
+
+def complete_node(ctx: click.Context, _param: click.Parameter, incomplete: str) -> list[str]:
+    """Node names from the API (a 2 s request timeout: a slow cluster gives no names, not a hang)."""
+    try:
+        names = [n.name for n in _settings_for_completion(ctx).kube().list_nodes()]
+    except Exception:  # Why: completion must never print a traceback into the user's shell
+        return []
+    return sorted(n for n in names if n.startswith(incomplete))
+
+
+def complete_run_id(ctx: click.Context, _param: click.Parameter, incomplete: str) -> list[str]:
+    """Run ids from the journal, newest first."""
+    try:
+        runs = _settings_for_completion(ctx).open_journal().list_runs(limit=200)
+    except Exception:  # Why: completion must never print a traceback into the user's shell
+        return []
+    return [r.id for r in runs if r.id.startswith(incomplete)]
 
 
 SHARED_OPTIONS = (
@@ -42,10 +85,16 @@ SHARED_OPTIONS = (
     click.option("--guards-config", envvar="RUNBOOK_GUARDS_CONFIG", type=click.Path(dir_okay=False),
                  help="YAML file whose `guards:` section configures the run guards (env RUNBOOK_GUARDS_CONFIG; "
                       "default: the built-in guards, see docs/guards.md)."),
+    click.option("--namespace", "-n", envvar="RUNBOOK_NAMESPACE",
+                 help="Namespace of the node Leases (env RUNBOOK_NAMESPACE; default kube-system)."),
+    click.option("--request-timeout", type=click.FloatRange(0, min_open=True), envvar="RUNBOOK_REQUEST_TIMEOUT",
+                 help="Seconds an API request may take before it fails (env RUNBOOK_REQUEST_TIMEOUT; default 30)."),
+    click.option("--no-tty", is_flag=True, help="Plain progress lines even on a terminal (no live display)."),
+    click.option("--no-color", is_flag=True, help="No colours and no live display (as env NO_COLOR)."),
     click.option("--debug", is_flag=True, help="Show tracebacks and connector debug output."),
 )
 SHARED_NAMES = ("kubeconfig", "kube_context", "inventory", "runbooks_dir", "journal", "become_password_file",
-                "ask_become_pass", "guards_config", "debug")
+                "ask_become_pass", "guards_config", "namespace", "request_timeout", "no_tty", "no_color", "debug")
 
 
 def shared_options(func: F) -> F:
@@ -58,7 +107,10 @@ def shared_options(func: F) -> F:
 def settings_from(opts: dict[str, Any]) -> Settings:
     """Pop the shared options out of a command's keyword arguments into one ``Settings``."""
     v = {name: opts.pop(name) for name in SHARED_NAMES}
+    if v["no_color"]:
+        os.environ["NO_COLOR"] = "1"  # one switch for rich, click and the plain progress lines
     return Settings(
+        namespace=v["namespace"], request_timeout=v["request_timeout"], no_tty=v["no_tty"],
         kubeconfig=v["kubeconfig"], context=v["kube_context"],
         inventory=Path(v["inventory"]) if v["inventory"] else None,
         runbooks_dir=Path(v["runbooks_dir"]) if v["runbooks_dir"] else None,
@@ -82,7 +134,7 @@ def common_options(func: F) -> F:
         except RunbookError as e:
             if debug:
                 raise
-            _print_error(e)
+            _print_error(e, settings)
             sys.exit(e.exit_code)
         except KeyboardInterrupt:
             click.echo("cancelled", err=True)
@@ -95,10 +147,51 @@ def common_options(func: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def _print_error(e: RunbookError) -> None:
+def _print_error(e: RunbookError, settings: Settings | None = None) -> None:
+    from engine.errors import HostError, KubeError, NotFound
+
     color = "NO_COLOR" not in os.environ and sys.stderr.isatty()
-    for line in str(e).splitlines() or [type(e).__name__]:
+    lines = str(e).splitlines() or [type(e).__name__]
+    if settings is not None and isinstance(e, KubeError) and not isinstance(e, NotFound) and (
+            e.retryable or "unreachable" in str(e)) and "used kubeconfig" not in str(e):
+        lines.append(settings.kube_hint())
+    if settings is not None and isinstance(e, HostError) and "used inventory" not in str(e):
+        lines.append(settings.inventory_hint())
+    for line in lines:
         click.echo(click.style(line, fg="red") if color else line, err=True)
+
+
+def yaml_or_direct(output: str, call: Callable[[str], int]) -> int:
+    """``-o yaml``: the command's JSON document(s), printed as YAML (the same fields); else ``call(output)``."""
+    if output != "yaml":
+        return call(output)
+    import contextlib
+    import io
+    import json
+
+    import yaml
+
+    buffer = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buffer):
+            code = call("json")
+    finally:
+        text = buffer.getvalue()
+        docs, pos, decoder = [], 0, json.JSONDecoder()
+        while pos < len(text):
+            if text[pos].isspace():
+                pos += 1
+                continue
+            try:
+                doc, pos = decoder.raw_decode(text, pos)
+            except ValueError:
+                sys.stdout.write(text[pos:])
+                break
+            docs.append(doc)
+        if docs:
+            sys.stdout.write(yaml.safe_dump_all(docs, sort_keys=False, allow_unicode=True))
+        sys.stdout.flush()
+    return code
 
 
 def params_option(func: F) -> F:
@@ -108,7 +201,7 @@ def params_option(func: F) -> F:
 
 
 def target_options(func: F) -> F:
-    func = click.option("--node", help="Target node (shorthand for -p node=NODE).")(func)
+    func = click.option("--node", help="Target node (shorthand for -p node=NODE).", shell_complete=complete_node)(func)
     func = click.option("--selector", "-l", help="Label selector: run on every matching node (fleet).")(func)
     func = click.option("--max-parallel", type=click.IntRange(1), default=1, show_default=True,
                         help="Fleet: nodes remediated at once.")(func)
@@ -225,17 +318,17 @@ def main(log_format: str) -> None:
 
 @main.command("list")
 @common_options
-@click.option("-o", "--output", type=OUTPUT, default="text")
+@click.option("-o", "--output", type=OUTPUT_WIDE, default="text", help="text, wide (adds params and path), json, yaml.")
 def list_cmd(settings: Settings, output: str) -> int:
     """List the runbooks found in the runbooks directory."""
     from engine import app
 
-    return app.list_runbooks(settings, output)
+    return yaml_or_direct(output, lambda fmt: app.list_runbooks(settings, fmt))
 
 
 @main.command()
 @common_options
-@click.argument("name")
+@click.argument("name", shell_complete=complete_runbook)
 def show(settings: Settings, name: str) -> int:
     """Show a runbook: params, preconditions, steps with their guards and verifications."""
     from engine import app
@@ -265,7 +358,7 @@ def schema() -> None:
 
 @main.command()
 @common_options
-@click.argument("name")
+@click.argument("name", shell_complete=complete_runbook)
 @target_options
 @params_option
 @click.option("-o", "--output", type=OUTPUT_MD, default="text")
@@ -276,13 +369,14 @@ def plan(settings: Settings, name: str, node: str | None, selector: str | None, 
     """Show what a run would do to the node now (live facts, dry-run previews). Changes nothing."""
     from engine import app
 
-    return app.plan(settings, name, node=node, selector=selector, raw_params=params, output=output,
-                    out_file=Path(out_file) if out_file else None, expires=expires)
+    return yaml_or_direct(output, lambda fmt: app.plan(
+        settings, name, node=node, selector=selector, raw_params=params, output=fmt,
+        out_file=Path(out_file) if out_file else None, expires=expires))
 
 
 @main.command()
 @common_options
-@click.argument("name")
+@click.argument("name", shell_complete=complete_runbook)
 @target_options
 @params_option
 @click.option("--dry-run", is_flag=True, help="Plan and preview only; change nothing.")
@@ -305,10 +399,11 @@ def run(settings: Settings, name: str, node: str | None, selector: str | None, m
     """
     from engine import app
 
-    return app.run(settings, name, node=node, selector=selector, raw_params=params, dry_run=dry_run,
-                   yes=yes, output=output, max_parallel=max_parallel, settle=settle, lock_wait=lock_wait,
-                   max_failures=max_failures, fail_fast=fail_fast,
-                   overrides=overrides_from(override_guards, override_reasons))
+    overrides = overrides_from(override_guards, override_reasons)
+    return yaml_or_direct(output, lambda fmt: app.run(
+        settings, name, node=node, selector=selector, raw_params=params, dry_run=dry_run, yes=yes, output=fmt,
+        max_parallel=max_parallel, settle=settle, lock_wait=lock_wait, max_failures=max_failures,
+        fail_fast=fail_fast, overrides=overrides))
 
 
 @main.command()
@@ -323,13 +418,14 @@ def apply(settings: Settings, plan_file: str, yes: bool, output: str, override_g
     """Execute a saved plan, refusing (exit 5) if the runbook, the facts or the clock moved on."""
     from engine import app
 
-    return app.apply(settings, Path(plan_file), yes=yes, output=output,
-                     overrides=overrides_from(override_guards, override_reasons))
+    overrides = overrides_from(override_guards, override_reasons)
+    return yaml_or_direct(output, lambda fmt: app.apply(settings, Path(plan_file), yes=yes, output=fmt,
+                                                        overrides=overrides))
 
 
 @main.command()
 @common_options
-@click.argument("run_id")
+@click.argument("run_id", shell_complete=complete_run_id)
 @click.option("--plan-digest", required=True, help="Digest of the plan you reviewed.")
 @click.option("--by", "approved_by", default=None, help="Who approves (default: $USER).")
 def approve(settings: Settings, run_id: str, plan_digest: str, approved_by: str | None) -> int:
@@ -341,7 +437,7 @@ def approve(settings: Settings, run_id: str, plan_digest: str, approved_by: str 
 
 @main.command()
 @common_options
-@click.argument("run_id")
+@click.argument("run_id", shell_complete=complete_run_id)
 @click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
 @click.option("-o", "--output", type=OUTPUT, default="text")
 @override_options
@@ -351,13 +447,15 @@ def resume(settings: Settings, run_id: str, yes: bool, output: str, override_gua
     """Continue an interrupted or approved run; completed steps are not redone."""
     from engine import app
 
-    return app.resume(settings, run_id, yes=yes, output=output,
-                      overrides=overrides_from(override_guards, override_reasons))
+    overrides = overrides_from(override_guards, override_reasons)
+    return yaml_or_direct(output, lambda fmt: app.resume(settings, run_id, yes=yes, output=fmt,
+                                                         overrides=overrides))
 
 
 @main.group(invoke_without_command=True)
 @common_options
-@click.option("-o", "--output", type=OUTPUT, default="text")
+@click.option("-o", "--output", type=OUTPUT_WIDE, default="text",
+              help="text, wide (adds params, source, exit code), json, yaml.")
 @click.option("--limit", type=click.IntRange(1), default=50, show_default=True)
 def runs(settings: Settings, output: str, limit: int) -> int:
     """History of runs (id, runbook, params, state, started, finished)."""
@@ -365,23 +463,23 @@ def runs(settings: Settings, output: str, limit: int) -> int:
         return 0
     from engine import app
 
-    return app.list_runs(settings, output, limit)
+    return yaml_or_direct(output, lambda fmt: app.list_runs(settings, fmt, limit))
 
 
 @runs.command("show")
 @common_options
-@click.argument("run_id")
+@click.argument("run_id", shell_complete=complete_run_id)
 @click.option("-o", "--output", type=OUTPUT, default="text")
 def runs_show(settings: Settings, run_id: str, output: str) -> int:
     """Every recorded event of one run."""
     from engine import app
 
-    return app.show_run(settings, run_id, output)
+    return yaml_or_direct(output, lambda fmt: app.show_run(settings, run_id, fmt))
 
 
 @main.command()
 @common_options
-@click.option("--node", default=None, help="The node to examine.")
+@click.option("--node", default=None, help="The node to examine.", shell_complete=complete_node)
 @click.option("--all", "all_nodes", is_flag=True, help="Every NotReady, unschedulable or GPU-less node.")
 @click.option("-l", "--selector", default=None, help="Like --all, among the nodes this label selector picks.")
 @click.option("-o", "--output", type=OUTPUT, default="text")
@@ -390,6 +488,31 @@ def diagnose(settings: Settings, node: str | None, all_nodes: bool, selector: st
     declared diagnoses)."""
     from engine import diagnose as diag
 
-    return diag.diagnose_command(settings, node, output, all_nodes=all_nodes, selector=selector)
+    return yaml_or_direct(output, lambda fmt: diag.diagnose_command(settings, node, fmt, all_nodes=all_nodes,
+                                                                  selector=selector))
 
 
+SHELLS = ("bash", "zsh", "fish")
+
+
+@main.command()
+@click.argument("shell", type=click.Choice(SHELLS))
+@click.option("--prog-name", default=None,
+              help="The command the script completes (default: the name this was run as, e.g. kubectl-runbook).")
+def completion(shell: str, prog_name: str | None) -> None:
+    """Print the shell completion script (runbook names, node names from the API, run ids).
+
+    \b
+    bash:  source <(runbook completion bash)     or add that line to ~/.bashrc
+    zsh:   source <(runbook completion zsh)      or add that line to ~/.zshrc
+    fish:  runbook completion fish > ~/.config/fish/completions/runbook.fish
+    """
+    from click.shell_completion import get_completion_class
+
+    name = prog_name or Path(sys.argv[0]).name
+    if name in ("__main__.py", "python", "python3", "-c", ""):
+        name = "runbook"
+    cls = get_completion_class(shell)
+    assert cls is not None  # click ships bash, zsh and fish
+    complete_var = "_" + name.replace("-", "_").upper() + "_COMPLETE"
+    click.echo(cls(main, {}, name, complete_var).source())

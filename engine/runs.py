@@ -51,7 +51,7 @@ from engine.errors import ExitCode, LockHeld, RunbookError, StalePlan, UsageErro
 from engine.execution import Executor
 from engine.journal import Journal, JournalSink, StepProgress
 from engine.loader import LoadedRunbook
-from engine.locks import DEFAULT_TTL_SECONDS, NodeLock, acquire_node_lock
+from engine.locks import DEFAULT_NAMESPACE, DEFAULT_TTL_SECONDS, NodeLock, acquire_node_lock
 from engine.model import AnsibleAction, Plan, PlanState, RunResult, RunState
 from engine.output import Fanout
 from engine.params import PreparedRun, prepare_fleet, prepare_run
@@ -484,7 +484,8 @@ class RunService:
         cancel = cancel if cancel is not None else threading.Event()
         lock: NodeLock | None = None
         try:
-            lock = acquire_node_lock(kube, prepared.node, run_id, ttl=self.lock_ttl, wait=self.lock_wait)
+            lock = acquire_node_lock(kube, prepared.node, run_id, ttl=self.lock_ttl, wait=self.lock_wait,
+                                     namespace=self.settings.namespace or DEFAULT_NAMESPACE)
 
             def lost(holder: str) -> None:
                 # Someone else may remediate the node now: stop before the next action (the fence
