@@ -52,6 +52,7 @@ class Notification:
     link: str | None = None  # <public_url>/runs/<id>, when public_url is configured
     alert_key: str = ""  # the alert fingerprint or PagerDuty incident id that paged
     group_key: str = ""  # Alertmanager's groupKey of that page (PagerDuty dedup_key)
+    pagerduty_key: str = ""  # an explicit PagerDuty dedup_key (CLI: --pagerduty-dedup-key)
 
     def text(self) -> str:
         icon = _ICONS.get(self.event, "")
@@ -90,7 +91,7 @@ class Notification:
                             run_id=self.run_id, mode=self.mode, reason=_cut(self.reason), warnings=warnings,
                             extra=extra, state=self.state, report=_cut(self.report, _MAX_REPORT),
                             link=_cut(self.link, 1024) if self.link else None, alert_key=_cut(self.alert_key, 200),
-                            group_key=_cut(self.group_key, 4096))
+                            group_key=_cut(self.group_key, 4096), pagerduty_key=self.pagerduty_key[:255])
 
 
 _KEYS = frozenset({"event", "run_id", "runbook", "node", "state", "mode", "reason", "warnings", "report", "link"})

@@ -16,7 +16,8 @@ and appended to its log with its summary, ``custom_details`` and ``links``. So, 
 (the default) it is the SHA-256 hex of Alertmanager's ``groupKey``, which is exactly the key
 Alertmanager's own ``pagerduty_configs`` uses, so runbook's events land on the incident the page
 opened; with ``dedup_key: alert`` (or when no group key is known: PagerDuty-sourced runs) it is
-``runbook-<alert fingerprint or incident id>``. A notification with neither (the "N alerts refused"
+``runbook-<alert fingerprint or incident id>``. CLI runs answer no alert: they use the key given
+with ``--pagerduty-dedup-key``. A notification with neither (the "N alerts refused"
 summary) is not sent to PagerDuty. Bodies stay under the documented 512 KB (we cap at 64 KiB),
 ``summary`` under 1024 characters. This module builds request bodies; it sends nothing and holds
 no secret beyond the routing key it is given.
@@ -41,6 +42,8 @@ Action = Literal["trigger", "acknowledge", "resolve"]
 
 def dedup_key(n: Notification, mode: Literal["alertmanager-group", "alert"] = "alertmanager-group") -> str | None:
     """The alert's PagerDuty ``dedup_key`` for ``n``; None when ``n`` is about no alert."""
+    if n.pagerduty_key:
+        return n.pagerduty_key[:MAX_DEDUP_KEY]
     if mode == "alertmanager-group" and n.group_key:
         return hashlib.sha256(n.group_key.encode("utf-8")).hexdigest()
     if n.alert_key:
