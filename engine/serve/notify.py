@@ -58,7 +58,10 @@ class Notification:
         icon = _ICONS.get(self.event, "")
         target = f" on {self.node}" if self.node else ""
         run = f" run {self.run_id}" if self.run_id else ""
-        head = f"{icon} runbook {self.runbook}{target}:{run} {self.event}".strip()
+        what = self.event
+        if self.event == "step":
+            what = f"step {self.extra.get('step', '?')} {self.extra.get('status', '')}".strip()
+        head = f"{icon} runbook {self.runbook}{target}:{run} {what}".strip()
         if self.mode:
             head += f" ({self.mode} mode)"
         parts = [head]

@@ -68,6 +68,7 @@ def test_a_run_that_succeeds_acknowledges_notes_each_step_and_resolves_the_incid
     assert {e["dedup_key"] for e in receiver.events} == {hashlib.sha256(GROUP_KEY.encode()).hexdigest()}
     steps = [e["payload"]["custom_details"] for e in receiver.events[1:3]]
     assert [(d["step"], d["status"]) for d in steps] == [("drain", "succeeded"), ("restart-kubelet", "succeeded")]
+    assert "step restart-kubelet succeeded" in receiver.events[2]["payload"]["summary"]
     final = receiver.events[3]["payload"]
     assert final["source"] == "omen2" and final["custom_details"]["state"] == "succeeded"
     assert "step restart-kubelet: succeeded" in final["custom_details"]["report"]
