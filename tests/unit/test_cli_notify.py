@@ -104,3 +104,10 @@ def test_the_command_exit_code_stands_when_the_targets_are_unreachable(tmp_path:
     env = {"RUNBOOK_JOURNAL": str(tmp_path / "journal.sqlite"), "KUBECONFIG": "/nonexistent/kubeconfig"}
     r = CliRunner().invoke(main, ["run", "no-such-runbook", "--node", "omen2", "--notify-config", str(cfg)], env=env)
     assert r.exit_code == 2, r.output
+
+
+def test_the_signing_secret_can_never_be_a_senders_token() -> None:
+    from engine.errors import UsageError
+
+    with pytest.raises(UsageError, match="RUNBOOK_NOTIFY_SECRET: the same token is also given to RUNBOOK_WEBHOOK_TOKEN"):
+        load_config(None, env={"RUNBOOK_WEBHOOK_TOKEN": "x" * 20, "RUNBOOK_NOTIFY_SECRET": "x" * 20})
