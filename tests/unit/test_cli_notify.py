@@ -109,5 +109,6 @@ def test_the_command_exit_code_stands_when_the_targets_are_unreachable(tmp_path:
 def test_the_signing_secret_can_never_be_a_senders_token() -> None:
     from engine.errors import UsageError
 
-    with pytest.raises(UsageError, match="RUNBOOK_NOTIFY_SECRET: the same token is also given to RUNBOOK_WEBHOOK_TOKEN"):
+    needle = "RUNBOOK_NOTIFY_SECRET: the same token is also given to RUNBOOK_WEBHOOK_TOKEN"
+    with pytest.raises(UsageError, match=needle):
         load_config(None, env={"RUNBOOK_WEBHOOK_TOKEN": "x" * 20, "RUNBOOK_NOTIFY_SECRET": "x" * 20})
