@@ -267,6 +267,42 @@ def metrics_textfile_option(func: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+def notify_option(func: F) -> F:
+    """``--notify-config FILE``: when the command ends, send the notifications of the CLI runs that
+    ended meanwhile to the targets of FILE's ``notify:`` section (``engine.cli_notify``). The file is
+    checked before anything runs; a failure to send is a warning: the command's exit code stands."""
+
+    @click.option("--notify-config", envvar="RUNBOOK_NOTIFY_CONFIG", type=click.Path(dir_okay=False),
+                  help="Serve configuration whose notify: section (webhook, Slack, PagerDuty) is told about "
+                       "the runs of this command when they end (env RUNBOOK_NOTIFY_CONFIG).")
+    @click.option("--pagerduty-dedup-key", envvar="RUNBOOK_PAGERDUTY_DEDUP_KEY", default="",
+                  help="With --notify-config: the PagerDuty alert (dedup_key) these runs answer; PagerDuty "
+                       "is only told when given (env RUNBOOK_PAGERDUTY_DEDUP_KEY).")
+    @functools.wraps(func)
+    def wrapper(settings: Settings, *args: Any, notify_config: str | None, pagerduty_dedup_key: str,
+                **kwargs: Any) -> Any:
+        if notify_config is None:
+            return func(settings, *args, **kwargs)
+        import time
+
+        from engine.cli_notify import load_notify_config, send_cli_notifications
+
+        config = load_notify_config(notify_config)  # bad input: refused before anything runs
+        if len(pagerduty_dedup_key) > 255:
+            raise click.UsageError("--pagerduty-dedup-key: PagerDuty accepts at most 255 characters")
+        since = time.time()
+        try:
+            return func(settings, *args, **kwargs)
+        finally:
+            try:
+                send_cli_notifications(config, settings.journal, since, pagerduty_key=pagerduty_dedup_key,
+                                       timeout=max(5.0, 3 * config.notify.timeout))
+            except Exception as e:  # Why: notifications must never change a run's outcome or exit code
+                click.echo(f"runbook: warning: could not send notifications: {e}", err=True)
+
+    return wrapper  # type: ignore[return-value]
+
+
 class LazyGroup(click.Group):
     """Sub-groups that live in their own packages load only when used (``runbook --help`` stays fast)."""
 
@@ -386,6 +422,7 @@ def plan(settings: Settings, name: str, node: str | None, selector: str | None, 
 @fleet_options
 @override_options
 @metrics_textfile_option
+@notify_option
 def run(settings: Settings, name: str, node: str | None, selector: str | None, max_parallel: int,
         settle: float, params: tuple[str, ...], dry_run: bool, yes: bool, output: str, lock_wait: float,
         max_failures: int, fail_fast: bool, override_guards: tuple[str, ...],
@@ -413,6 +450,7 @@ def run(settings: Settings, name: str, node: str | None, selector: str | None, m
 @click.option("-o", "--output", type=OUTPUT, default="text")
 @override_options
 @metrics_textfile_option
+@notify_option
 def apply(settings: Settings, plan_file: str, yes: bool, output: str, override_guards: tuple[str, ...],
           override_reasons: tuple[str, ...]) -> int:
     """Execute a saved plan, refusing (exit 5) if the runbook, the facts or the clock moved on."""
@@ -442,6 +480,7 @@ def approve(settings: Settings, run_id: str, plan_digest: str, approved_by: str 
 @click.option("-o", "--output", type=OUTPUT, default="text")
 @override_options
 @metrics_textfile_option
+@notify_option
 def resume(settings: Settings, run_id: str, yes: bool, output: str, override_guards: tuple[str, ...],
            override_reasons: tuple[str, ...]) -> int:
     """Continue an interrupted or approved run; completed steps are not redone."""

@@ -70,18 +70,40 @@ class BreakerConfig(_Section):
     state_file: Path | None = None  # where node-breaker resets are kept (default: memory only)
 
 
+def _check_http_url(v: str | None, key: str) -> str | None:
+    if v is not None and not re.match(r"^https?://[^\s/]+", v):
+        raise ValueError(f"{key} must be an http(s) URL")
+    return v
+
+
+class PagerDutyEventsConfig(_Section):
+    """``notify.pagerduty``: PagerDuty Events API v2 (``engine.serve.pagerduty_events``)."""
+
+    routing_key: str = Field(min_length=1, max_length=64, repr=False)  # env RUNBOOK_PAGERDUTY_ROUTING_KEY
+    url: str = "https://events.pagerduty.com/v2/enqueue"
+    source: str = Field(default="runbook", min_length=1, max_length=255)  # when the run has no node
+    severity: Literal["critical", "error", "warning", "info"] = "critical"
+    acknowledge_on_start: bool = False  # acknowledge the page's incident when the run starts
+    dedup_key: Literal["alertmanager-group", "alert"] = "alertmanager-group"
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, v: str) -> str:
+        return _check_http_url(v, "notify.pagerduty.url") or v
+
+
 class NotifyConfig(_Section):
     url: str | None = None  # generic webhook; the JSON has Slack's "text" key
     timeout: Seconds = 5.0
-    events: tuple[Literal["started", "waiting-approval", "finished", "failed", "blocked"], ...] = (
+    events: tuple[Literal["started", "waiting-approval", "step", "finished", "failed", "blocked"], ...] = (
         "started", "waiting-approval", "finished", "failed", "blocked")
+    secret: str | None = Field(default=None, repr=False)  # signs webhook POSTs; env RUNBOOK_NOTIFY_SECRET
+    pagerduty: PagerDutyEventsConfig | None = None
 
     @field_validator("url")
     @classmethod
     def _http_url(cls, v: str | None) -> str | None:
-        if v is not None and not re.match(r"^https?://[^\s/]+", v):
-            raise ValueError("notify.url must be an http(s) URL")
-        return v
+        return _check_http_url(v, "notify.url")
 
 
 class PagerDutyMapping(_Section):
@@ -159,6 +181,7 @@ class LimitsConfig(_Section):
 
 class ServeConfig(_Section):
     listen: str = "127.0.0.1:8080"
+    public_url: str | None = None  # e.g. https://runbook.example.org: notifications link <public_url>/runs/<id>
     webhook_token: str | None = Field(default=None, repr=False)  # = auth.senders.alertmanager
     protect_reads: bool = False  # true: = auth.reads: token
     force_mode: Literal["approve"] | None = None  # "approve": no automatic run at all
@@ -176,6 +199,11 @@ class ServeConfig(_Section):
     pagerduty: PagerDutyConfig = Field(default_factory=PagerDutyConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
+
+    @field_validator("public_url")
+    @classmethod
+    def _public_url(cls, v: str | None) -> str | None:
+        return _check_http_url(v, "public_url")
 
     @field_validator("listen")
     @classmethod
@@ -256,6 +284,9 @@ def check_secrets(data: Mapping[str, Any], where: Mapping[str, str], origin: str
             creds = auth.get(role)
             if isinstance(creds, Mapping):
                 found += [(f"auth.{role}.{name}", value) for name, value in creds.items()]
+    notify = data.get("notify")
+    if isinstance(notify, Mapping) and notify.get("secret") is not None:
+        found.append(("notify.secret", notify["secret"]))
     pd = data.get("pagerduty")
     if isinstance(pd, Mapping) and isinstance(pd.get("secrets"), list | tuple):
         found += [(f"pagerduty.secrets[{i}]", v) for i, v in enumerate(pd["secrets"])]
@@ -273,7 +304,7 @@ def check_secrets(data: Mapping[str, Any], where: Mapping[str, str], origin: str
         if len(value.encode("utf-8")) < MIN_SECRET_BYTES:
             raise UsageError(f"{named}: is shorter than {MIN_SECRET_BYTES} bytes; use a random secret "
                              "(e.g. `openssl rand -hex 24`)")
-        if not key.startswith("pagerduty."):
+        if not key.startswith("pagerduty."):  # Why notify.secret too: a receiver holding it must not hold a token
             other = owners.get(value)
             if other is not None and other != key and {other, key} != {"webhook_token", "auth.senders.alertmanager"}:
                 raise UsageError(f"{named}: the same token is also given to {where.get(other, other)}; "
@@ -308,6 +339,15 @@ def load_config(path: Path | str | None = None, *, env: Mapping[str, str] | None
     notify_url = env.get("RUNBOOK_NOTIFY_URL")
     if notify_url:
         data["notify"] = {**dict(data.get("notify") or {}), "url": notify_url}
+    if "RUNBOOK_NOTIFY_SECRET" in env:
+        data["notify"] = {**dict(data.get("notify") or {}), "secret": env["RUNBOOK_NOTIFY_SECRET"]}
+        sources["notify.secret"] = "RUNBOOK_NOTIFY_SECRET"
+    if env.get("RUNBOOK_PAGERDUTY_ROUTING_KEY"):
+        notify = dict(data.get("notify") or {})
+        if not isinstance(notify.get("pagerduty"), Mapping):
+            notify["pagerduty"] = {}
+        notify["pagerduty"] = {**dict(notify["pagerduty"]), "routing_key": env["RUNBOOK_PAGERDUTY_ROUTING_KEY"]}
+        data["notify"] = notify
     if "RUNBOOK_PAGERDUTY_SECRET" in env:
         pd = dict(data.get("pagerduty") or {})
         pd["secrets"] = (env["RUNBOOK_PAGERDUTY_SECRET"], *tuple(pd.get("secrets") or ()))

@@ -35,7 +35,7 @@ from engine.serve.cluster import ClusterSnapshot, ClusterUnavailable, ClusterVie
 from engine.serve.config import ServeConfig
 from engine.serve.guards import Guards, Reservation
 from engine.serve.metrics import ServeMetrics
-from engine.serve.notify import Notification, Notifier, RefusalDigest
+from engine.serve.notify import Notification, Notifier, RefusalDigest, run_report, step_outcomes
 from engine.serve.pagerduty import Incident
 from engine.serve.starter import WEBHOOK_SOURCES, Mode, RunOutcome, RunRequest, RunStarter
 from engine.serve.triggers import Candidate, Matches, TriggerIndex
@@ -83,6 +83,16 @@ class _RunMeta:
     state: str = "pending"
     plan_digest: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    source: str = ""
+    alert_key: str = ""
+    group_key: str = ""
+    alert_started: float | None = None
+
+    def note(self, event: str, run_id: str, **kw: Any) -> Notification:
+        """A notification about this run, carrying the alert it came from."""
+        kw.setdefault("mode", self.mode)
+        return Notification(event, self.runbook, node=self.node, run_id=run_id, alert_key=self.alert_key,
+                            group_key=self.group_key, **kw)
 
 
 class NotFound(Exception):
@@ -234,7 +244,9 @@ class Dispatcher:
             if not alert.firing:
                 decisions.append(self._resolved(alert, label))
                 continue
-            decisions += self._decide(self.index.for_alert(alert), label, requested_by)
+            decisions += self._decide(self.index.for_alert(alert), label, requested_by,
+                                      group_key=payload.group_key,
+                                      alert_started=alert.starts_at.timestamp() if alert.starts_at else None)
         return decisions
 
     def _resolved(self, alert: Alert, label: str) -> Decision:
@@ -248,6 +260,7 @@ class Dispatcher:
                 "alert": label, "fingerprint": alert.dedup_key,
                 "ends_at": alert.ends_at.isoformat() if alert.ends_at else None})
         except Exception as e:  # Why: a journal hiccup must not turn the webhook into an error
+            self.metrics.journal_errors.labels(operation="record-event").inc()
             log.warning("could not record the resolved alert %s against run %s: %s", label, run_id, e)
             return Decision("ignored", "resolved alerts never start runs", alert=label, run_id=run_id)
         return Decision("ignored", f"resolved alerts never start runs; recorded against run {run_id}",
@@ -296,7 +309,8 @@ class Dispatcher:
             out.append(Decision("duplicate", reason, runbook=c.runbook, node=c.node, alert=label))
         return out
 
-    def _decide(self, matches: Matches, label: str, requested_by: str) -> list[Decision]:
+    def _decide(self, matches: Matches, label: str, requested_by: str, *, group_key: str = "",
+                alert_started: float | None = None) -> list[Decision]:
         out: list[Decision] = []
         for r in matches.refusals:
             reason = _cut(r.reason, self.config.limits.max_reason_bytes)
@@ -306,7 +320,8 @@ class Dispatcher:
         if not matches.candidates and not matches.refusals:
             out.append(Decision("ignored", "no runbook trigger matches", alert=label))
         for c in matches.candidates:
-            c = replace(c, reason=_cut(c.reason, self.config.limits.max_reason_bytes))
+            c = replace(c, reason=_cut(c.reason, self.config.limits.max_reason_bytes), group_key=group_key,
+                        alert_started=alert_started)
             try:
                 d = self._consider(c, requested_by)
             except Exception as e:  # Why: one broken candidate must not lose the others' answers
@@ -319,7 +334,8 @@ class Dispatcher:
                  transient: bool = False) -> Decision:
         self.metrics.runs_blocked.labels(runbook=c.runbook, reason=kind).inc()
         self._refusal_notice(c.runbook, c.node, kind, Notification(
-            "blocked", c.runbook, node=c.node, mode=mode, reason=f"{reason} (page: {c.reason})"))
+            "blocked", c.runbook, node=c.node, mode=mode, reason=f"{reason} (page: {c.reason})",
+            state="refused", alert_key=c.dedup_key, group_key=c.group_key))
         return Decision("blocked", reason, runbook=c.runbook, node=c.node, mode=mode, transient=transient)
 
     def _consider(self, c: Candidate, requested_by: str = "") -> Decision:
@@ -376,7 +392,8 @@ class Dispatcher:
             self._undo(c, auto_slot, mode)
             why = _cut(str(e).splitlines()[0] if str(e) else type(e).__name__, self.config.limits.max_reason_bytes)
             self._refusal_notice(c.runbook, c.node, "rejected", Notification(
-                "blocked", c.runbook, node=c.node, mode=mode, reason=f"refused: {why} (page: {c.reason})"))
+                "blocked", c.runbook, node=c.node, mode=mode, reason=f"refused: {why} (page: {c.reason})",
+                state="refused", alert_key=c.dedup_key, group_key=c.group_key))
             return Decision("rejected", why, runbook=c.runbook, node=c.node, mode=mode)
         except BaseException:
             self.worker.release()
@@ -387,15 +404,21 @@ class Dispatcher:
         if mode == "approve":
             self.guards.bind_approval(run_id)
         with self._lock:
-            self._runs[run_id] = _RunMeta(c.runbook, c.node, mode, warnings, c.reason, state=ticket.state)
+            self._runs[run_id] = _RunMeta(c.runbook, c.node, mode, warnings, c.reason, state=ticket.state,
+                                          source=c.source, alert_key=c.dedup_key, group_key=c.group_key,
+                                          alert_started=c.alert_started)
             if c.source == "alertmanager":
                 if len(self._alert_runs) >= 10000:  # bounded: forget the oldest
                     self._alert_runs.pop(next(iter(self._alert_runs)))
                 self._alert_runs[c.dedup_key] = run_id
         self.metrics.runs_started.labels(runbook=c.runbook, mode=mode).inc()
+        if c.alert_started is not None:
+            self.metrics.alert_to_run_start.labels(runbook=c.runbook).observe(
+                max(0.0, self._clock() - c.alert_started))
         if mode == "auto":
-            self.notifier.notify(Notification("started", c.runbook, node=c.node, run_id=run_id, mode=mode,
-                                              reason=c.reason))
+            with self._lock:
+                meta = self._runs[run_id]
+            self.notifier.notify(meta.note("started", run_id, reason=c.reason, state="running"))
         self.worker.submit(lambda: self._execute(run_id))
         reason = "run created; it executes now" if mode == "auto" else \
             "run created; a plan is being prepared for approval"
@@ -423,9 +446,9 @@ class Dispatcher:
         if outcome.state == "waiting-approval":
             with self._lock:
                 meta.state, meta.plan_digest = outcome.state, outcome.plan_digest
-            self.notifier.notify(Notification(
-                "waiting-approval", meta.runbook, node=meta.node, run_id=run_id, mode=meta.mode,
-                reason=meta.reason, warnings=meta.warnings, extra={"plan_digest": outcome.plan_digest}))
+            self.notifier.notify(meta.note(
+                "waiting-approval", run_id, reason=meta.reason, warnings=meta.warnings, state=outcome.state,
+                extra={"plan_digest": outcome.plan_digest}))
             return
         if outcome.state not in _FINAL:
             log.warning("run %s returned state %s; treating it as still active", run_id, outcome.state)
@@ -453,9 +476,24 @@ class Dispatcher:
         reason = outcome.reason or outcome.state
         if opened:
             reason += f"; the breaker for {meta.node} is open: no automatic run there until reset"
-        self.notifier.notify(Notification(event, meta.runbook, node=meta.node, run_id=run_id, mode=meta.mode,
-                                          reason=reason, extra={"state": outcome.state,
-                                                                "exit_code": outcome.exit_code}))
+        self.metrics.runs_finished.labels(runbook=meta.runbook, state=outcome.state,
+                                          trigger=meta.source or "unknown").inc()
+        if outcome.state == "succeeded" and meta.alert_started is not None:
+            self.metrics.alert_to_recovery.labels(runbook=meta.runbook).observe(
+                max(0.0, self._clock() - meta.alert_started))
+        events: list[Mapping[str, Any]] = []
+        try:
+            events = list(self.starter.run(run_id).get("events") or ())
+        except Exception as e:  # Why: the outcome is still notified without the details
+            self.metrics.journal_errors.labels(operation="read-run").inc()
+            log.warning("could not read the events of run %s: %s", run_id, e)
+        self.metrics.observe_run(meta.runbook, events)
+        for step in step_outcomes(events):
+            self.notifier.notify(meta.note("step", run_id, state="running", reason=step["reason"],
+                                           extra={"step": step["step"], "status": step["status"]}))
+        self.notifier.notify(meta.note(event, run_id, reason=reason, state=outcome.state,
+                                       report=run_report(events, outcome.state, reason),
+                                       extra={"exit_code": outcome.exit_code}))
 
     # -- API --------------------------------------------------------------------------------------
 
@@ -489,9 +527,8 @@ class Dispatcher:
         if not self.worker.submit(lambda: self._execute(run_id), reserved=False):
             return {"run": summary, "queued": False,
                     "note": "approval recorded, but the worker pool is full: the run is queued at the next start"}
-        self.notifier.notify(Notification("started", meta.runbook, node=meta.node, run_id=run_id,
-                                          mode=meta.mode, reason=f"approved by {approved_by}",
-                                          warnings=meta.warnings))
+        self.notifier.notify(meta.note("started", run_id, reason=f"approved by {approved_by}",
+                                       warnings=meta.warnings, state="approved"))
         return {"run": summary, "queued": True}
 
     def reset_breaker(self, node: str | None = None, runbook: str | None = None) -> list[str]:

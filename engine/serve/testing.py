@@ -266,11 +266,13 @@ class Served:
 @contextmanager
 def served(mode: str = "auto", *, token: str | None = TOKEN, nodes: Iterable[NodeFacts] | None = None,
            starter: FakeRunStarter | None = None, env: Mapping[str, str] | None = None,
-           clock: Callable[[], float] = time.time, **cfg: Any) -> Iterator[Served]:
+           clock: Callable[[], float] = time.time, notify_from_config: bool = False,
+           **cfg: Any) -> Iterator[Served]:
     """The app over fakes: trigger KubeNodeNotReady/Unreachable on ``node=~"omen.*"`` in ``mode``;
     eight healthy nodes omen1..omen8 unless ``nodes``; ``cfg`` overrides the configuration. The
     sender's token is ``token`` (``AUTH``), approver ``alice`` has ``APPROVE``, reader ``grafana``
-    has ``READ``; the TestClient's Host ``testserver`` is allowed."""
+    has ``READ``; the TestClient's Host ``testserver`` is allowed. ``notify_from_config``: the
+    configuration's ``notify:`` section sends the notifications (real HTTP), not the capture."""
     import httpx
     from starlette.testclient import TestClient
 
@@ -291,7 +293,8 @@ def served(mode: str = "auto", *, token: str | None = TOKEN, nodes: Iterable[Nod
     config = load_config(None, env=environ, overrides={**cfg, "auth": auth})
     starter = starter or FakeRunStarter([trigger_spec(mode=mode, matchers=('node=~"omen.*"',))])
     cluster = StaticClusterView(INCIDENT_NODES if nodes is None else nodes)
-    notifier = Notifier("http://127.0.0.1:9/notify", transport=httpx.MockTransport(receive))
+    notifier = None if notify_from_config else Notifier("http://127.0.0.1:9/notify",
+                                                        transport=httpx.MockTransport(receive))
     app = create_app(config, starter, cluster=cluster, notifier=notifier, sweep_interval=0, clock=clock)
     with TestClient(app) as client:
         yield Served(client, starter, cluster, sent)

@@ -46,6 +46,8 @@ class Candidate:
     source: Source
     reason: str
     dedup_key: str
+    group_key: str = ""  # Alertmanager's groupKey of the delivery (PagerDuty Events dedup_key)
+    alert_started: float | None = None  # the alert's startsAt (epoch seconds), for metrics
 
 
 @dataclass(frozen=True)

@@ -73,7 +73,7 @@ def test_notifications_are_slack_compatible_and_filtered_by_event() -> None:
     assert msg["runbook_event"] == {
         "event": "waiting-approval", "run_id": "r-2", "runbook": "gpu-node-recovery", "node": "omen2",
         "mode": "approve", "reason": "", "warnings": ["breaker: 4 of 8 nodes are unhealthy"],
-        "plan_digest": "d" * 64}
+        "plan_digest": "d" * 64, "state": None, "report": "", "link": None}
     n.close()
 
 
