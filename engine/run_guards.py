@@ -39,9 +39,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from engine.configfile import read_mapping
 from engine.connectors.base import KubeAPI
 from engine.errors import KubeError, UsageError
 from engine.facts import NodeFacts
@@ -123,17 +123,8 @@ def load_guard_config(path: Path | str | None) -> GuardConfig:
     """The ``guards:`` section of a YAML file (other top-level keys are left to their owners)."""
     if path is None:
         return GuardConfig()
-    try:
-        raw = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-    except OSError as e:
-        raise UsageError(f"{path}: cannot read the guards configuration: {e.strerror}") from e
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        line = f":{mark.line + 1}" if mark is not None else ""
-        raise UsageError(f"{path}{line}: invalid YAML: {getattr(e, 'problem', e)}") from e
-    if raw is not None and not isinstance(raw, dict):
-        raise UsageError(f"{path}: the configuration must be a mapping")
-    return guard_config_from((raw or {}).get("guards"), f"{path}: guards")
+    raw = read_mapping(path, "the guards configuration")
+    return guard_config_from(raw.get("guards"), f"{path}: guards")
 
 
 def check_overrides(overrides: Mapping[str, str]) -> None:

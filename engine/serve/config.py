@@ -15,7 +15,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import (
     BaseModel,
     BeforeValidator,
@@ -26,6 +25,7 @@ from pydantic import (
     model_validator,
 )
 
+from engine.configfile import read_mapping
 from engine.errors import UsageError
 from engine.model import parse_duration
 from engine.run_guards import (
@@ -322,17 +322,7 @@ def load_config(path: Path | str | None = None, *, env: Mapping[str, str] | None
     data: dict[str, Any] = {}
     where = str(path) if path else "(environment)"
     if path is not None:
-        try:
-            raw = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-        except OSError as e:
-            raise UsageError(f"{path}: cannot read the serve configuration: {e.strerror}") from e
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            line = f":{mark.line + 1}" if mark is not None else ""
-            raise UsageError(f"{path}{line}: invalid YAML: {getattr(e, 'problem', e)}") from e
-        if raw is not None and not isinstance(raw, dict):
-            raise UsageError(f"{path}: the serve configuration must be a mapping")
-        data = dict(raw or {})
+        data = read_mapping(path, "the serve configuration")
     data.update(overrides or {})
     sources: dict[str, str] = {}
     _from_env(env, data, sources)
