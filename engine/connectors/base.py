@@ -103,8 +103,8 @@ class KubeAPI(Protocol):
     def delete_lease(self, lease: LeaseRecord) -> None: ...
 
     def create_node_event(self, event: NodeEvent) -> None:
-        """Record ``event`` as an ``events.k8s.io/v1`` Event about its Node (what ``kubectl describe
-        node`` and ``kubectl get events`` show)."""
+        """Record ``event`` as a Kubernetes Event about its Node (what ``kubectl describe node`` and
+        ``kubectl get events`` show)."""
         ...
 
 

@@ -453,20 +453,26 @@ class KubeConnector:
     # ------------------------------------------------------------------ events
 
     def create_node_event(self, event: NodeEvent) -> None:
-        """POST an ``events.k8s.io/v1`` Event regarding the Node. ``regarding.uid`` is the node's
-        name, as kubelet sets it and as ``kubectl describe node`` searches for it."""
+        """POST a core/v1 Event about the Node, in ``event.namespace`` (``default``, as kubelet does).
+
+        core/v1 rather than events.k8s.io/v1: the latter requires ``regarding.namespace`` to equal the
+        Event's namespace, and a Node has none, so such an Event would not match the
+        ``involvedObject.namespace`` that ``kubectl describe node`` searches. ``involvedObject.uid`` is
+        the node's name, as kubelet sets it and as ``kubectl describe node`` searches for it.
+        """
         now = self._clock()
+        stamp = datetime.fromtimestamp(now, tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         body = {
-            "apiVersion": "events.k8s.io/v1", "kind": "Event",
+            "apiVersion": "v1", "kind": "Event",
             "metadata": {"name": f"{event.node}.{int(now * 1e9):x}", "namespace": event.namespace},
-            "eventTime": format_microtime(now),
-            "reportingController": event.reporting_controller,
-            "reportingInstance": event.reporting_instance,
-            "action": event.action, "reason": event.reason, "type": event.type,
-            "note": event.note[:1000],
-            "regarding": {"apiVersion": "v1", "kind": "Node", "name": event.node, "uid": event.node},
+            "involvedObject": {"apiVersion": "v1", "kind": "Node", "name": event.node, "uid": event.node},
+            "reason": event.reason, "message": event.note[:1000], "type": event.type,
+            "source": {"component": event.reporting_controller},
+            "reportingComponent": event.reporting_controller,
+            "reportingInstance": event.reporting_instance, "action": event.action,
+            "firstTimestamp": stamp, "lastTimestamp": stamp, "count": 1,
         }
-        self._raw("POST", f"/apis/events.k8s.io/v1/namespaces/{_q(event.namespace)}/events",
+        self._raw("POST", f"/api/v1/namespaces/{_q(event.namespace)}/events",
                   f"create event {event.reason} on node {event.node}", body=body)
 
     def close(self) -> None:

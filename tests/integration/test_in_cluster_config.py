@@ -89,6 +89,9 @@ def test_runbook_run_in_a_pod_like_mount_namespace_uses_the_service_account_with
                if e["objectRef"]["resource"] == "nodes" and e["verb"] == "patch"]
     assert [p["objectRef"]["name"] for p in patches] == ["incluster-node"]
     assert not control_plane.mutations(since=mark, user="admin")
+    events = [e for e in kubectl.json("get", "events", "--field-selector", "involvedObject.name=incluster-node")["items"]
+              if e.get("reportingComponent") == "runbook"]
+    assert [e["reason"] for e in events] == ["RemediationStepSucceeded"], r.stdout + r.stderr
 
 
 def test_with_a_token_of_another_service_account_the_in_cluster_run_is_forbidden_and_blocked(
@@ -111,8 +114,8 @@ def test_with_a_token_of_another_service_account_the_in_cluster_run_is_forbidden
 
 def test_a_service_account_missing_only_the_lease_role_is_blocked_at_the_lease_with_exit_3(
         control_plane: ControlPlane, kubectl: Kubectl, kube_client: Any, tmp_path: Path) -> None:
-    """Reads are allowed (the plan is made), the node Lease is not: a 403 there is ``Forbidden``, blocked
-    (exit 3) before any change, the message naming the verb and resource, not a failed run (exit 1)."""
+    """Reads are allowed (the plan is made), the node Lease is not: the run is blocked (exit 3) before any
+    change, the message naming the verb, the resource and where the permission is granted."""
     require(None if os.geteuid() == 0 and shutil.which("unshare") else "needs root and unshare (mount namespace)")
     from kubernetes import client
 
