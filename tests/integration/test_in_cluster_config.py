@@ -89,8 +89,8 @@ def test_runbook_run_in_a_pod_like_mount_namespace_uses_the_service_account_with
                if e["objectRef"]["resource"] == "nodes" and e["verb"] == "patch"]
     assert [p["objectRef"]["name"] for p in patches] == ["incluster-node"]
     assert not control_plane.mutations(since=mark, user="admin")
-    events = [e for e in kubectl.json("get", "events", "--field-selector", "involvedObject.name=incluster-node")["items"]
-              if e.get("reportingComponent") == "runbook"]
+    listed = kubectl.json("get", "events", "--field-selector", "involvedObject.name=incluster-node")["items"]
+    events = [e for e in listed if e.get("reportingComponent") == "runbook"]
     assert [e["reason"] for e in events] == ["RemediationStepSucceeded"], r.stdout + r.stderr
 
 
