@@ -15,6 +15,7 @@ def main(listen: str) -> None:
     import uvicorn
 
     from engine.serve.app import create_app
+    from engine.serve.cli import uvicorn_options
     from engine.serve.config import load_config, split_listen
     from engine.serve.testing import INCIDENT_NODES, FakeRunStarter, StaticClusterView, trigger_spec
 
@@ -24,8 +25,7 @@ def main(listen: str) -> None:
     app = create_app(config, starter, cluster=cluster)
     host, port = split_listen(config.listen)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(app, host=host, port=port, log_level="info", lifespan="on",
-                timeout_graceful_shutdown=int(config.shutdown_grace) + 5)
+    uvicorn.run(app, host=host, port=port, log_level="info", lifespan="on", **uvicorn_options(config))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ Per repetition, on the lab's real API server:
 1. create a node ``bench-p2-N`` (no kubelet, no Lease, a NoSchedule taint) and set its Ready
    condition to False through the status subresource;
 2. start ``kubectl wait --for=condition=Ready node/bench-p2-N`` and, in a thread of this process,
-   the engine: ``api.plan`` + ``api.run`` of ``bench/runbooks/bench-wait-ready.yaml`` (one check-only
+   the engine: ``runs.plan_targets`` + ``Executor.execute`` of ``bench/runbooks/bench-wait-ready.yaml`` (one check-only
    step verified by ``node_ready: true``) through the real ``KubeConnector`` (its node watch) and a
    ``JournalSink`` on a real SQLite journal;
 3. once both wait (the engine's ``step.start`` seen, then 1.5 s), T0 = just before this process
@@ -61,8 +61,11 @@ class _TimingSink:
 
 
 def _one(i: int, kube_admin: Any, kube_engine: Any, journal: Any, env: dict[str, str]) -> dict[str, Any]:
-    from engine import api
+    from engine.execution import Executor
     from engine.lab.sim_kube import NODES
+    from engine.loader import load
+    from engine.params import prepare_run
+    from engine.runs import plan_targets
 
     name = f"bench-p2-{i}-{int(time.time()) % 100000}"
     manifest = {"apiVersion": "v1", "kind": "Node",
@@ -79,16 +82,17 @@ def _one(i: int, kube_admin: Any, kube_engine: Any, journal: Any, env: dict[str,
             kubectl_done["rc"] = kubectl.wait()
             kubectl_done["at"] = time.perf_counter()
 
-        loaded = api.load(RUNBOOK, playbooks_dir=ENGINE_ROOT / "playbooks")
-        prepared = api.prepare_run(loaded, {}, node=name)
+        loaded = load(RUNBOOK, playbooks_dir=ENGINE_ROOT / "playbooks")
+        prepared = prepare_run(loaded, {}, node=name)
         run_id = journal.create_run(loaded.name, prepared.params, [name], source="bench")
         sink = _TimingSink(journal, run_id)
         outcome: dict[str, Any] = {}
 
         def engine() -> None:
             try:
-                plan = api.plan(prepared, kube_engine, None, preview=False)
-                outcome["result"] = api.run(prepared, plan, kube_engine, None, events=sink)
+                plan = plan_targets([prepared], kube_engine, None, preview=False)[0]
+                outcome["result"] = Executor(kube_engine, None, events=sink, playbooks_dir=loaded.playbooks_dir
+                                             ).execute(plan, prepared.runbook, prepared.params)
             except Exception as e:  # reported below
                 outcome["error"] = e
 

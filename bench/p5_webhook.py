@@ -2,7 +2,8 @@
 on loopback while every request is a duplicate (and so must start nothing).
 
 The server is the real ``runbook serve`` against the lab (its ``JournalRunStarter``, a fresh journal,
-a Bearer token), or with ``--p5-fake`` ``bench.fake_serve`` (the same app over ``FakeRunStarter``).
+a sender's Bearer token, reads open on loopback; every limit of issue 14 at its default), or
+with ``--p5-fake`` ``bench.fake_serve`` (the same app over ``FakeRunStarter``).
 One first page for omen2 starts one run (approve mode); once it waits for approval, the load
 generator posts that same Alertmanager v4 payload (``engine.serve.testing.webhook``) over and over:
 each is answered ``duplicate``. After each round the server must still list exactly one run, and
@@ -32,7 +33,7 @@ from typing import Any
 
 from bench.common import ENGINE_ROOT, Context, Metric, base_env, loadavg, log, median, runbook_cmd, summary
 
-TOKEN = "bench-p5-token"
+TOKEN = "bench-p5-sender-token-0123456789"  # the Alertmanager sender (>= 16 bytes)
 CONNECTIONS = 8
 
 

@@ -1,5 +1,5 @@
-"""``python -m engine``: the same as the ``runbook`` command."""
+"""``python -m engine``: the same as the ``runbook`` command (and completes as ``runbook``)."""
 
 from engine.cli import main
 
-main()
+main(prog_name="runbook")

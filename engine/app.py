@@ -1,9 +1,10 @@
 """What each ``runbook`` command does, as one function per command.
 
 The CLI (``engine.cli``) parses options and calls exactly one of these; each returns the exit
-code. They compose ``engine.api`` (load, plan, run), ``engine.runs.RunService`` (journal, Lease,
-approvals) and ``engine.output`` (rendering). Nothing here parses YAML or talks to a cluster
-directly.
+code. Every command that plans or runs goes through ``engine.runs.RunService`` (targets, plans,
+guards, journal, Lease, executor, fleets); this module adds what a terminal needs: confirmation,
+signals, and rendering through ``engine.output``. Nothing here parses YAML, talks to a cluster or
+decides how a run proceeds.
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engine import api, output
+from engine import loader, output
 from engine.errors import Cancelled, ExitCode, LoadError, StalePlan, UsageError
 from engine.model import Plan, PlanState, RunResult, RunState, parse_duration
 
 if TYPE_CHECKING:
-    from engine.runs import RunService
+    from engine.params import PreparedRun
+    from engine.runs import FleetResult, RunService
     from engine.settings import Settings
 
 
@@ -29,16 +31,14 @@ if TYPE_CHECKING:
 
 
 def list_runbooks(settings: Settings, fmt: str) -> int:
-    loaded, problems = api.list_runbooks(settings.runbooks_dir)
+    loaded, problems = loader.list_runbooks(settings.runbooks_dir)
     if fmt == "json":
         print(output.dump_json([{"name": lr.name, "version": lr.runbook.version, "path": str(lr.path),
                                  "description": lr.runbook.description.strip().splitlines()[0]
                                  if lr.runbook.description.strip() else "",
                                  "params": sorted(lr.runbook.params)} for lr in loaded]))
     else:
-        for lr in loaded:
-            first = lr.runbook.description.strip().splitlines()
-            print(f"{lr.name:<28} {lr.runbook.version:<8} {first[0] if first else ''}")
+        print(output.runbooks_text(loaded, wide=fmt == "wide"))
     if problems:
         raise LoadError(problems)
     return ExitCode.OK
@@ -47,7 +47,7 @@ def list_runbooks(settings: Settings, fmt: str) -> int:
 def show_runbook(settings: Settings, name: str) -> int:
     from engine.checks import describe
 
-    lr = api.load(name, settings.runbooks_dir)
+    lr = loader.load(name, settings.runbooks_dir)
     rb = lr.runbook
     print(f"{rb.name} {rb.version}  ({lr.path})")
     if rb.description:
@@ -94,32 +94,17 @@ def validate(settings: Settings, paths: Sequence[Path]) -> int:
 
 
 def _service(settings: Settings, *, live: bool = True, lock_wait: float = 0.0) -> RunService:
+    from engine.live import progress_sink
     from engine.runs import RunService
 
-    return RunService(settings, live=output.LiveView() if live else None, lock_wait=lock_wait)
+    return RunService(settings, live=progress_sink(no_tty=settings.no_tty) if live else None, lock_wait=lock_wait)
 
 
-def _prepare(service: RunService, name: str, node: str | None, selector: str | None,
-             raw_params: Sequence[str]) -> list[api.PreparedRun]:
-    from engine.runs import select_fleet
-
-    loaded = service.load(name)
-    if node and selector:
-        raise UsageError("give either --node or --selector, not both")
-    if selector:
-        return select_fleet(service, loaded, selector, raw_params)
-    return [api.prepare_run(loaded, list(raw_params), node=node)]
-
-
-def _plans(service: RunService, prepared: list[api.PreparedRun], *, preview: bool,
-           ttl: float | None = None) -> list[Plan]:
-    if len(prepared) == 1:
-        return [service.plan(prepared[0], preview=preview, ttl=ttl)]
-    kube, nodes = service.connectors(prepared[0].loaded, prepared[0].params)
-    kwargs: dict[str, Any] = {"preview": preview}
-    if ttl is not None:
-        kwargs["ttl"] = ttl
-    return api.plan_fleet(prepared, kube, nodes, **kwargs)
+def _stop_live(service: RunService) -> None:
+    """End the live display (its last frame stays) before the closing table is printed."""
+    stop = getattr(service.live, "stop", None)
+    if stop is not None:
+        stop()
 
 
 def plan(settings: Settings, name: str, *, node: str | None, selector: str | None, raw_params: Sequence[str],
@@ -130,15 +115,15 @@ def plan(settings: Settings, name: str, *, node: str | None, selector: str | Non
         raise UsageError(f"--expires: {e}") from None
     service = _service(settings, live=False)
     try:
-        prepared = _prepare(service, name, node, selector, raw_params)
-        plans = _plans(service, prepared, preview=True, ttl=ttl)
+        targets = service.targets(name, raw_params, node=node, selector=selector)
+        plans = service.plan_targets(targets, preview=True, ttl=ttl)
     finally:
         settings.close()
     _print_plans(plans, output)
     if out_file is not None:
         if len(plans) != 1:
             raise UsageError("--out saves the plan of one node; use --node")
-        api.save_plan(plans[0], out_file)
+        loader.save_plan(plans[0], out_file)
         print(f"plan saved to {out_file} (digest {plans[0].digest})", file=sys.stderr)
     return max(p.exit_code for p in plans)
 
@@ -210,87 +195,91 @@ def _print_result(result: RunResult, run_id: str | None, fmt: str) -> None:
         print(f"run {run_id} is interrupted and resumable: `runbook resume {run_id}`", file=sys.stderr)
 
 
-def _execute_plans(service: RunService, prepared: list[api.PreparedRun], plans: list[Plan], *, yes: bool,
-                   fmt: str, max_parallel: int, settle: float) -> int:
-    from concurrent.futures import ThreadPoolExecutor
-
-    from engine.planning import fleet_batches
-
-    blocked = [p for p in plans if p.state is PlanState.BLOCKED]
-    for p, prep in zip(plans, prepared, strict=True):
-        if p.state is PlanState.BLOCKED:
-            run_id = service.create(prep, p, state="pending")
-            service.journal.append(run_id, "run.blocked", reason="; ".join(p.blocked_reasons))
-            service.journal.set_state(run_id, RunState.BLOCKED.value, exit_code=ExitCode.BLOCKED)
-    if blocked:
-        _print_plans(blocked, "text" if fmt != "json" else "json")
-        return ExitCode.BLOCKED
+def _run_planned(service: RunService, targets: list[PreparedRun], plans: list[Plan], *, fleet: bool, yes: bool,
+                 fmt: str, max_parallel: int = 1, settle: float = 0.0, max_failures: int = 1,
+                 fail_fast: bool = False, overrides: dict[str, str] | None = None) -> int:
+    """Show the plans, confirm, and run them through ``RunService.run_targets``; print each node's
+    result (one node: the result table or its JSON, as always) or the fleet's summary."""
     if fmt != "json":
         _print_plans(plans, "text")
-    changing = [p for p in plans if p.state is PlanState.READY]
-    if changing:
+    elif not fleet and plans[0].state is PlanState.BLOCKED:
+        _print_plans(plans, "json")
+
+    def ask(changing: Sequence[Plan]) -> None:
         confirm(f"Apply {len(changing)} plan{'s' if len(changing) > 1 else ''} "
                 f"({', '.join(p.node for p in changing)})?", yes)
-    by_node = {p.node: (prep, p) for prep, p in zip(prepared, plans, strict=True)}
-    results: list[tuple[str, RunResult]] = []
-    with cancellation(on_abort=service.settings.abort_actions) as cancel:
-        batches = fleet_batches([p.node for p in plans], max_parallel)
-        for i, batch in enumerate(batches):
-            if cancel.is_set():
-                break
 
-            def one(node: str) -> tuple[str, RunResult]:
-                prep, p = by_node[node]
-                run_id = service.create(prep, p, approval_required=p.approval)
-                return run_id, service.execute(run_id, prep, p, cancel=cancel)
-
-            if len(batch) == 1:
-                results.append(one(batch[0]))
-            else:
-                with ThreadPoolExecutor(max_workers=len(batch)) as pool:
-                    results.extend(pool.map(one, batch))
-            if any(r.state is not RunState.SUCCEEDED for _, r in results):
-                break  # a rolling run stops at the first node that did not recover
-            if settle and i + 1 < len(batches):
-                cancel.wait(settle)
-    if fmt == "json" and len(results) == 1:
-        _print_result(results[0][1], results[0][0], fmt)
-    elif fmt == "json":
-        print(output.dump_json({"runs": [output.result_json(r, rid) for rid, r in results]}))
+    expect = getattr(service.live, "expect", None)
+    if expect is not None:
+        expect(plans, max_parallel)
+    try:
+        with cancellation(on_abort=service.settings.abort_actions) as cancel:
+            done = service.run_targets(targets, plans, max_parallel=max_parallel, settle=settle,
+                                       max_failures=max_failures, fail_fast=fail_fast, cancel=cancel,
+                                       overrides=overrides, confirm=ask, execute_nothing_to_do=not fleet)
+    finally:
+        _stop_live(service)
+    if fleet:
+        return _print_fleet(done, fmt)
+    row = done.runs[0]
+    if row.result is not None:
+        _print_result(row.result, row.run_id, fmt)
+        return row.result.exit_code
+    if row.plan is not None and row.plan.state is PlanState.BLOCKED:
+        return ExitCode.BLOCKED  # the blocked plan is printed above, with its reasons
+    state = {"blocked": RunState.BLOCKED, "cancelled": RunState.CANCELLED}.get(row.outcome, RunState.CANCELLED)
+    result = RunResult(state=state, exit_code=done.exit_code, runbook=plans[0].runbook, node=row.node,
+                       plan_digest=plans[0].digest, reason=row.reason)
+    if fmt == "json":
+        print(output.dump_json(output.result_json(result, row.run_id)))
     else:
-        for rid, r in results:
-            _print_result(r, rid, fmt)
-    if not results:
-        return ExitCode.CANCELLED
-    return max(r.exit_code for _, r in results)
+        print(f"{row.node}: {row.outcome}: {row.reason}")
+        if row.run_id:
+            print(f"run {row.run_id}: nothing was changed")
+    return done.exit_code
+
+
+def _print_fleet(done: FleetResult, fmt: str) -> int:
+    doc = done.as_json()
+    if fmt == "json":
+        print(output.dump_json(doc))
+    else:
+        for row in done.runs:
+            if row.result is not None:
+                _print_result(row.result, row.run_id, fmt)
+        print(output.fleet_text(doc))
+    return done.exit_code
 
 
 def run(settings: Settings, name: str, *, node: str | None, selector: str | None, raw_params: Sequence[str],
-        dry_run: bool, yes: bool, output: str, max_parallel: int, settle: float, lock_wait: float) -> int:
+        dry_run: bool, yes: bool, output: str, max_parallel: int, settle: float, lock_wait: float,
+        max_failures: int = 1, fail_fast: bool = False, overrides: dict[str, str] | None = None) -> int:
     service = _service(settings, lock_wait=lock_wait)
     try:
-        prepared = _prepare(service, name, node, selector, raw_params)
-        plans = _plans(service, prepared, preview=dry_run)
+        service.check_overrides(overrides or {})
+        targets = service.targets(name, raw_params, node=node, selector=selector)
+        plans = service.plan_targets(targets, preview=dry_run)
         if dry_run:
             _print_plans(plans, output)
             return max(p.exit_code for p in plans)
-        return _execute_plans(service, prepared, plans, yes=yes, fmt=output, max_parallel=max_parallel,
-                              settle=settle)
+        return _run_planned(service, targets, plans, fleet=selector is not None, yes=yes, fmt=output,
+                            max_parallel=max_parallel, settle=settle, max_failures=max_failures,
+                            fail_fast=fail_fast, overrides=overrides)
     finally:
         settings.close()
 
 
-def apply(settings: Settings, plan_file: Path, *, yes: bool, output: str) -> int:
-    saved = api.load_plan(plan_file)
+def apply(settings: Settings, plan_file: Path, *, yes: bool, output: str,
+          overrides: dict[str, str] | None = None) -> int:
+    saved = loader.load_plan(plan_file)
     service = _service(settings)
     try:
-        loaded = service.load(saved.runbook)
-        kube, nodes = service.connectors(loaded, saved.params)
-        problems, prepared = api.check_saved_plan(saved, loaded, kube, nodes)
+        service.check_overrides(overrides or {})
+        problems, prepared = service.check_saved_plan(saved)
         if problems:
             raise StalePlan("the saved plan no longer holds; make a new one with `runbook plan`:\n"
                             + "\n".join(f"  {p}" for p in problems))
-        return _execute_plans(service, [prepared], [saved], yes=yes, fmt=output, max_parallel=1, settle=0)
+        return _run_planned(service, [prepared], [saved], fleet=False, yes=yes, fmt=output, overrides=overrides)
     finally:
         settings.close()
 
@@ -304,12 +293,14 @@ def approve(settings: Settings, run_id: str, digest: str, approved_by: str | Non
     return ExitCode.OK
 
 
-def resume(settings: Settings, run_id: str, *, yes: bool, output: str) -> int:
+def resume(settings: Settings, run_id: str, *, yes: bool, output: str,
+           overrides: dict[str, str] | None = None) -> int:
     """Continue an ``interrupted`` run (or an approved one waiting for approval) where it stopped."""
     from engine.journal import FINAL_STATES
 
     service = _service(settings)
     try:
+        service.check_overrides(overrides or {})
         journal = service.journal
         rec = journal.get_run(run_id)
         if rec.state in FINAL_STATES:
@@ -319,7 +310,7 @@ def resume(settings: Settings, run_id: str, *, yes: bool, output: str) -> int:
             raise UsageError(f"run {run_id} is still {rec.state} (pid {rec.owner_pid} on {rec.owner_host})")
         if rec.plan is None:
             # Interrupted before it was planned (a server that died with a queued run): plan now.
-            prepared = api.prepare_run(service.load(rec.runbook), dict(rec.params))
+            prepared = service.targets(rec.runbook, dict(rec.params))[0]
             the_plan = service.plan(prepared)
             service.record_plan(run_id, the_plan)
             _print_plans([the_plan], "text" if output != "json" else "json")
@@ -342,9 +333,16 @@ def resume(settings: Settings, run_id: str, *, yes: bool, output: str) -> int:
 
             return bool(click.confirm(f"step {step}: {why}. Run it again?", default=False, err=True))
 
-        with cancellation(on_abort=settings.abort_actions) as cancel:
-            result = service.execute(run_id, prepared, the_plan, cancel=cancel, approved=approved, resume=True,
-                                     confirm_rerun=ask_rerun if sys.stdin.isatty() else None)
+        expect = getattr(service.live, "expect", None)
+        if expect is not None:
+            expect([the_plan])
+        try:
+            with cancellation(on_abort=settings.abort_actions) as cancel:
+                result = service.execute(run_id, prepared, the_plan, cancel=cancel, approved=approved, resume=True,
+                                         confirm_rerun=ask_rerun if sys.stdin.isatty() else None,
+                                         overrides=overrides)
+        finally:
+            _stop_live(service)
         _print_result(result, run_id, output)
         if result.outcomes and result.outcomes[-1].evidence.get("needs_confirmation"):
             print(f"step {result.outcomes[-1].step} is not idempotent: confirm re-running it with "
@@ -362,7 +360,7 @@ def list_runs(settings: Settings, fmt: str, limit: int) -> int:
     if fmt == "json":
         print(output.dump_json([r.summary() for r in runs]))
     else:
-        print(output.runs_text(runs))
+        print(output.runs_text(runs, wide=fmt == "wide"))
     return ExitCode.OK
 
 
@@ -376,12 +374,3 @@ def show_run(settings: Settings, run_id: str, fmt: str) -> int:
     else:
         print(output.events_text(rec, events))
     return ExitCode.OK
-
-
-
-
-def create_run_starter(settings: Settings, config: Any = None) -> Any:
-    """The ``RunStarter`` ``runbook serve`` uses (``engine.serve.starter``)."""
-    from engine.serve_starter import JournalRunStarter
-
-    return JournalRunStarter(settings)

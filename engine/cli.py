@@ -22,8 +22,51 @@ from engine.settings import Settings
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-OUTPUT = click.Choice(["text", "json"])
-OUTPUT_MD = click.Choice(["text", "json", "markdown"])
+OUTPUT = click.Choice(["text", "json", "yaml"])
+OUTPUT_MD = click.Choice(["text", "json", "yaml", "markdown"])
+OUTPUT_WIDE = click.Choice(["text", "wide", "json", "yaml"])
+
+
+# -- completion of names: runbooks, nodes (from the API, briefly), run ids ------------------------
+
+
+def _settings_for_completion(ctx: click.Context) -> Settings:
+    p = ctx.params
+    return Settings(kubeconfig=p.get("kubeconfig"), context=p.get("kube_context"),
+                    runbooks_dir=Path(p["runbooks_dir"]) if p.get("runbooks_dir") else None,
+                    journal=Path(p["journal"]) if p.get("journal") else None, request_timeout=2.0)
+
+
+def complete_runbook(ctx: click.Context, _param: click.Parameter, incomplete: str) -> list[Any]:
+    """Runbook names in the runbooks directory (``runbook run gpu-<TAB>``)."""
+    from click.shell_completion import CompletionItem
+
+    try:
+        from engine.loader import list_runbooks
+
+        loaded, _ = list_runbooks(_settings_for_completion(ctx).runbooks_dir)
+    except Exception:  # Why: completion must never print a traceback into the user's shell
+        return []
+    return [CompletionItem(lr.name, help=lr.runbook.description.strip().split("\n")[0])
+            for lr in loaded if lr.name.startswith(incomplete)]
+
+
+def complete_node(ctx: click.Context, _param: click.Parameter, incomplete: str) -> list[str]:
+    """Node names from the API (a 2 s request timeout: a slow cluster gives no names, not a hang)."""
+    try:
+        names = [n.name for n in _settings_for_completion(ctx).kube().list_nodes()]
+    except Exception:  # Why: completion must never print a traceback into the user's shell
+        return []
+    return sorted(n for n in names if n.startswith(incomplete))
+
+
+def complete_run_id(ctx: click.Context, _param: click.Parameter, incomplete: str) -> list[str]:
+    """Run ids from the journal, newest first."""
+    try:
+        runs = _settings_for_completion(ctx).open_journal().list_runs(limit=200)
+    except Exception:  # Why: completion must never print a traceback into the user's shell
+        return []
+    return [r.id for r in runs if r.id.startswith(incomplete)]
 
 
 SHARED_OPTIONS = (
@@ -39,10 +82,19 @@ SHARED_OPTIONS = (
     click.option("--become-password-file", type=click.Path(exists=True, dir_okay=False),
                  help="File holding the sudo password for node hosts (or env RUNBOOK_BECOME_PASSWORD)."),
     click.option("--ask-become-pass", "-K", is_flag=True, help="Prompt for the sudo password."),
+    click.option("--guards-config", envvar="RUNBOOK_GUARDS_CONFIG", type=click.Path(dir_okay=False),
+                 help="YAML file whose `guards:` section configures the run guards (env RUNBOOK_GUARDS_CONFIG; "
+                      "default: the built-in guards, see docs/guards.md)."),
+    click.option("--namespace", "-n", envvar="RUNBOOK_NAMESPACE",
+                 help="Namespace of the node Leases (env RUNBOOK_NAMESPACE; default kube-system)."),
+    click.option("--request-timeout", type=click.FloatRange(0, min_open=True), envvar="RUNBOOK_REQUEST_TIMEOUT",
+                 help="Seconds an API request may take before it fails (env RUNBOOK_REQUEST_TIMEOUT; default 30)."),
+    click.option("--no-tty", is_flag=True, help="Plain progress lines even on a terminal (no live display)."),
+    click.option("--no-color", is_flag=True, help="No colours and no live display (as env NO_COLOR)."),
     click.option("--debug", is_flag=True, help="Show tracebacks and connector debug output."),
 )
 SHARED_NAMES = ("kubeconfig", "kube_context", "inventory", "runbooks_dir", "journal", "become_password_file",
-                "ask_become_pass", "debug")
+                "ask_become_pass", "guards_config", "namespace", "request_timeout", "no_tty", "no_color", "debug")
 
 
 def shared_options(func: F) -> F:
@@ -55,13 +107,17 @@ def shared_options(func: F) -> F:
 def settings_from(opts: dict[str, Any]) -> Settings:
     """Pop the shared options out of a command's keyword arguments into one ``Settings``."""
     v = {name: opts.pop(name) for name in SHARED_NAMES}
+    if v["no_color"]:
+        os.environ["NO_COLOR"] = "1"  # one switch for rich, click and the plain progress lines
     return Settings(
+        namespace=v["namespace"], request_timeout=v["request_timeout"], no_tty=v["no_tty"],
         kubeconfig=v["kubeconfig"], context=v["kube_context"],
         inventory=Path(v["inventory"]) if v["inventory"] else None,
         runbooks_dir=Path(v["runbooks_dir"]) if v["runbooks_dir"] else None,
         journal=Path(v["journal"]) if v["journal"] else None,
         become_password_file=Path(v["become_password_file"]) if v["become_password_file"] else None,
         ask_become_pass=v["ask_become_pass"], debug=v["debug"],
+        guards_config=Path(v["guards_config"]) if v["guards_config"] else None,
     )
 
 
@@ -78,7 +134,7 @@ def common_options(func: F) -> F:
         except RunbookError as e:
             if debug:
                 raise
-            _print_error(e)
+            _print_error(e, settings)
             sys.exit(e.exit_code)
         except KeyboardInterrupt:
             click.echo("cancelled", err=True)
@@ -91,10 +147,51 @@ def common_options(func: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def _print_error(e: RunbookError) -> None:
+def _print_error(e: RunbookError, settings: Settings | None = None) -> None:
+    from engine.errors import HostError, KubeError, NotFound
+
     color = "NO_COLOR" not in os.environ and sys.stderr.isatty()
-    for line in str(e).splitlines() or [type(e).__name__]:
+    lines = str(e).splitlines() or [type(e).__name__]
+    if settings is not None and isinstance(e, KubeError) and not isinstance(e, NotFound) and (
+            e.retryable or "unreachable" in str(e)) and "used kubeconfig" not in str(e):
+        lines.append(settings.kube_hint())
+    if settings is not None and isinstance(e, HostError) and "used inventory" not in str(e):
+        lines.append(settings.inventory_hint())
+    for line in lines:
         click.echo(click.style(line, fg="red") if color else line, err=True)
+
+
+def yaml_or_direct(output: str, call: Callable[[str], int]) -> int:
+    """``-o yaml``: the command's JSON document(s), printed as YAML (the same fields); else ``call(output)``."""
+    if output != "yaml":
+        return call(output)
+    import contextlib
+    import io
+    import json
+
+    import yaml
+
+    buffer = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buffer):
+            code = call("json")
+    finally:
+        text = buffer.getvalue()
+        docs, pos, decoder = [], 0, json.JSONDecoder()
+        while pos < len(text):
+            if text[pos].isspace():
+                pos += 1
+                continue
+            try:
+                doc, pos = decoder.raw_decode(text, pos)
+            except ValueError:
+                sys.stdout.write(text[pos:])
+                break
+            docs.append(doc)
+        if docs:
+            sys.stdout.write(yaml.safe_dump_all(docs, sort_keys=False, allow_unicode=True))
+        sys.stdout.flush()
+    return code
 
 
 def params_option(func: F) -> F:
@@ -104,13 +201,44 @@ def params_option(func: F) -> F:
 
 
 def target_options(func: F) -> F:
-    func = click.option("--node", help="Target node (shorthand for -p node=NODE).")(func)
+    func = click.option("--node", help="Target node (shorthand for -p node=NODE).", shell_complete=complete_node)(func)
     func = click.option("--selector", "-l", help="Label selector: run on every matching node (fleet).")(func)
     func = click.option("--max-parallel", type=click.IntRange(1), default=1, show_default=True,
                         help="Fleet: nodes remediated at once.")(func)
     func = click.option("--settle", type=click.FloatRange(0), default=0.0, show_default=True,
                         help="Fleet: seconds to wait between batches.")(func)
     return func
+
+
+def fleet_options(func: F) -> F:
+    func = click.option("--max-failures", type=click.IntRange(1), default=1, show_default=True,
+                        help="Fleet: after this many failed nodes no further batch starts.")(func)
+    func = click.option("--fail-fast", is_flag=True,
+                        help="Fleet: refuse the whole fleet when any node's plan is blocked.")(func)
+    return func
+
+
+def override_options(func: F) -> F:
+    func = click.option("--override-guard", "override_guards", multiple=True, metavar="NAME",
+                        help="Pass the run guard NAME deliberately (repeatable; each needs a --reason, "
+                             "journaled with your user name).")(func)
+    func = click.option("--reason", "override_reasons", multiple=True, metavar="TEXT",
+                        help="Why the guard named by the matching --override-guard is passed.")(func)
+    return func
+
+
+def overrides_from(names: tuple[str, ...], reasons: tuple[str, ...]) -> dict[str, str]:
+    """``--override-guard A --reason X --override-guard B --reason Y`` -> {A: X, B: Y}; exit 2 otherwise."""
+    from engine.errors import UsageError
+
+    if len(names) != len(reasons):
+        raise UsageError(f"give one --reason per --override-guard ({len(names)} guards, {len(reasons)} reasons)")
+    out: dict[str, str] = {}
+    for name, reason in zip(names, reasons, strict=True):
+        if name in out:
+            raise UsageError(f"--override-guard {name} given twice")
+        out[name] = reason
+    return out
 
 
 def metrics_textfile_option(func: F) -> F:
@@ -139,13 +267,47 @@ def metrics_textfile_option(func: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+def notify_option(func: F) -> F:
+    """``--notify-config FILE``: when the command ends, send the notifications of the CLI runs that
+    ended meanwhile to the targets of FILE's ``notify:`` section (``engine.cli_notify``). The file is
+    checked before anything runs; a failure to send is a warning: the command's exit code stands."""
+
+    @click.option("--notify-config", envvar="RUNBOOK_NOTIFY_CONFIG", type=click.Path(dir_okay=False),
+                  help="Serve configuration whose notify: section (webhook, Slack, PagerDuty) is told about "
+                       "the runs of this command when they end (env RUNBOOK_NOTIFY_CONFIG).")
+    @click.option("--pagerduty-dedup-key", envvar="RUNBOOK_PAGERDUTY_DEDUP_KEY", default="",
+                  help="With --notify-config: the PagerDuty alert (dedup_key) these runs answer; PagerDuty "
+                       "is only told when given (env RUNBOOK_PAGERDUTY_DEDUP_KEY).")
+    @functools.wraps(func)
+    def wrapper(settings: Settings, *args: Any, notify_config: str | None, pagerduty_dedup_key: str,
+                **kwargs: Any) -> Any:
+        if notify_config is None:
+            return func(settings, *args, **kwargs)
+        import time
+
+        from engine.cli_notify import load_notify_config, send_cli_notifications
+
+        config = load_notify_config(notify_config)  # bad input: refused before anything runs
+        if len(pagerduty_dedup_key) > 255:
+            raise click.UsageError("--pagerduty-dedup-key: PagerDuty accepts at most 255 characters")
+        since = time.time()
+        try:
+            return func(settings, *args, **kwargs)
+        finally:
+            try:
+                send_cli_notifications(config, settings.journal, since, pagerduty_key=pagerduty_dedup_key,
+                                       timeout=max(5.0, 3 * config.notify.timeout))
+            except Exception as e:  # Why: notifications must never change a run's outcome or exit code
+                click.echo(f"runbook: warning: could not send notifications: {e}", err=True)
+
+    return wrapper  # type: ignore[return-value]
+
+
 class LazyGroup(click.Group):
     """Sub-groups that live in their own packages load only when used (``runbook --help`` stays fast)."""
 
-    LAZY = {"lab": ("engine.lab.labcli", "lab_group",
-                    "The lab: a simulated GPU cluster reproducing the omen2 incident."),
-            "serve": ("engine.serve.cli", "serve_command",
-                      "Receive Alertmanager and PagerDuty webhooks and start runbooks inside guards.")}
+    LAZY = {"lab": "The lab: a simulated GPU cluster reproducing the omen2 incident.",
+            "serve": "Receive Alertmanager and PagerDuty webhooks and start runbooks inside guards."}
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted([*super().list_commands(ctx), *self.LAZY])
@@ -154,18 +316,21 @@ class LazyGroup(click.Group):
         rows = []
         for name in self.list_commands(ctx):
             if name in self.LAZY:
-                rows.append((name, self.LAZY[name][2]))
+                rows.append((name, self.LAZY[name]))
             else:
                 rows.append((name, self.commands[name].get_short_help_str(70)))
         with formatter.section("Commands"):
             formatter.write_dl(rows)
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
-        if cmd_name in self.LAZY:
-            import importlib
+        if cmd_name == "lab":
+            from engine.lab.labcli import lab_group
 
-            module, attr, _ = self.LAZY[cmd_name]
-            return getattr(importlib.import_module(module), attr)
+            return lab_group
+        if cmd_name == "serve":
+            from engine.serve.cli import serve_command
+
+            return serve_command
         return super().get_command(ctx, cmd_name)
 
 
@@ -189,17 +354,17 @@ def main(log_format: str) -> None:
 
 @main.command("list")
 @common_options
-@click.option("-o", "--output", type=OUTPUT, default="text")
+@click.option("-o", "--output", type=OUTPUT_WIDE, default="text", help="text, wide (adds params and path), json, yaml.")
 def list_cmd(settings: Settings, output: str) -> int:
     """List the runbooks found in the runbooks directory."""
     from engine import app
 
-    return app.list_runbooks(settings, output)
+    return yaml_or_direct(output, lambda fmt: app.list_runbooks(settings, fmt))
 
 
 @main.command()
 @common_options
-@click.argument("name")
+@click.argument("name", shell_complete=complete_runbook)
 def show(settings: Settings, name: str) -> int:
     """Show a runbook: params, preconditions, steps with their guards and verifications."""
     from engine import app
@@ -229,7 +394,7 @@ def schema() -> None:
 
 @main.command()
 @common_options
-@click.argument("name")
+@click.argument("name", shell_complete=complete_runbook)
 @target_options
 @params_option
 @click.option("-o", "--output", type=OUTPUT_MD, default="text")
@@ -240,27 +405,42 @@ def plan(settings: Settings, name: str, node: str | None, selector: str | None, 
     """Show what a run would do to the node now (live facts, dry-run previews). Changes nothing."""
     from engine import app
 
-    return app.plan(settings, name, node=node, selector=selector, raw_params=params, output=output,
-                    out_file=Path(out_file) if out_file else None, expires=expires)
+    return yaml_or_direct(output, lambda fmt: app.plan(
+        settings, name, node=node, selector=selector, raw_params=params, output=fmt,
+        out_file=Path(out_file) if out_file else None, expires=expires))
 
 
 @main.command()
 @common_options
-@click.argument("name")
+@click.argument("name", shell_complete=complete_runbook)
 @target_options
 @params_option
 @click.option("--dry-run", is_flag=True, help="Plan and preview only; change nothing.")
 @click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
 @click.option("-o", "--output", type=OUTPUT, default="text")
 @click.option("--lock-wait", type=click.FloatRange(0), default=0.0, help="Seconds to wait for the node's Lease.")
+@fleet_options
+@override_options
 @metrics_textfile_option
+@notify_option
 def run(settings: Settings, name: str, node: str | None, selector: str | None, max_parallel: int,
-        settle: float, params: tuple[str, ...], dry_run: bool, yes: bool, output: str, lock_wait: float) -> int:
-    """Run a runbook: preconditions, then per step guards -> act -> verify; stop at the first failure."""
+        settle: float, params: tuple[str, ...], dry_run: bool, yes: bool, output: str, lock_wait: float,
+        max_failures: int, fail_fast: bool, override_guards: tuple[str, ...],
+        override_reasons: tuple[str, ...]) -> int:
+    """Run a runbook: preconditions, then per step guards -> act -> verify; stop at the first failure.
+
+    \b
+    With --selector, every matching node: blocked nodes are reported and left untouched, the others
+    run in rolling batches; exit 0 all succeeded or had nothing to do, 1 any failed, 3 none failed
+    but some were blocked, 4 cancelled.
+    """
     from engine import app
 
-    return app.run(settings, name, node=node, selector=selector, raw_params=params, dry_run=dry_run,
-                   yes=yes, output=output, max_parallel=max_parallel, settle=settle, lock_wait=lock_wait)
+    overrides = overrides_from(override_guards, override_reasons)
+    return yaml_or_direct(output, lambda fmt: app.run(
+        settings, name, node=node, selector=selector, raw_params=params, dry_run=dry_run, yes=yes, output=fmt,
+        max_parallel=max_parallel, settle=settle, lock_wait=lock_wait, max_failures=max_failures,
+        fail_fast=fail_fast, overrides=overrides))
 
 
 @main.command()
@@ -268,17 +448,22 @@ def run(settings: Settings, name: str, node: str | None, selector: str | None, m
 @click.argument("plan_file", type=click.Path(exists=True, dir_okay=False))
 @click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
 @click.option("-o", "--output", type=OUTPUT, default="text")
+@override_options
 @metrics_textfile_option
-def apply(settings: Settings, plan_file: str, yes: bool, output: str) -> int:
+@notify_option
+def apply(settings: Settings, plan_file: str, yes: bool, output: str, override_guards: tuple[str, ...],
+          override_reasons: tuple[str, ...]) -> int:
     """Execute a saved plan, refusing (exit 5) if the runbook, the facts or the clock moved on."""
     from engine import app
 
-    return app.apply(settings, Path(plan_file), yes=yes, output=output)
+    overrides = overrides_from(override_guards, override_reasons)
+    return yaml_or_direct(output, lambda fmt: app.apply(settings, Path(plan_file), yes=yes, output=fmt,
+                                                        overrides=overrides))
 
 
 @main.command()
 @common_options
-@click.argument("run_id")
+@click.argument("run_id", shell_complete=complete_run_id)
 @click.option("--plan-digest", required=True, help="Digest of the plan you reviewed.")
 @click.option("--by", "approved_by", default=None, help="Who approves (default: $USER).")
 def approve(settings: Settings, run_id: str, plan_digest: str, approved_by: str | None) -> int:
@@ -290,20 +475,26 @@ def approve(settings: Settings, run_id: str, plan_digest: str, approved_by: str 
 
 @main.command()
 @common_options
-@click.argument("run_id")
+@click.argument("run_id", shell_complete=complete_run_id)
 @click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
 @click.option("-o", "--output", type=OUTPUT, default="text")
+@override_options
 @metrics_textfile_option
-def resume(settings: Settings, run_id: str, yes: bool, output: str) -> int:
+@notify_option
+def resume(settings: Settings, run_id: str, yes: bool, output: str, override_guards: tuple[str, ...],
+           override_reasons: tuple[str, ...]) -> int:
     """Continue an interrupted or approved run; completed steps are not redone."""
     from engine import app
 
-    return app.resume(settings, run_id, yes=yes, output=output)
+    overrides = overrides_from(override_guards, override_reasons)
+    return yaml_or_direct(output, lambda fmt: app.resume(settings, run_id, yes=yes, output=fmt,
+                                                         overrides=overrides))
 
 
 @main.group(invoke_without_command=True)
 @common_options
-@click.option("-o", "--output", type=OUTPUT, default="text")
+@click.option("-o", "--output", type=OUTPUT_WIDE, default="text",
+              help="text, wide (adds params, source, exit code), json, yaml.")
 @click.option("--limit", type=click.IntRange(1), default=50, show_default=True)
 def runs(settings: Settings, output: str, limit: int) -> int:
     """History of runs (id, runbook, params, state, started, finished)."""
@@ -311,28 +502,56 @@ def runs(settings: Settings, output: str, limit: int) -> int:
         return 0
     from engine import app
 
-    return app.list_runs(settings, output, limit)
+    return yaml_or_direct(output, lambda fmt: app.list_runs(settings, fmt, limit))
 
 
 @runs.command("show")
 @common_options
-@click.argument("run_id")
+@click.argument("run_id", shell_complete=complete_run_id)
 @click.option("-o", "--output", type=OUTPUT, default="text")
 def runs_show(settings: Settings, run_id: str, output: str) -> int:
     """Every recorded event of one run."""
     from engine import app
 
-    return app.show_run(settings, run_id, output)
+    return yaml_or_direct(output, lambda fmt: app.show_run(settings, run_id, fmt))
 
 
 @main.command()
 @common_options
-@click.option("--node", required=True, help="The node to examine.")
+@click.option("--node", default=None, help="The node to examine.", shell_complete=complete_node)
+@click.option("--all", "all_nodes", is_flag=True, help="Every NotReady, unschedulable or GPU-less node.")
+@click.option("-l", "--selector", default=None, help="Like --all, among the nodes this label selector picks.")
 @click.option("-o", "--output", type=OUTPUT, default="text")
-def diagnose(settings: Settings, node: str, output: str) -> int:
-    """Collect evidence read-only and name the cause and the runbook that fixes it."""
+def diagnose(settings: Settings, node: str | None, all_nodes: bool, selector: str | None, output: str) -> int:
+    """Collect evidence read-only and name the cause and the runbook that fixes it (from the runbooks'
+    declared diagnoses)."""
     from engine import diagnose as diag
 
-    return diag.diagnose_command(settings, node, output)
+    return yaml_or_direct(output, lambda fmt: diag.diagnose_command(settings, node, fmt, all_nodes=all_nodes,
+                                                                  selector=selector))
 
 
+SHELLS = ("bash", "zsh", "fish")
+
+
+@main.command()
+@click.argument("shell", type=click.Choice(SHELLS))
+@click.option("--prog-name", default=None,
+              help="The command the script completes (default: the name this was run as, e.g. kubectl-runbook).")
+def completion(shell: str, prog_name: str | None) -> None:
+    """Print the shell completion script (runbook names, node names from the API, run ids).
+
+    \b
+    bash:  source <(runbook completion bash)     or add that line to ~/.bashrc
+    zsh:   source <(runbook completion zsh)      or add that line to ~/.zshrc
+    fish:  runbook completion fish > ~/.config/fish/completions/runbook.fish
+    """
+    from click.shell_completion import get_completion_class
+
+    name = prog_name or Path(sys.argv[0]).name
+    if name in ("__main__.py", "python", "python3", "-c", ""):
+        name = "runbook"
+    cls = get_completion_class(shell)
+    assert cls is not None  # click ships bash, zsh and fish
+    complete_var = "_" + name.replace("-", "_").upper() + "_COMPLETE"
+    click.echo(cls(main, {}, name, complete_var).source())

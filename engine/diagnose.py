@@ -1,13 +1,15 @@
-"""``runbook diagnose``: read-only evidence and the causal chain behind a sick GPU node.
+"""``runbook diagnose``: read-only evidence, and the runbooks whose declared diagnosis matches it.
 
-Reads node conditions and taints, GPU labels, the host's kubelet state and journal, swap, the GPU
-driver binding, the VMs that ask for this node's GPU and the pods on the node; then names the cause
-it recognises, as a chain like the incident's ("swap on -> kubelet refuses -> NotReady -> GPU labels
-gone -> 2 VMs ErrorUnschedulable"), and the runbook that fixes it with its exact command. It never
-changes anything. A cause it does not know is said plainly, with the evidence and kubelet's last
-error line (exit 1); a known cause or a healthy node is exit 0.
+Each runbook may declare a ``diagnosis`` (model.DiagnosisSpec): the cause it fixes, the evidence
+that identifies it (checks over facts, the kinds steps use; required or supporting) and what rules
+it out. ``diagnose`` gathers the facts of one node or of every sick node once (one read-only
+facts run for all hosts), evaluates every runbook's diagnosis over them, and ranks the matches:
+cause, matched and unmatched evidence, confidence and the exact command with its params. When no
+runbook matches it says so plainly, with the evidence it gathered (exit 1); a match or a healthy
+node is exit 0. No cause is known to the code: the catalogue is the runbooks directory.
 
-``explain`` is pure (facts in, ``Diagnosis`` out); ``gather_and_explain`` reads, in parallel.
+It never changes anything. ``explain`` and ``evaluate_diagnosis`` are pure (facts in, value out);
+``gather`` reads, in parallel.
 """
 
 from __future__ import annotations
@@ -17,13 +19,16 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engine.errors import ExitCode, RunbookError
-from engine.facts import HostFacts, NodeFacts
+from engine import checks as chk
+from engine.errors import ExitCode, LoadError, RunbookError
+from engine.facts import Facts, HostFacts, NodeFacts
 
 if TYPE_CHECKING:
     from engine.connectors.base import KubeAPI, NodeAutomation
+    from engine.model import Evidence, Runbook
     from engine.settings import Settings
 
 SWAP_REFUSAL = "running with swap on is not supported"
@@ -31,27 +36,79 @@ OLD_SWAP_REFUSAL = "please disable swap"
 WORKLOAD_LABEL = "nvidia.com/gpu.workload.config"
 GFD_LABELS = ("nvidia.com/gpu.product", "nvidia.com/gpu.count")
 GPU_LABEL_PREFIXES = ("nvidia.com/gpu.", "feature.node.kubernetes.io/pci-10de")
-RECOVERY = "gpu-node-recovery"
 SWITCH = "gpu-workload-switch"
+CONFIDENCE_RANK = {"high": 0, "medium": 1, "low": 2}
+
+
+@dataclass(frozen=True)
+class EvidenceResult:
+    """One declared piece of evidence as evaluated on this node's facts."""
+
+    id: str
+    check: str  # the check, described
+    weight: str  # "required" | "supporting" (excludes: "required")
+    holds: bool | None  # None: could not be evaluated (a probe failed)
+    observed: str = ""
+    says: str = ""
+
+
+@dataclass(frozen=True)
+class Match:
+    """One runbook's diagnosis on one node: matched or not, with every piece of evidence."""
+
+    runbook: str
+    cause: str
+    title: str
+    matched: bool
+    confidence: str  # "high" | "medium" | "low" ("" when not matched)
+    evidence: tuple[EvidenceResult, ...]
+    excluded_by: tuple[EvidenceResult, ...] = ()
+    command: str = ""
+
+    @property
+    def score(self) -> tuple[int, float, str]:
+        held = sum(1 for e in self.evidence if e.holds is True)
+        return (CONFIDENCE_RANK.get(self.confidence, 3), -held / max(len(self.evidence), 1), self.runbook)
+
+    def as_json(self) -> dict[str, Any]:
+        return {"runbook": self.runbook, "cause": self.cause, "title": self.title, "matched": self.matched,
+                "confidence": self.confidence, "command": self.command,
+                "evidence": [asdict(e) for e in self.evidence],
+                "excluded_by": [asdict(e) for e in self.excluded_by]}
 
 
 @dataclass(frozen=True)
 class Diagnosis:
     node: str
-    cause: str  # "swap" | "healthy" | "unknown" | "node-missing"
+    cause: str  # a runbook's cause id | "healthy" | "unknown" | "node-missing"
     chain: tuple[str, ...]  # each link with its evidence, in causal order
-    fix: str | None  # the exact command of the runbook that fixes it
+    fix: str | None  # the exact command of the best-matching runbook
     evidence: Mapping[str, Any] = field(default_factory=dict)
     notes: tuple[str, ...] = ()  # what else an operator must know (the vfio risk, waiting VMs)
-    links: tuple[str, ...] = ()  # the chain's links without evidence ("swap on", "kubelet refuses", ...)
+    links: tuple[str, ...] = ()  # the chain's links without evidence ("swap", "kubelet down", ...)
+    matches: tuple[Match, ...] = ()  # the matching runbooks, best first
+    considered: tuple[Match, ...] = ()  # every runbook with a diagnosis that did not match
+    state: str = ""  # "NotReady", "Ready,SchedulingDisabled", "Ready,GPU-less", ...
 
     @property
     def known(self) -> bool:
-        return self.cause in ("swap", "healthy")
+        return self.cause not in ("unknown", "node-missing")
+
+    @property
+    def runbook(self) -> str | None:
+        return self.matches[0].runbook if self.matches else None
+
+    @property
+    def confidence(self) -> str:
+        return self.matches[0].confidence if self.matches else ""
+
+    @property
+    def title(self) -> str:
+        return self.matches[0].title if self.matches else ""
 
     @property
     def summary(self) -> str:
-        """The chain in one line, its links without their evidence: ``swap on -> kubelet refuses -> ...``."""
+        """The chain in one line, its links without their evidence: ``swap -> kubelet down -> ...``."""
         return " -> ".join(self.links or self.chain)
 
     @property
@@ -59,9 +116,12 @@ class Diagnosis:
         return ExitCode.OK if self.known else ExitCode.FAILED
 
     def as_json(self) -> dict[str, Any]:
-        return {"node": self.node, "cause": self.cause, "known": self.known, "summary": self.summary,
-                "chain": list(self.chain), "fix": self.fix, "notes": list(self.notes),
-                "evidence": dict(self.evidence)}
+        return {"node": self.node, "state": self.state, "cause": self.cause, "known": self.known,
+                "runbook": self.runbook, "confidence": self.confidence, "title": self.title,
+                "summary": self.summary, "chain": list(self.chain), "fix": self.fix,
+                "matches": [m.as_json() for m in self.matches],
+                "not_matched": [m.as_json() for m in self.considered],
+                "notes": list(self.notes), "evidence": dict(self.evidence)}
 
 
 # -- pure helpers ---------------------------------------------------------------------------------
@@ -137,23 +197,98 @@ def last_error(journal_tail: str) -> str:
     return lines[-1] if lines else ""
 
 
-def explain(node_name: str, node: NodeFacts | None, host: HostFacts | Exception | None,
-            vms: Sequence[Mapping[str, Any]] | Exception, *, kubevirts: Sequence[Mapping[str, Any]] = (),
+def node_state(node: NodeFacts) -> str:
+    """``kubectl get nodes``' STATUS, plus ``GPU-less`` for a container GPU node advertising no GPU."""
+    parts = ["Ready" if node.ready else "NotReady"]
+    if node.unschedulable:
+        parts.append("SchedulingDisabled")
+    if gpu_less(node):
+        parts.append("GPU-less")
+    return ",".join(parts)
+
+
+def gpu_less(node: NodeFacts) -> bool:
+    """A node set to serve its GPU to containers that advertises none (``nvidia.com/gpu`` 0 or absent)."""
+    if node.labels.get(WORKLOAD_LABEL) != "container":
+        return False
+    try:
+        return chk.parse_quantity(node.allocatable.get("nvidia.com/gpu", "0")) < 1
+    except ValueError:
+        return True
+
+
+def is_sick(node: NodeFacts) -> bool:
+    """What ``diagnose --all`` looks at: NotReady, unschedulable or GPU-less nodes."""
+    return not node.ready or node.unschedulable or gpu_less(node)
+
+
+def _params_for(runbook: Runbook, node: str) -> dict[str, Any]:
+    params: dict[str, Any] = {k: p.default for k, p in runbook.params.items() if p.default is not None}
+    if runbook.node_param:
+        params[runbook.node_param] = node
+    return params
+
+
+def _evaluate_evidence(ev: Evidence, facts: Facts, params: Mapping[str, Any]) -> EvidenceResult:
+    r = chk.evaluate(ev.check, facts, params)
+    return EvidenceResult(ev.id, chk.describe(ev.check), ev.weight, r.holds, r.observed, ev.says)
+
+
+def evaluate_diagnosis(runbook: Runbook, facts: Facts) -> Match | None:
+    """Pure: one runbook's declared diagnosis over one node's facts (None: it declares none).
+
+    Matches when every required piece of evidence holds (unknown does not hold: fail closed) and no
+    exclusion holds. Confidence: high when every supporting piece holds too, medium when some do,
+    low when none do."""
+    from engine.templating import context, render
+
+    diag = runbook.diagnosis
+    if diag is None:
+        return None
+    params = _params_for(runbook, facts.node_name)
+    results = tuple(_evaluate_evidence(ev, facts, params) for ev in diag.evidence)
+    excluded = tuple(r for r in (_evaluate_evidence(ev, facts, params) for ev in diag.excludes) if r.holds is True)
+    required = [r for r in results if r.weight == "required"]
+    supporting = [r for r in results if r.weight == "supporting"]
+    matched = all(r.holds is True for r in required) and not excluded
+    confidence = ""
+    if matched:
+        held = sum(1 for r in supporting if r.holds is True)
+        confidence = "high" if held == len(supporting) else "medium" if held else "low"
+    command = f"runbook run {runbook.name} --node {facts.node_name}"
+    for key, template in diag.params.items():
+        try:
+            value = render(template, context(params, facts))
+        except Exception as e:  # a param that cannot be filled is said, not guessed
+            value = f"<cannot fill: {e}>"
+        command += f" -p {key}={value}"
+    return Match(runbook.name, diag.cause.id, diag.cause.title, matched, confidence, results, excluded, command)
+
+
+def explain(facts: Facts, catalogue: Sequence[Runbook], *, vms: Sequence[Mapping[str, Any]] | Exception = (),
+            kubevirts: Sequence[Mapping[str, Any]] = (),
             pods: Sequence[Mapping[str, Any]] | Exception = ()) -> Diagnosis:
-    """Pure: facts in, diagnosis out."""
+    """Pure: one node's facts and the runbooks' diagnoses in, the diagnosis out."""
+    node_name, node = facts.node_name, facts.node
     evidence: dict[str, Any] = {}
     if node is None or not node.exists:
-        return Diagnosis(node_name, "node-missing", (f"node {node_name} does not exist in the cluster",),
-                         None, {"node": None})
+        errors = [f"{e.probe}: {e.message}" for e in facts.errors if e.probe == chk.NODE]
+        return Diagnosis(node_name, "node-missing", (f"node {node_name} does not exist in the cluster"
+                                                      + (f" ({'; '.join(errors)})" if errors else ""),),
+                         None, {"node": None, "errors": errors}, state="missing")
+    host = facts.host
+    state = node_state(node)
     ready = node.condition("Ready")
+    evidence["state"] = state
     evidence["ready"] = asdict(ready) if ready else None
+    evidence["conditions"] = [asdict(c) for c in node.conditions]
     evidence["taints"] = [asdict(t) for t in node.taints]
     evidence["workload_label"] = node.labels.get(WORKLOAD_LABEL)
     evidence["gpu_labels"] = {k: v for k, v in sorted(node.labels.items()) if k.startswith(GPU_LABEL_PREFIXES)}
     evidence["allocatable_gpu"] = {k: v for k, v in node.allocatable.items() if k.startswith("nvidia.com/")}
-    if isinstance(host, Exception):
-        evidence["host_error"] = str(host)
-        host = None
+    host_errors = [e.message for e in facts.errors if e.probe == chk.HOST]
+    if host_errors:
+        evidence["host_error"] = "; ".join(host_errors)
     if host is not None:
         kubelet = host.service("kubelet")
         evidence["swap_devices"] = [asdict(d) for d in host.swap_devices]
@@ -161,6 +296,7 @@ def explain(node_name: str, node: NodeFacts | None, host: HostFacts | Exception 
         evidence["unhandled_swap_sources"] = list(host.unhandled_swap_sources)
         evidence["kubelet_state"] = kubelet.state
         evidence["kubelet_journal_tail"] = kubelet.journal_tail.splitlines()[-5:]
+        evidence["units"] = {name: svc.state for name, svc in sorted(host.services.items())}
         evidence["gpu_driver"] = host.gpu_driver
         evidence["gpus"] = [asdict(g) for g in host.gpus]
         evidence["cuda_processes"] = [asdict(p) for p in host.cuda_processes]
@@ -187,82 +323,118 @@ def explain(node_name: str, node: NodeFacts | None, host: HostFacts | Exception 
                if waiting else "")
 
     kubelet_state = host.service("kubelet").state if host is not None else "unknown"
-    if node.ready and kubelet_state in ("active", "unknown"):
+    if node.ready and kubelet_state in ("active", "unknown") and not node.unschedulable and not gpu_less(node):
         seen = f"kubelet {kubelet_state}" if host is not None else "no host facts"
-        chain = [f"node {node_name} is Ready ({seen}, workload {workload or 'unset'})"]
+        chain = [f"nothing is wrong: node {node_name} is Ready ({seen}, workload {workload or 'unset'})"]
         if waiting and workload != "vm-passthrough":
             notes.append(f"{vm_link} wait for this node's GPU while it serves containers "
                          f"({', '.join(resources)}); switch it with: runbook run {SWITCH} --node {node_name} "
                          "-p workload=vm-passthrough (stop the host's CUDA jobs first)")
-        return Diagnosis(node_name, "healthy", tuple(chain), None, evidence, tuple(notes), ("Ready",))
+        return Diagnosis(node_name, "healthy", tuple(chain), None, evidence, tuple(notes), ("Ready",),
+                         state=state)
 
+    evaluated = [m for m in (evaluate_diagnosis(rb, facts) for rb in catalogue) if m is not None]
+    matches = tuple(sorted((m for m in evaluated if m.matched), key=lambda m: m.score))
+    considered = tuple(sorted((m for m in evaluated if not m.matched), key=lambda m: m.runbook))
     tail = host.service("kubelet").journal_tail if host is not None else ""
-    swap_refused = SWAP_REFUSAL in tail or OLD_SWAP_REFUSAL in tail
-    if host is not None and (host.swap_active or swap_refused):
-        chain, links = [], []
-        if host.swap_active:
-            chain.append(f"swap on ({', '.join(d.name for d in host.swap_devices)})")
-        else:
-            chain.append("swap on (swap is off now, but the kubelet journal shows the refusal)")
-        links.append("swap on")
-        refusal = next((ln.strip() for ln in tail.splitlines() if SWAP_REFUSAL in ln or OLD_SWAP_REFUSAL in ln), "")
-        chain.append(f"kubelet refuses to start (crash loop, systemctl is-active: {kubelet_state}"
-                     + (f"; journal: {_err(refusal)}" if refusal else "") + ")")
-        links.append("kubelet refuses")
-        status = ready.status if ready else "missing"
-        reason = f", {ready.reason}" if ready and ready.reason else ""
-        chain.append(f"node NotReady (Ready={status}{reason}; taints "
-                     f"{', '.join(sorted({t.key + ':' + t.effect for t in node.taints})) or 'none'})")
-        links.append("NotReady")
-        gone = [k for k in GFD_LABELS if k not in node.labels]
-        if gone:
-            chain.append(f"GPU labels gone ({', '.join(gone)} absent: GPU Feature Discovery and the device "
-                         "plugin are down with kubelet)")
-            links.append("GPU labels gone")
-        if waiting:
-            chain.append(f"{vm_link.split(' (')[0]} ("
-                         + "; ".join(f"{v['vm']} asks for {', '.join(v['asks_for'])}" for v in waiting) + ")")
-            links.append(vm_link.split(" (")[0])
-        if workload == "vm-passthrough":
-            jobs = len(host.cuda_processes)
-            notes.append("the workload label is vm-passthrough: if kubelet came back now, vfio-manager would "
-                         f"rebind the GPU to vfio-pci and kill the host's {jobs} CUDA job(s); the runbook "
-                         "relabels the node to container first")
-        if host.unhandled_swap_sources:
-            notes.append("swap also comes from sources the swap-off playbook refuses to handle: "
-                         + ", ".join(host.unhandled_swap_sources))
-        return Diagnosis(node_name, "swap", tuple(chain), f"runbook run {RECOVERY} --node {node_name}", evidence,
-                         tuple(notes), tuple(links))
+
+    # The node's side of the chain: what the cause did to it, common to every cause.
+    status = ready.status if ready else "missing"
+    reason = f", {ready.reason}" if ready and ready.reason else ""
+    node_links: list[tuple[str, str]] = []
+    if kubelet_state not in ("active", "unknown"):
+        err = last_error(tail)
+        node_links.append(("kubelet down", f"kubelet down (systemctl is-active: {kubelet_state}"
+                                           + (f"; journal: {_err(err)}" if err else "") + ")"))
+    if not node.ready:
+        node_links.append(("NotReady", f"node NotReady (Ready={status}{reason}; taints "
+                           f"{', '.join(sorted({t.key + ':' + t.effect for t in node.taints})) or 'none'})"))
+    if node.unschedulable:
+        node_links.append(("cordoned", "node cordoned (unschedulable)"))
+    gone = [k for k in GFD_LABELS if k not in node.labels]
+    if gone and (host is None or host.gpus or workload):
+        node_links.append(("GPU labels gone", f"GPU labels gone ({', '.join(gone)} absent: GPU Feature Discovery "
+                                              "and the device plugin are down with kubelet)"))
+    if waiting:
+        node_links.append((vm_link.split(" (")[0], f"{vm_link.split(' (')[0]} ("
+                           + "; ".join(f"{v['vm']} asks for {', '.join(v['asks_for'])}" for v in waiting) + ")"))
+    if workload == "vm-passthrough" and host is not None and (not node.ready or kubelet_state != "active"):
+        notes.append("the workload label is vm-passthrough: if kubelet came back now, vfio-manager would "
+                     f"rebind the GPU to vfio-pci and kill the host's {len(host.cuda_processes)} CUDA job(s); "
+                     "relabel the node to container first (gpu-node-recovery does)")
+    if host is not None and host.unhandled_swap_sources:
+        notes.append("swap also comes from sources the swap-off playbook refuses to handle: "
+                     + ", ".join(host.unhandled_swap_sources))
+
+    if matches:
+        best = matches[0]
+        chain = [f"{best.title} [{best.runbook}, confidence {best.confidence}]"]
+        chain += [text for _, text in node_links]  # the evidence itself: the match's lines
+        links = [best.cause, *(link for link, _ in node_links)]
+        for other in matches[1:]:
+            notes.append(f"also matches: {other.cause} ({other.runbook}, confidence {other.confidence}): "
+                         f"{other.command}")
+        return Diagnosis(node_name, best.cause, tuple(chain), best.command, evidence, tuple(notes), tuple(links),
+                         matches, considered, state)
 
     if host is None:
-        reason = "host facts unavailable" + (f": {evidence['host_error']}" if "host_error" in evidence else "")
+        why = "host facts unavailable" + (f": {evidence['host_error']}" if "host_error" in evidence else "")
     else:
-        reason = f"kubelet {kubelet_state}, swap off, no swap refusal in the kubelet journal"
-    chain = [f"node NotReady for a cause runbook does not know ({reason})"]
-    links = ["NotReady (cause unknown)"]
+        why = (f"kubelet {kubelet_state}; swap {'on' if host.swap_active else 'off'}; units "
+               + (", ".join(f"{k} {v}" for k, v in evidence["units"].items()) or "none read"))
+    chain = [f"node {node_name} is {state}: no runbook addresses this ({why})"]
     if host is not None and tail:
         err = last_error(tail)
         evidence["kubelet_last_error"] = err
         chain.append(f"kubelet's last error: {_err(err)}")
-    if waiting:
-        chain.append(vm_link)
-        links.append(vm_link.split(" (")[0])
-    return Diagnosis(node_name, "unknown", tuple(chain), None, evidence, tuple(notes), tuple(links))
+    chain += [text for link, text in node_links if link != "kubelet down"]
+    links = ["no runbook addresses this", *(link for link, _ in node_links)]
+    return Diagnosis(node_name, "unknown", tuple(chain), None, evidence, tuple(notes), tuple(links),
+                     (), considered, state)
 
 
 # -- reading --------------------------------------------------------------------------------------
 
 
-def gather_and_explain(node_name: str, kube: KubeAPI, nodes: NodeAutomation | None) -> Diagnosis:
-    """Read everything in parallel (read-only), then explain."""
+def load_catalogue(runbooks_dir: Path) -> tuple[list[Runbook], list[str]]:
+    """Every runbook of the directory that declares a diagnosis, and the files that failed to load
+    (said, not fatal: one broken runbook must not hide the others' diagnoses)."""
+    from engine.loader import find_runbooks, load_runbook
 
-    def host_facts() -> HostFacts | Exception | None:
-        if nodes is None:
-            return None
+    out: list[Runbook] = []
+    problems: list[str] = []
+    for path in find_runbooks(runbooks_dir):
         try:
-            return nodes.gather_facts([node_name])[node_name]
-        except RunbookError as e:
-            return e
+            rb = load_runbook(path)
+        except LoadError as e:
+            problems.append(str(e).splitlines()[0])
+            continue
+        if rb.diagnosis is not None:
+            out.append(rb)
+    return out, problems
+
+
+def catalogue_probes(catalogue: Sequence[Runbook], node: str) -> set[Any]:
+    """The probes every diagnosis needs (the node and its host always: the evidence shows both)."""
+    probes: set[Any] = {chk.NODE, chk.HOST}
+    for rb in catalogue:
+        assert rb.diagnosis is not None
+        params = _params_for(rb, node)
+        probes |= chk.required_probes([ev.check for ev in (*rb.diagnosis.evidence, *rb.diagnosis.excludes)], params)
+    return probes
+
+
+def gather(node_names: Sequence[str], kube: KubeAPI, nodes: NodeAutomation | None,
+           catalogue: Sequence[Runbook]) -> list[Diagnosis]:
+    """Read everything (read-only): node objects, one host-facts run for all ``node_names``, object
+    lists once; then explain each node."""
+    from engine import probes as prb
+
+    if not node_names:
+        return []
+    probes: set[Any] = set()
+    for n in node_names:
+        probes |= catalogue_probes(catalogue, n)
 
     def listing(api_version: str, plural: str) -> list[Mapping[str, Any]] | Exception:
         try:
@@ -270,57 +442,109 @@ def gather_and_explain(node_name: str, kube: KubeAPI, nodes: NodeAutomation | No
         except RunbookError as e:
             return e
 
-    def pods_on_node() -> list[Mapping[str, Any]] | Exception:
-        found = listing("v1", "pods")
-        if isinstance(found, Exception):
-            return found
-        return [p for p in found if (p.get("spec") or {}).get("nodeName") == node_name]
-
-    with ThreadPoolExecutor(max_workers=5) as pool:
-        node_f = pool.submit(kube.read_node, node_name)
-        host_f = pool.submit(host_facts)
+    with ThreadPoolExecutor(max_workers=4, thread_name_prefix="diagnose") as pool:
+        facts_f = pool.submit(prb.gather_probes_many, probes, list(node_names), kube, nodes)
         vms_f = pool.submit(listing, "kubevirt.io/v1", "virtualmachines")
         kv_f = pool.submit(listing, "kubevirt.io/v1", "kubevirts")
-        pods_f = pool.submit(pods_on_node)
-        node = node_f.result()
-        kubevirts = kv_f.result()
-        return explain(node_name, node, host_f.result() if node is not None else None, vms_f.result(),
-                       kubevirts=kubevirts if not isinstance(kubevirts, Exception) else (),
-                       pods=pods_f.result())
+        pods_f = pool.submit(listing, "v1", "pods")
+        facts, vms, kubevirts, pods = facts_f.result(), vms_f.result(), kv_f.result(), pods_f.result()
+    out = []
+    for n in node_names:
+        f = facts[n]
+        node_errors = [e for e in f.errors if e.probe == chk.NODE]
+        if f.node is None and node_errors:
+            raise RunbookError(f"reading node {n}: {node_errors[0].message}")
+        on_node: Sequence[Mapping[str, Any]] | Exception
+        on_node = pods if isinstance(pods, Exception) else [
+            p for p in pods if (p.get("spec") or {}).get("nodeName") == n]
+        out.append(explain(f, catalogue, vms=vms, kubevirts=kubevirts if not isinstance(kubevirts, Exception) else (),
+                           pods=on_node))
+    return out
 
 
 # -- rendering ------------------------------------------------------------------------------------
 
 
+def _evidence_line(e: EvidenceResult) -> str:
+    mark = {True: "+", False: "-", None: "?"}[e.holds]
+    text = e.says or e.check
+    return f"    {mark} {e.id} ({e.weight}): {text}" + (f" [{e.observed}]" if e.observed else "")
+
+
 def render_text(d: Diagnosis) -> str:
-    head = {"swap": "root cause: swap", "healthy": "healthy", "unknown": "cause unknown",
-            "node-missing": "no such node"}[d.cause]
+    head = {"healthy": "nothing is wrong", "unknown": "no runbook addresses this",
+            "node-missing": "no such node"}.get(d.cause, f"root cause: {d.cause}")
     lines = [f"node {d.node}: {head}", f"  {d.summary}", ""]
     lines += [("  " if i == 0 else "  -> ") + link for i, link in enumerate(d.chain)]
     for note in d.notes:
         lines.append(f"note: {note}")
+    for i, m in enumerate(d.matches):
+        lines += ["", f"{'match' if i == 0 else 'also'}: {m.runbook} ({m.cause}, confidence {m.confidence}): "
+                      f"{m.title}"]
+        lines += [_evidence_line(e) for e in m.evidence]
     if d.fix:
-        lines += ["", f"fix: {d.fix}", f"     (review it first: runbook plan {d.fix.split()[2]} --node {d.node})"]
+        lines += ["", f"fix: {d.fix}", f"     (review it first: {d.fix.replace('runbook run', 'runbook plan', 1)})"]
     elif d.cause == "unknown":
-        lines += ["", "runbook does not recognise this cause and proposes no fix; evidence:"]
+        lines += ["", "no runbook addresses this: runbook proposes no fix; evidence:"]
         for k, v in d.evidence.items():
             lines.append(f"  {k}: {json.dumps(v, default=str)}")
+        for m in d.considered:
+            lines.append(f"  not {m.cause} ({m.runbook}): "
+                         + "; ".join(f"{e.id} {'unknown' if e.holds is None else 'does not hold'}"
+                                     for e in m.evidence if e.weight == "required" and e.holds is not True)
+                         + "".join(f"; excluded by {e.id}" for e in m.excluded_by))
     return "\n".join(lines)
 
 
-def diagnose_command(settings: Settings, node: str, output: str) -> int:
+def render_table(ds: Sequence[Diagnosis]) -> str:
+    rows = [("NODE", "STATE", "CAUSE", "RUNBOOK", "CONFIDENCE", "COMMAND")]
+    for d in ds:
+        cause = {"unknown": "no runbook addresses this"}.get(d.cause, d.cause)
+        rows.append((d.node, d.state, cause, d.runbook or "-", d.confidence or "-", d.fix or "-"))
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    return "\n".join("  ".join(v.ljust(widths[i]) for i, v in enumerate(r[:5])) + "  " + r[5] for r in rows).rstrip()
+
+
+def diagnose_command(settings: Settings, node: str | None, output: str, *, all_nodes: bool = False,
+                     selector: str | None = None) -> int:
+    """``runbook diagnose``: ``--node N`` one node; ``--all`` / ``-l SELECTOR`` every sick node."""
+    from engine.errors import UsageError
     from engine.loader import default_runbooks_dir, playbooks_dir_for
     from engine.params import validate_node_name
 
-    validate_node_name(node)
+    if sum(bool(x) for x in (node, all_nodes or selector)) != 1:
+        raise UsageError("diagnose needs either --node NODE or --all / -l SELECTOR")
+    if node:
+        validate_node_name(node)
     runbooks_dir = settings.runbooks_dir or default_runbooks_dir()
+    catalogue, problems = load_catalogue(Path(runbooks_dir))
     nodes = settings.nodes(playbooks_dir_for(runbooks_dir)) if settings.inventory else None
     try:
-        d = gather_and_explain(node, settings.kube(), nodes)
+        kube = settings.kube()
+        names = [node] if node else [n.name for n in kube.list_nodes(selector) if is_sick(n)]
+        ds = gather(names, kube, nodes, catalogue)
     finally:
         settings.close()
+    if node:
+        d = ds[0]
+        if output == "json":
+            doc = d.as_json()
+            doc["catalogue_problems"] = problems
+            print(json.dumps(doc, indent=2, default=str))
+        else:
+            print(render_text(d))
+            for p in problems:
+                print(f"warning: runbook not in the catalogue: {p}")
+        return d.exit_code
+    code = ExitCode.OK if all(d.known for d in ds) else ExitCode.FAILED
     if output == "json":
-        print(json.dumps(d.as_json(), indent=2, default=str))
+        print(json.dumps({"nodes": [d.as_json() for d in ds], "catalogue_problems": problems},
+                         indent=2, default=str))
+    elif not ds:
+        print("nothing is wrong: no node is NotReady, unschedulable or GPU-less"
+              + (f" among {selector}" if selector else ""))
     else:
-        print(render_text(d))
-    return d.exit_code
+        print(render_table(ds))
+        for p in problems:
+            print(f"warning: runbook not in the catalogue: {p}")
+    return code

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import difflib
 import hashlib
+import json
 import os
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +29,7 @@ import yaml
 from pydantic import ValidationError
 
 from engine.errors import LoadError, Location
-from engine.model import ACTION_KEYS, CHECK_KEYS, KUBE_VERBS, Runbook
+from engine.model import ACTION_KEYS, CHECK_KEYS, KUBE_VERBS, Plan, Runbook
 
 MAX_BYTES = 1 << 20  # 1 MiB: a runbook is a page or two
 MAX_NODES = 20_000  # values built, counting every alias expansion
@@ -483,6 +485,33 @@ def _semantic_problems(rb: Runbook, data: Mapping[str, Any], *, stem: str | None
                     if not pb.is_file():
                         out.append((apath, f"playbook {action.ansible.playbook!r} not found in {playbooks_dir}"))
 
+    # The diagnosis: unique evidence ids, at least one required piece, declared params only.
+    if rb.diagnosis is not None:
+        diag = rb.diagnosis
+        seen: dict[str, str] = {}
+        for section, items in (("evidence", diag.evidence), ("excludes", diag.excludes)):
+            for i, ev in enumerate(items):
+                if ev.id in seen:
+                    out.append((("diagnosis", section, i, "id"),
+                                f"duplicate evidence id {ev.id!r} (first in diagnosis.{seen[ev.id]})"))
+                else:
+                    seen[ev.id] = section
+        if not any(ev.weight == "required" for ev in diag.evidence):
+            out.append((("diagnosis", "evidence"), "a diagnosis needs at least one piece of required evidence "
+                                                   "(weight: required), or every sick node would match"))
+        for i, ev in enumerate(diag.excludes):
+            if ev.weight != "required":
+                out.append((("diagnosis", "excludes", i, "weight"),
+                            "excludes rule the cause out when they hold: weight does not apply (leave it out)"))
+        for key in diag.params:
+            if key not in rb.params:
+                out.append((("diagnosis", "params", key), f"param {key!r} is not declared in params"))
+            elif key == rb.node_param:
+                out.append((("diagnosis", "params", key),
+                            f"param {key!r} is the node param: diagnose fills it with the diagnosed node"))
+        if rb.node_param is None:
+            out.append((("diagnosis",), "a diagnosis is about a node: declare a param of type node"))
+
     # Node-targeting work needs a node param.
     if rb.node_param is None:
         targets = any(isinstance(s.action, KubeAction | _Ansible) for s in rb.steps)
@@ -584,3 +613,62 @@ __all__ = [
     "runbook_json_schema",
     "validate_paths",
 ]
+
+
+# --------------------------------------------------------------------------------------------
+# Loaded runbooks and plan files: what the run service reads from disk
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LoadedRunbook:
+    """A runbook as loaded from its file, with the digest plans record and its playbooks folder."""
+
+    runbook: Runbook
+    path: Path
+    digest: str  # sha256 of the file's bytes
+    playbooks_dir: Path
+
+    @property
+    def name(self) -> str:
+        return self.runbook.name
+
+
+def load(name_or_path: str | Path, runbooks_dir: Path | None = None, *,
+         playbooks_dir: Path | None = None) -> LoadedRunbook:
+    """A runbook by name (looked up in ``runbooks_dir``) or by path; LoadError lists every problem."""
+    path = resolve_runbook_path(str(name_or_path), runbooks_dir)
+    pb = playbooks_dir if playbooks_dir is not None else playbooks_dir_for(path.parent)
+    runbook, data = read_runbook(path, playbooks_dir=pb)
+    return LoadedRunbook(runbook=runbook, path=path, digest=file_digest(data), playbooks_dir=pb)
+
+
+def list_runbooks(runbooks_dir: Path | None = None) -> tuple[list[LoadedRunbook], list[tuple[Location, str]]]:
+    """Every runbook in the folder that loads, and the problems of those that do not."""
+    d = runbooks_dir if runbooks_dir is not None else default_runbooks_dir()
+    ok: list[LoadedRunbook] = []
+    problems: list[tuple[Location, str]] = []
+    for path in find_runbooks(d):
+        try:
+            ok.append(load(path))
+        except LoadError as e:
+            problems.extend(e.problems)
+    return ok, problems
+
+
+def save_plan(p: Plan, path: Path) -> None:
+    """Write a plan file for ``runbook apply``."""
+    Path(path).write_text(p.model_dump_json(indent=2) + "\n", encoding="utf-8")
+
+
+def load_plan(path: Path) -> Plan:
+    """A saved plan file -> Plan; LoadError when it is not one."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        return Plan.model_validate(data)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise LoadError([(Location(str(path)), f"not a plan file: {e}")]) from None
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(x) for x in first["loc"])
+        raise LoadError([(Location(str(path), 1, None, where), f"not a valid plan: {first['msg']}")]) from None

@@ -622,6 +622,37 @@ class Trigger(_Model):
     description: str = ""
 
 
+class DiagnosisCause(_Model):
+    """The cause a runbook addresses: a stable id (``swap``) and a one-line title."""
+
+    id: str = Field(pattern=STEP_ID, max_length=63)
+    title: str = Field(min_length=1)
+
+
+class Evidence(_Model):
+    """One piece of evidence for (or, under ``excludes``, against) a cause: a check over the facts.
+
+    ``required`` evidence must hold for the cause to match; ``supporting`` evidence only raises the
+    confidence. ``says`` is what the evidence shows when it holds (rendered in the diagnosis)."""
+
+    id: str = Field(pattern=STEP_ID, max_length=63)
+    check: Check
+    weight: Literal["required", "supporting"] = "required"
+    says: str = ""
+
+
+class DiagnosisSpec(_Model):
+    """What a runbook declares it fixes: the cause, the evidence that identifies it, what rules it out.
+
+    ``params``: extra params of the suggested command (``-p k=v``), templated over params and facts;
+    the node param is always filled with the diagnosed node."""
+
+    cause: DiagnosisCause
+    evidence: tuple[Evidence, ...] = Field(min_length=1)
+    excludes: tuple[Evidence, ...] = ()
+    params: dict[str, str] = Field(default_factory=dict)
+
+
 class Runbook(_Model):
     api_version: Literal["runbook/v1"] = Field(alias="apiVersion")
     name: str = Field(pattern=DNS_LABEL, max_length=63)
@@ -633,6 +664,7 @@ class Runbook(_Model):
     steps: tuple[Step, ...] = Field(min_length=1)
     report: str | None = None
     triggers: tuple[Trigger, ...] = ()
+    diagnosis: DiagnosisSpec | None = None
 
     @field_validator("params")
     @classmethod

@@ -9,6 +9,7 @@ anything or talks to outside systems.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -22,8 +23,8 @@ if TYPE_CHECKING:
     from engine.model import Plan, RunResult
 
 DECISION_MARK = {"change": "~", "no-op": "=", "blocked": "!"}
-DECISION_COLOR = {"change": "33", "no-op": "32", "blocked": "31"}  # ANSI: yellow, green, red
-STATE_COLOR = {"ready": "33", "nothing-to-do": "32", "blocked": "1;31"}
+DECISION_COLOR = {"change": "yellow", "no-op": "green", "blocked": "red"}  # rich styles
+STATE_COLOR = {"ready": "yellow", "nothing-to-do": "green", "blocked": "bold red"}
 STATUS_STYLE = {"succeeded": "green", "skipped": "cyan", "failed": "red", "timed-out": "red",
                 "blocked": "yellow", "rolled-back": "magenta", "cancelled": "yellow"}
 
@@ -71,8 +72,26 @@ def _step_gist(step: Any) -> str:
     return "" if gist == "server dry-run accepted" else gist
 
 
-def _paint(text: str, code: str | None, color: bool) -> str:
-    return f"\x1b[{code}m{text}\x1b[0m" if color and code else text
+def _paint(text: str, style: str | None, color: bool) -> str:
+    """``text`` in a rich ``style`` (rendered by rich for a terminal) when ``color``; as is otherwise."""
+    if not (color and style):
+        return text
+    from rich.text import Text
+
+    console = _styling_console()
+    with console.capture() as captured:
+        console.print(Text(text, style=style), end="", soft_wrap=True)
+    return captured.get()
+
+
+@functools.lru_cache(maxsize=1)
+def _styling_console() -> Any:
+    import io
+
+    from rich.console import Console
+
+    return Console(file=io.StringIO(), force_terminal=True, color_system="standard", no_color=False,
+                   highlight=False, width=10_000)
 
 
 def plan_text(plan: Plan, *, color: bool = False) -> str:
@@ -80,7 +99,7 @@ def plan_text(plan: Plan, *, color: bool = False) -> str:
     ``!`` blocked), what changes, the command, guards with their current values, the verifications
     that follow, and the dry-run preview (the fstab diff, "would restart kubelet on omen2")."""
     state = _paint(plan.state.value, STATE_COLOR.get(plan.state.value), color)
-    lines = [_paint(f"Plan for {plan.runbook} {plan.version} on node {plan.node}", "1", color)
+    lines = [_paint(f"Plan for {plan.runbook} {plan.version} on node {plan.node}", "bold", color)
              + f"  (digest {plan.digest[:12]})",
              f"state: {state}; created {plan.created_at}, expires {plan.expires_at}",
              f"params: {', '.join(f'{k}={v}' for k, v in plan.params.items())}"]
@@ -92,7 +111,7 @@ def plan_text(plan: Plan, *, color: bool = False) -> str:
         for p in plan.preconditions:
             mark = "-" if not p.applies else ("ok" if p.holds else ("??" if p.holds is None else "FAIL"))
             detail = p.message if not p.passed and p.message else p.observed
-            mark_text = _paint(f"[{mark:>4}]", "31" if mark in ("FAIL", "??") else None, color)
+            mark_text = _paint(f"[{mark:>4}]", "red" if mark in ("FAIL", "??") else None, color)
             lines.append(f"  {mark_text} {p.id}: {detail}" if detail else f"  {mark_text} {p.id}")
     lines.append("steps:")
     for i, s in enumerate(plan.steps, 1):
@@ -112,11 +131,11 @@ def plan_text(plan: Plan, *, color: bool = False) -> str:
         if s.preview:
             lines.append("       preview:")
             for ln in s.preview.rstrip().splitlines():
-                code = "31" if ln.startswith("-") and not ln.startswith("---") else \
-                    "32" if ln.startswith("+") and not ln.startswith("+++") else None
+                code = "red" if ln.startswith("-") and not ln.startswith("---") else \
+                    "green" if ln.startswith("+") and not ln.startswith("+++") else None
                 lines.append(f"         {_paint(ln, code, color)}")
     if plan.state.value == "blocked":
-        lines.append(_paint("BLOCKED:", "1;31", color))
+        lines.append(_paint("BLOCKED:", "bold red", color))
         lines += [f"  {r}" for r in plan.blocked_reasons]
     elif plan.state.value == "nothing-to-do":
         lines.append("Nothing to do: every step is a no-op.")
@@ -217,6 +236,25 @@ def result_text(result: RunResult, run_id: str | None = None) -> str:
     return "\n".join(lines)
 
 
+def fleet_text(doc: Mapping[str, Any]) -> str:
+    """A fleet's closing summary (``RunService.run_targets(...).as_json()``): one row per node
+    (node, outcome, run id, duration, reason), then the counts and the exit code."""
+    rows = list(doc.get("runs") or [])
+    width = max((len(str(r["node"])) for r in rows), default=4)
+    run_w = max((len(str(r.get("run_id") or "-")) for r in rows), default=3)
+    lines = [f"{'node':<{width}}  {'outcome':<13} {'run':<{run_w}} {'time':>7}  reason"]
+    for r in rows:
+        took = f"{float(r.get('duration') or 0):6.1f}s"
+        lines.append(f"{r['node']:<{width}}  {r['outcome']:<13} {r.get('run_id') or '-':<{run_w}} {took:>7}  "
+                     f"{_one_line(str(r.get('reason') or ''))}")
+    summary = dict(doc.get("summary") or {})
+    counts = ", ".join(f"{v} {k}" for k, v in summary.items() if k not in ("nodes", "exit_code", "refused"))
+    lines.append(f"fleet: {summary.get('nodes', len(rows))} nodes: {counts} (exit {summary.get('exit_code')})")
+    if summary.get("refused"):
+        lines.append(str(summary["refused"]))
+    return "\n".join(lines)
+
+
 def result_json(result: RunResult, run_id: str | None = None) -> dict[str, Any]:
     doc = result.model_dump(mode="json")
     if run_id:
@@ -252,15 +290,32 @@ def print_result_table(result: RunResult, run_id: str | None, stream: TextIO = s
 # -- history --------------------------------------------------------------------------------
 
 
-def runs_text(runs: Sequence[RunRecord]) -> str:
+def runbooks_text(loaded: Sequence[Any], *, wide: bool = False) -> str:
+    """``runbook list``: name, version, the description's first line; ``wide`` adds params and path."""
+    lines = []
+    for lr in loaded:
+        first = lr.runbook.description.strip().splitlines()
+        line = f"{lr.name:<28} {lr.runbook.version:<8} {first[0] if first else ''}"
+        if wide:
+            line = f"{line:<90} params={','.join(sorted(lr.runbook.params)) or '-'}  {lr.path}"
+        lines.append(line.rstrip())
+    return "\n".join(lines)
+
+
+def runs_text(runs: Sequence[RunRecord], *, wide: bool = False) -> str:
     if not runs:
         return "no runs recorded"
     # Runs waiting for approval show their whole plan digest: `runbook approve ID --plan-digest DIGEST`.
-    rows = [("ID", "RUNBOOK", "NODES", "STATE", "STARTED", "FINISHED", "PLAN DIGEST (to approve)")]
+    head = ("ID", "RUNBOOK", "NODES", "STATE", "STARTED", "FINISHED", "PLAN DIGEST (to approve)")
+    rows = [head + (("EXIT", "SOURCE", "APPROVED BY", "PARAMS") if wide else ())]
     for r in runs:
         s = r.summary()
-        rows.append((r.id, r.runbook, ",".join(r.nodes), r.state, s["started"] or "", s["finished"] or "",
-                     (r.plan_digest or "") if r.state == "waiting-approval" else ""))
+        row: tuple[str, ...] = (r.id, r.runbook, ",".join(r.nodes), r.state, s["started"] or "", s["finished"] or "",
+               (r.plan_digest or "") if r.state == "waiting-approval" else "")
+        if wide:
+            row += ("" if s["exit_code"] is None else str(s["exit_code"]), str(s["source"] or ""),
+                    str(s["approved_by"] or ""), json.dumps(s["params"], sort_keys=True))
+        rows.append(row)
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows)
 
@@ -276,51 +331,6 @@ def events_text(run: RunRecord, events: Sequence[EventRecord]) -> str:
 
 
 # -- live view ------------------------------------------------------------------------------
-
-
-class LiveView:
-    """An EventSink printing progress: step, elapsed time, Ansible task lines, verify attempts.
-
-    Plain lines (one per event worth seeing) so it works on terminals, pipes and CI logs alike;
-    coloured when the stream is a terminal.
-    """
-
-    def __init__(self, stream: TextIO = sys.stderr) -> None:
-        self.stream = stream
-        self.color = use_color(stream)
-        self.t0 = time.monotonic()
-        self.step_t0 = self.t0
-
-    def _say(self, text: str, style: str | None = None) -> None:
-        elapsed = time.monotonic() - self.t0
-        if self.color and style:
-            text = f"\x1b[{style}m{text}\x1b[0m"
-        print(f"[{elapsed:6.1f}s] {text}", file=self.stream, flush=True)
-
-    def emit(self, kind: str, **data: Any) -> None:
-        step = data.get("step", "")
-        if kind == "step.start":
-            self.step_t0 = time.monotonic()
-            self._say(f"step {step}: start", "1")
-        elif kind == "guard.result" and not data.get("holds"):
-            self._say(f"  guard {data.get('check')}: {data.get('observed', '')}", "33")
-        elif kind == "action.intent":
-            self._say(f"  act: {data.get('summary') or data.get('command', '')}")
-        elif kind == "ansible.task":
-            self._say(f"    {data.get('host', '')}: {data.get('task', '')} [{data.get('status', '')}]", "2")
-        elif kind == "action.result":
-            self._say(f"  action {'ok' if data.get('ok', True) else 'FAILED'}: {_short(data.get('summary', ''))}")
-        elif kind == "verify.attempt":
-            ok = data.get("holds")
-            self._say(f"  verify {data.get('check')}: {'ok' if ok else 'waiting'} ({_short(data.get('observed', ''))})",
-                      "32" if ok else "2")
-        elif kind == "step.outcome":
-            took = time.monotonic() - self.step_t0
-            status = data.get("status", "")
-            self._say(f"step {step}: {status} in {took:.1f}s {_short(data.get('reason', ''))}",
-                      "32" if status in ("succeeded", "skipped") else "31")
-        elif kind in ("run.blocked", "run.failed", "approval.waiting", "lock.waiting"):
-            self._say(f"{kind}: {_short(data.get('reason', '') or data)}", "33")
 
 
 class Fanout:

@@ -10,16 +10,23 @@ limits and API paths.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from engine.errors import UsageError
 from engine.model import Param, ParamValue, Runbook
 
-_NODE_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+if TYPE_CHECKING:
+    from engine.loader import LoadedRunbook
+
+# Why fullmatch everywhere: ``$`` also matches before a trailing newline, so ``re.match(r"^...$")``
+# let ``omen2\n`` through as a node name.
+_NODE_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 # Printable text without shell, quoting or template metacharacters; a param that needs more
 # declares its own `pattern`.
-_SAFE_STRING = re.compile(r"^[A-Za-z0-9 _.,:/@+=%#-]*$")
+_SAFE_STRING = re.compile(r"[A-Za-z0-9 _.,:/@+=%#-]*")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
 _MAX_STRING = 1024
 _TRUE = {"true", "yes", "on", "1"}
 _FALSE = {"false", "no", "off", "0"}
@@ -29,7 +36,13 @@ def is_node_name(value: str) -> bool:
     """An RFC 1123 subdomain: lowercase, <= 253 characters, dot-separated labels of <= 63."""
     if not value or len(value) > 253:
         return False
-    return all(len(part) <= 63 and _NODE_LABEL.match(part) for part in value.split("."))
+    return all(len(part) <= 63 and _NODE_LABEL.fullmatch(part) for part in value.split("."))
+
+
+def control_character(value: str) -> str | None:
+    """Where ``value`` holds a control character (or a lone surrogate): ``"U+000A at position 5"``."""
+    m = _CONTROL.search(value)
+    return None if m is None else f"U+{ord(m.group()):04X} at position {m.start()}"
 
 
 def validate_node_name(value: str) -> str:
@@ -65,6 +78,9 @@ def coerce_value(name: str, param: Param, value: Any) -> ParamValue:
         return n
     if not isinstance(value, str):
         raise ValueError(f"param {name}: expected a string, got {value!r}")
+    bad = control_character(value)
+    if bad is not None:  # Why: a newline or escape in a param reaches logs, Ansible limits and API paths
+        raise ValueError(f"param {name}: {value[:80]!r} contains a control character ({bad})")
     if kind == "enum":
         assert param.values is not None
         if value not in param.values:
@@ -79,7 +95,7 @@ def coerce_value(name: str, param: Param, value: Any) -> ParamValue:
     if param.pattern is not None:
         if not re.fullmatch(param.pattern, value):
             raise ValueError(f"param {name}: {value!r} does not match {param.pattern}")
-    elif kind == "string" and not _SAFE_STRING.match(value):
+    elif kind == "string" and not _SAFE_STRING.fullmatch(value):
         raise ValueError(f"param {name}: {value!r} contains characters a string param without a "
                          "'pattern' does not accept (quotes, shell or template metacharacters)")
     return value
@@ -131,3 +147,37 @@ def resolve_params(runbook: Runbook, raw: Mapping[str, Any] | Iterable[str] = ()
     if problems:
         raise UsageError("; ".join(problems))
     return values
+
+
+@dataclass(frozen=True)
+class PreparedRun:
+    """A loaded runbook with resolved, validated params for one node: one target of a run."""
+
+    loaded: LoadedRunbook
+    params: dict[str, Any]
+    node: str
+
+    @property
+    def runbook(self) -> Runbook:
+        return self.loaded.runbook
+
+
+def prepare_run(loaded: LoadedRunbook, raw_params: Mapping[str, Any] | Iterable[str] = (), *,
+                node: str | None = None) -> PreparedRun:
+    """Resolve ``-p key=value`` (or a mapping) + ``--node`` into typed params for one node."""
+    params = resolve_params(loaded.runbook, raw_params, node=node)
+    key = loaded.runbook.node_param
+    if key is None or key not in params:
+        raise UsageError(f"runbook {loaded.name} needs a node: give --node or -p {key or 'node'}=NAME")
+    return PreparedRun(loaded=loaded, params=params, node=str(params[key]))
+
+
+def prepare_fleet(loaded: LoadedRunbook, raw_params: Mapping[str, Any] | Iterable[str],
+                  node_names: Sequence[str]) -> list[PreparedRun]:
+    """One prepared run per node (the same params, the node param set to each node)."""
+    given = dict(raw_params) if isinstance(raw_params, Mapping) else None
+    items = list(raw_params) if given is None else []
+    out = [prepare_run(loaded, given if given is not None else items, node=n) for n in node_names]
+    if not out:
+        raise UsageError("the selector matches no node")
+    return out

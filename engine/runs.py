@@ -1,16 +1,35 @@
-"""The life of one run, shared by the CLI and the server: record -> lock -> execute -> record.
+"""The run service: the one road from every front end to the executor.
 
-A run is created in the journal with its plan and digest, takes the node's Lease, executes
-through ``engine.execution.Executor`` with every event written to the journal before it takes
-effect (write-ahead), and ends with its final state recorded and the Lease released. Approvals,
-resumes after a crash and the server's ``RunStarter`` all go through :class:`RunService`, so
-there is one path, not one per front-end. Printing belongs to the caller (``engine.app``).
+``runbook run`` (one node or a fleet), ``runbook apply``, ``runbook resume`` and ``runbook serve``'s
+starter all go through :class:`RunService`, so a run is planned, guarded, locked, executed and
+recorded the same way whoever started it:
+
+1. **targets**: a runbook and params for one node, or for every node a label selector matches
+   (one node is a fleet of one);
+2. **plan** (``plan_targets``): live facts, read-only, with the host-facts run started before the
+   Kubernetes client is built, for one node or many (one facts run over every host);
+3. **record**: a blocked plan is recorded as a blocked run and changes nothing; an approve-mode run
+   is parked in ``waiting-approval`` with its plan digest (``park``);
+4. **guard** (``engine.run_guards``): before a node's Lease is taken, the run guards (exclusion
+   labels, kured's lock, NodeHealthCheck pause, GPU budget, unhealthy capacity) are evaluated; a
+   blocking verdict blocks the node (a guard that cannot be evaluated blocks). A person may pass a
+   named guard with a reason; the override is journaled with who and why. Automatic runs (the
+   server) never pass overrides;
+5. **execute**: take the node's Lease, run ``engine.execution.Executor`` with every event written to
+   the journal first, record the final state, release the Lease. A fleet (``run_targets``) runs in
+   rolling batches of ``max_parallel`` nodes, ``settle`` seconds apart, stopping new batches after
+   ``max_failures`` failed nodes; the Ansible steps of one batch are one ``ansible-playbook``
+   process over the batch's hosts (``engine.batch``).
 
 Resuming (``execute(..., resume=True)``): the run is claimed atomically (two resumes of one run
 never both proceed), the journal says which steps are done and which one was left half-way
 (``Journal.progress``), and the same run id takes over its own node Lease. A run that cannot
 continue for now stays ``interrupted`` (resumable): the API server or a host went away mid-run,
-its Lease is held by another run, or a non-idempotent step needs a confirmation nobody could give.
+its Lease is held by another run, a guard blocks it, or a non-idempotent step needs a confirmation
+nobody could give.
+
+Printing and prompting belong to the front ends (``engine.app``, ``engine.serve_starter``): this
+module returns values and writes the journal; it never imports ``kubernetes`` or ``ansible_runner``.
 """
 
 from __future__ import annotations
@@ -20,16 +39,31 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from engine import api
+from engine import loader, planning, previews, probes
+from engine.batch import SharedPlaybooks
 from engine.checks import HOST
 from engine.errors import ExitCode, LockHeld, RunbookError, StalePlan, UsageError
+from engine.execution import Executor
 from engine.journal import Journal, JournalSink, StepProgress
-from engine.locks import DEFAULT_TTL_SECONDS, NodeLock, acquire_node_lock
-from engine.model import AnsibleAction, Plan, RunResult, RunState
+from engine.loader import LoadedRunbook
+from engine.locks import DEFAULT_NAMESPACE, DEFAULT_TTL_SECONDS, NodeLock, acquire_node_lock
+from engine.model import AnsibleAction, Plan, PlanState, RunResult, RunState
 from engine.output import Fanout
+from engine.params import PreparedRun, prepare_fleet, prepare_run
+from engine.run_guards import (
+    GuardConfig,
+    GuardVerdict,
+    blocking,
+    check_overrides,
+    evaluate_run_guards,
+    judge,
+    read_guard_facts,
+)
 
 if TYPE_CHECKING:
     from engine.connectors.base import KubeAPI, NodeAutomation
@@ -38,12 +72,10 @@ if TYPE_CHECKING:
 APPROVAL_POLL_SECONDS = 0.5
 
 
-def needs_hosts(loaded: api.LoadedRunbook, params: Mapping[str, Any]) -> bool:
+def needs_hosts(loaded: LoadedRunbook, params: Mapping[str, Any]) -> bool:
     """Whether a runbook reads host facts or runs playbooks (and so needs an inventory)."""
-    from engine.probes import runbook_probes
-
     rb = loaded.runbook
-    return HOST in runbook_probes(rb, params) or any(isinstance(s.action, AnsibleAction) for s in rb.steps)
+    return HOST in probes.runbook_probes(rb, params) or any(isinstance(s.action, AnsibleAction) for s in rb.steps)
 
 
 def current_user() -> str:
@@ -53,9 +85,166 @@ def current_user() -> str:
         return f"uid-{os.getuid()}"
 
 
+def select_nodes(kube: KubeAPI, selector: str) -> list[str]:
+    """Names of the nodes matching a label selector, sorted (fleet runs)."""
+    return sorted(n.name for n in kube.list_nodes(label_selector=selector))
+
+
+# -- planning ---------------------------------------------------------------------------------------
+
+
+def plan_targets(targets: Sequence[PreparedRun], kube: KubeAPI | None, nodes: NodeAutomation | None, *,
+                 now: datetime | None = None, ttl: float = planning.DEFAULT_TTL, preview: bool = True,
+                 inventory_cmd_hint: str = "INVENTORY",
+                 host_work: previews.HostWork | None = None) -> list[Plan]:
+    """Plans for the targets (one runbook), in their order: live facts (read-only), the pure
+    planner, and (``preview``) dry-run previews. Changes nothing.
+
+    One node with previews: the check-mode runs of its playbook steps go first and their closing
+    facts (every playbook ends with ``tasks/facts.yml``; check mode changed nothing) are the plan's
+    host facts. Otherwise one host-facts run covers every target. ``host_work``: that Ansible work,
+    already started by the caller (``previews.start_host_work`` with the same targets and
+    ``preview``), so that it runs while the caller builds its Kubernetes client.
+    """
+    if not targets:
+        return []
+    loaded = targets[0].loaded
+    now = now or datetime.now(UTC)
+    work = host_work if host_work is not None else previews.start_host_work(list(targets), nodes, preview=preview)
+    early = work.previews.result() if work.previews is not None else {}
+    wanted: set[Any] = set()
+    for t in targets:
+        wanted |= probes.runbook_probes(t.runbook, t.params)
+    facts = probes.gather_probes_many(wanted, [t.node for t in targets], kube, nodes,
+                                      host_max_age=previews.PLAN_FACTS_MAX_AGE if early else 0.0,
+                                      host_results=work.facts)
+    out = []
+    for t in targets:
+        p = planning.plan_run(t.runbook, t.params, facts[t.node], runbook_digest=loaded.digest, now=now, ttl=ttl,
+                              inventory_host=previews.inventory_host(nodes, t.node),
+                              inventory_cmd_hint=inventory_cmd_hint)
+        if preview:
+            p = previews.preview_plan(p, t, kube, nodes, facts=facts[t.node], early=early if len(targets) == 1
+                                      else None)
+        out.append(p)
+    return out
+
+
+def check_saved_plan(saved: Plan, loaded: LoadedRunbook, kube: KubeAPI | None, nodes: NodeAutomation | None, *,
+                     now: datetime | None = None) -> tuple[list[str], PreparedRun]:
+    """Re-gather the facts a saved plan depends on; the reasons it is stale ([] = apply it)."""
+    if saved.runbook != loaded.name:
+        return [f"the plan is for runbook {saved.runbook}, not {loaded.name}"], PreparedRun(loaded, {}, saved.node)
+    prepared = prepare_run(loaded, dict(saved.params.items()))
+    now = now or datetime.now(UTC)
+    facts = probes.gather(loaded.runbook, prepared.params, prepared.node, kube, nodes)
+    fresh = planning.plan_run(loaded.runbook, prepared.params, facts, runbook_digest=loaded.digest, now=now,
+                              inventory_host=saved.inventory_host or None)
+    return planning.saved_plan_problems(saved, runbook_digest=loaded.digest, now=now, fresh=fresh), prepared
+
+
+# -- what happened to each node ---------------------------------------------------------------------
+
+# Outcomes of one node in a fleet (the summary's ``outcome`` column).
+SUCCEEDED, NOTHING_TO_DO, FAILED, BLOCKED = "succeeded", "nothing-to-do", "failed", "blocked"
+CANCELLED, NOT_STARTED = "cancelled", "not-started"
+_OUTCOME_OF_STATE = {RunState.SUCCEEDED: SUCCEEDED, RunState.FAILED: FAILED, RunState.INTERRUPTED: FAILED,
+                     RunState.BLOCKED: BLOCKED, RunState.WAITING_APPROVAL: BLOCKED,
+                     RunState.CANCELLED: CANCELLED}
+
+
+@dataclass(frozen=True)
+class NodeOutcome:
+    """One row of a fleet's summary: what happened to one node, and why."""
+
+    node: str
+    outcome: str  # succeeded | nothing-to-do | failed | blocked | cancelled | not-started
+    run_id: str | None = None
+    duration: float = 0.0
+    reason: str = ""
+    result: RunResult | None = None
+    plan: Plan | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"node": self.node, "outcome": self.outcome, "run_id": self.run_id,
+                               "duration": round(self.duration, 3), "reason": self.reason}
+        if self.result is not None:
+            out["state"] = self.result.state.value
+            out["exit_code"] = self.result.exit_code
+        return out
+
+
+@dataclass(frozen=True)
+class FleetResult:
+    """What a run over targets did, one row per node in target order."""
+
+    runs: tuple[NodeOutcome, ...]
+    cancelled: bool = False
+    refused: str = ""  # --fail-fast: why nothing started
+
+    @property
+    def exit_code(self) -> int:
+        """0 every node succeeded or had nothing to do; 1 any failed; 3 none failed, some blocked;
+        4 cancelled (documented in README and docs/cli.md)."""
+        outcomes = {r.outcome for r in self.runs}
+        if FAILED in outcomes:
+            return ExitCode.FAILED
+        if self.cancelled or CANCELLED in outcomes:
+            return ExitCode.CANCELLED
+        if BLOCKED in outcomes or self.refused:
+            return ExitCode.BLOCKED
+        if NOT_STARTED in outcomes:
+            return ExitCode.CANCELLED
+        return ExitCode.OK
+
+    def summary(self) -> dict[str, Any]:
+        counts: dict[str, int] = {}
+        for r in self.runs:
+            counts[r.outcome] = counts.get(r.outcome, 0) + 1
+        out: dict[str, Any] = {"nodes": len(self.runs), **{k: counts[k] for k in sorted(counts)},
+                               "exit_code": int(self.exit_code)}
+        if self.refused:
+            out["refused"] = self.refused
+        return out
+
+    def as_json(self) -> dict[str, Any]:
+        return {"runs": [r.as_dict() for r in self.runs], "summary": self.summary()}
+
+
+# Guards about capacity: a run whose plan changes nothing takes no capacity away, and a resumed run
+# took its node's capacity when it started, so they do not stop those.
+_CAPACITY_GUARDS = frozenset({"gpu-budget"})
+
+
+def _stops(verdicts: Sequence[GuardVerdict], *, changes: bool) -> list[GuardVerdict]:
+    """The verdicts that stop a run: every blocking one, except the capacity guards for a run that
+    takes no new capacity (``changes`` False: nothing to do, or a resume); a guard that cannot be
+    read still blocks."""
+    return [v for v in blocking(verdicts) if changes or v.name not in _CAPACITY_GUARDS or not v.evaluated]
+
+
+class _NodeCancel(threading.Event):
+    """One node's cancel within a fleet: set by its own run (its Lease was lost) or by the fleet's
+    (a signal), so that a node losing its Lease stops only itself."""
+
+    def __init__(self, fleet: threading.Event) -> None:
+        super().__init__()
+        self._fleet = fleet
+
+    def is_set(self) -> bool:
+        return super().is_set() or self._fleet.is_set()
+
+
+# -- the service ------------------------------------------------------------------------------------
+
+
 @dataclass
 class RunService:
-    """Runs runbooks for one front-end (a CLI invocation or a server) with one journal."""
+    """Runs runbooks for one front end (a CLI invocation or a server) with one journal.
+
+    ``automatic``: the server's runs; guard overrides are refused for them.
+    ``guards``: the run guards' configuration (None: ``Settings.guard_config()``).
+    """
 
     settings: Settings
     live: Any = None  # an extra EventSink (the terminal's live view)
@@ -64,40 +253,76 @@ class RunService:
     approval_timeout: float = 3600.0
     # Executor keyword arguments (clock, sleep, wall, poll_interval): tests run on fake time.
     executor_options: Mapping[str, Any] = field(default_factory=dict)
+    automatic: bool = False
+    guards: GuardConfig | None = None
+    gather_window: float = 0.3  # a batch's facts requests wait this long for each other (engine.batch)
 
     def __post_init__(self) -> None:
         self.journal: Journal = self.settings.open_journal()
+        self._guard_lock = threading.Lock()
+        self._in_flight: set[str] = set()  # nodes this service remediates now (the GPU budget counts them)
 
-    # -- preparation ----------------------------------------------------------------------------
+    # -- targets and plans ----------------------------------------------------------------------
 
-    def load(self, name_or_path: str) -> api.LoadedRunbook:
-        return api.load(name_or_path, self.settings.runbooks_dir)
+    def load(self, name_or_path: str) -> LoadedRunbook:
+        return loader.load(name_or_path, self.settings.runbooks_dir)
 
-    def connectors(self, loaded: api.LoadedRunbook, params: Mapping[str, Any]
+    def targets(self, name: str, raw_params: Sequence[str] | Mapping[str, Any] = (), *, node: str | None = None,
+                selector: str | None = None) -> list[PreparedRun]:
+        """The runs to plan: one node (``--node`` or the node param), or every node a selector matches."""
+        loaded = self.load(name)
+        if node and selector:
+            raise UsageError("give either --node or --selector, not both")
+        if selector is not None:
+            names = select_nodes(self.settings.kube(), selector)
+            if not names:
+                raise UsageError(f"no node matches the selector {selector!r}")
+            return prepare_fleet(loaded, raw_params, names)
+        return [prepare_run(loaded, raw_params, node=node)]
+
+    def connectors(self, loaded: LoadedRunbook, params: Mapping[str, Any]
                    ) -> tuple[KubeAPI, NodeAutomation | None]:
         nodes = self.settings.nodes(loaded.playbooks_dir) if needs_hosts(loaded, params) else None
         return self.settings.kube(), nodes
 
-    def plan(self, prepared: api.PreparedRun, *, preview: bool = True, ttl: float | None = None) -> Plan:
-        nodes = self.settings.nodes(prepared.loaded.playbooks_dir) if needs_hosts(prepared.loaded, prepared.params) \
-            else None
-        # Ansible first: its run takes seconds, building the Kubernetes client (imports) a fraction
-        # of one, done meanwhile.
-        host_work = api.start_host_work(prepared, nodes, preview=preview)
+    def _cmd_hint(self) -> str:
+        return str(self.settings.inventory) if self.settings.inventory else "INVENTORY"
+
+    def plan_targets(self, targets: Sequence[PreparedRun], *, preview: bool = True,
+                     ttl: float | None = None) -> list[Plan]:
+        """``plan_targets`` through this service's connectors: Ansible first (its run takes seconds;
+        building the Kubernetes client, a fraction of one, is done meanwhile)."""
+        if not targets:
+            return []
+        first = targets[0]
+        nodes = self.settings.nodes(first.loaded.playbooks_dir) if any(
+            needs_hosts(t.loaded, t.params) for t in targets) else None
+        work = previews.start_host_work(list(targets), nodes, preview=preview)
         kube = self.settings.kube()
-        hint = str(self.settings.inventory) if self.settings.inventory else "INVENTORY"
-        kwargs: dict[str, Any] = {"preview": preview, "inventory_cmd_hint": hint, "host_work": host_work}
-        if ttl is not None:
-            kwargs["ttl"] = ttl
-        return api.plan(prepared, kube, nodes, **kwargs)
+        return plan_targets(targets, kube, nodes, preview=preview, host_work=work,
+                            inventory_cmd_hint=self._cmd_hint(),
+                            ttl=planning.DEFAULT_TTL if ttl is None else ttl)
+
+    def plan(self, prepared: PreparedRun, *, preview: bool = True, ttl: float | None = None) -> Plan:
+        """The plan of one node (a fleet of one)."""
+        return self.plan_targets([prepared], preview=preview, ttl=ttl)[0]
+
+    def check_saved_plan(self, saved: Plan) -> tuple[list[str], PreparedRun]:
+        """``runbook apply``: the saved plan's runbook, re-checked against live facts."""
+        loaded = self.load(saved.runbook)
+        kube, nodes = self.connectors(loaded, saved.params)
+        return check_saved_plan(saved, loaded, kube, nodes)
 
     # -- records --------------------------------------------------------------------------------
 
-    def create(self, prepared: api.PreparedRun, plan: Plan | None, *, source: str = "cli",
+    def create(self, prepared: PreparedRun, plan: Plan | None, *, source: str = "cli",
                approval_required: bool = False, note: Mapping[str, Any] | None = None,
-               state: str = "pending") -> str:
+               state: str = "pending", requested_by: str | None = None) -> str:
         run_id = self.journal.create_run(prepared.loaded.name, prepared.params, [prepared.node], source=source,
                                          approval_required=approval_required, state=state)
+        # Why: "the requester cannot approve their own run" needs to know who asked (the CLI's user,
+        # or the server's sender identity).
+        self.journal.append(run_id, "run.requested", by=requested_by or current_user())
         if note:
             self.journal.append(run_id, "run.note", **dict(note))
         if plan is not None:
@@ -109,6 +334,17 @@ class RunService:
         self.journal.append(run_id, "plan", plan_digest=plan.digest, state=plan.state.value,
                             steps=[{"id": s.id, "kind": s.kind, "summary": s.summary} for s in plan.steps])
 
+    def record_blocked(self, run_id: str, reason: str) -> None:
+        """A run that ends before anything changed because its plan (or a guard) blocks it."""
+        self.journal.append(run_id, "run.blocked", reason=reason)
+        self.journal.set_state(run_id, RunState.BLOCKED.value, exit_code=ExitCode.BLOCKED)
+
+    def park(self, run_id: str, plan: Plan, reason: str) -> None:
+        """Leave a run in ``waiting-approval`` for ``plan`` (nobody owns it while it waits)."""
+        self.journal.set_state(run_id, RunState.WAITING_APPROVAL.value)
+        self.journal.append(run_id, "approval.waiting", plan_digest=plan.digest, reason=reason)
+        self.journal.disown(run_id)  # parked on purpose: not "interrupted" when this process exits
+
     def stored_plan(self, run_id: str) -> Plan:
         rec = self.journal.get_run(run_id)
         if rec.plan is None:
@@ -117,6 +353,66 @@ class RunService:
 
     def approve(self, run_id: str, plan_digest: str, approved_by: str | None = None) -> Mapping[str, Any]:
         return self.journal.record_approval(run_id, plan_digest, approved_by or current_user()).summary()
+
+    # -- guards ---------------------------------------------------------------------------------
+
+    def guard_config(self) -> GuardConfig:
+        if self.guards is None:
+            self.guards = self.settings.guard_config()
+        return self.guards
+
+    def check_overrides(self, overrides: Mapping[str, str]) -> None:
+        """Refuse (exit 2) an override the service cannot take: unknown guard, no reason, automatic run."""
+        if overrides and self.automatic:
+            raise UsageError("guard overrides are for people: the server's automatic runs never pass a guard")
+        check_overrides(dict(overrides))
+
+    def guard_verdicts(self, node: str, overrides: Mapping[str, str] | None = None) -> list[GuardVerdict]:
+        """Every run guard's verdict for ``node`` now (nodes this service remediates count as out of
+        service for the GPU budget). Never raises for the cluster's state: an unreadable guard blocks."""
+        given = {} if self.automatic else dict(overrides or {})
+        try:
+            kube = self.settings.kube()
+        except RunbookError as e:
+            return [GuardVerdict("exclusion", False, f"guards cannot be evaluated, so they block: {e}",
+                                 evaluated=False, transient=True)]
+        return evaluate_run_guards(kube, node, self.guard_config(), overrides=given,
+                                   in_flight=sorted(self._in_flight), actor=current_user())
+
+    def guard_blocks(self, nodes: Sequence[str], overrides: Mapping[str, str] | None = None, *,
+                     changing: Sequence[str] | None = None) -> dict[str, str]:
+        """Which of ``nodes`` the guards refuse now, and why (one read of the cluster for all).
+        Read-only, not journaled: ``execute`` evaluates them again before each node's Lease."""
+        if not nodes:
+            return {}
+        given = {} if self.automatic else dict(overrides or {})
+        try:
+            kube = self.settings.kube()
+        except RunbookError as e:
+            return dict.fromkeys(nodes, f"guards cannot be evaluated, so they block: {e}")
+        config = self.guard_config()
+        facts = read_guard_facts(kube, config)
+        out = {}
+        for n in nodes:
+            stops = _stops(judge(facts, n, config, overrides=given, actor=current_user()),
+                           changes=changing is None or n in changing)
+            if stops:
+                out[n] = "; ".join(f"guard {v.name}: {v.reason}" for v in stops)
+        return out
+
+    def _pass_guards(self, run_id: str, node: str, overrides: Mapping[str, str], *, changes: bool) -> str | None:
+        """Under the guard lock: evaluate, journal, and (when they pass) count the node in flight."""
+        verdicts = self.guard_verdicts(node, overrides)
+        self.journal.append(run_id, "guards", node=node, verdicts=[v.as_dict() for v in verdicts])
+        for v in verdicts:
+            if v.overridden is not None:
+                self.journal.append(run_id, "guard.override", guard=v.name, by=v.overridden.by,
+                                    reason=v.overridden.reason, finding=v.reason)
+        stops = _stops(verdicts, changes=changes)
+        if stops:
+            return "; ".join(f"guard {v.name}: {v.reason}" for v in stops)
+        self._in_flight.add(node)
+        return None
 
     # -- execution ------------------------------------------------------------------------------
 
@@ -134,12 +430,19 @@ class RunService:
                 return None
             time.sleep(APPROVAL_POLL_SECONDS)
 
-    def execute(self, run_id: str, prepared: api.PreparedRun, plan: Plan, *,
+    def execute(self, run_id: str, prepared: PreparedRun, plan: Plan, *,
                 cancel: threading.Event | None = None, approved: bool = False,
                 wait_approval: bool = True, resume: bool = False,
-                confirm_rerun: Callable[[str, str], bool] | None = None) -> RunResult:
-        """Take the node's Lease, execute, record the final state, release the Lease."""
+                confirm_rerun: Callable[[str, str], bool] | None = None,
+                overrides: Mapping[str, str] | None = None,
+                nodes_for_run: NodeAutomation | None = None) -> RunResult:
+        """Pass the run guards, take the node's Lease, execute, record the final state, release the
+        Lease. ``overrides``: guard name -> reason (a person's, journaled with who and why).
+        ``nodes_for_run``: the node automation to execute with (a batch's ``SharedPlaybooks``)."""
+        self.check_overrides(overrides or {})
         kube, nodes = self.connectors(prepared.loaded, prepared.params)
+        if nodes_for_run is not None and nodes is not None:
+            nodes = nodes_for_run
         journal = self.journal
         progress = StepProgress(completed=frozenset())
         if resume:
@@ -156,10 +459,33 @@ class RunService:
                                   f"step {progress.interrupted_step} failed and the engine died while rolling "
                                   "it back; nothing was done on resume: check the node and finish by hand")
         journal.set_state(run_id, RunState.RUNNING.value)
+        with self._guard_lock:  # one node at a time, so that a batch's GPU budget counts its own nodes
+            # A resumed run started before (its node's capacity is already taken): only new work
+            # is held to the capacity guards.
+            refused = self._pass_guards(run_id, prepared.node, overrides or {},
+                                        changes=not resume and plan.state is not PlanState.NOTHING_TO_DO)
+        if refused is not None:
+            # A resume stopped by a guard stays resumable; a new run is simply blocked.
+            state = RunState.INTERRUPTED if resume else RunState.BLOCKED
+            return self._stop(run_id, prepared, plan, state, ExitCode.BLOCKED, refused, event="run.blocked")
+        try:
+            return self._locked_execute(run_id, prepared, plan, kube, nodes, progress, cancel=cancel,
+                                        approved=approved, wait_approval=wait_approval, resume=resume,
+                                        confirm_rerun=confirm_rerun)
+        finally:
+            with self._guard_lock:
+                self._in_flight.discard(prepared.node)
+
+    def _locked_execute(self, run_id: str, prepared: PreparedRun, plan: Plan, kube: KubeAPI,
+                        nodes: NodeAutomation | None, progress: StepProgress, *, cancel: threading.Event | None,
+                        approved: bool, wait_approval: bool, resume: bool,
+                        confirm_rerun: Callable[[str, str], bool] | None) -> RunResult:
+        journal = self.journal
         cancel = cancel if cancel is not None else threading.Event()
         lock: NodeLock | None = None
         try:
-            lock = acquire_node_lock(kube, prepared.node, run_id, ttl=self.lock_ttl, wait=self.lock_wait)
+            lock = acquire_node_lock(kube, prepared.node, run_id, ttl=self.lock_ttl, wait=self.lock_wait,
+                                     namespace=self.settings.namespace or DEFAULT_NAMESPACE)
 
             def lost(holder: str) -> None:
                 # Someone else may remediate the node now: stop before the next action (the fence
@@ -217,22 +543,20 @@ class RunService:
             journal.set_state(run_id, result.state.value, exit_code=result.exit_code)
         return result
 
-    def _run_executor(self, prepared: api.PreparedRun, plan: Plan, kube: KubeAPI, nodes: NodeAutomation | None,
+    def _run_executor(self, prepared: PreparedRun, plan: Plan, kube: KubeAPI, nodes: NodeAutomation | None,
                       sink: Any, *, cancel: threading.Event | None, approve: Callable[[str | None], bool | None],
                       approved: bool, confirm_rerun: Callable[[str, str], bool] | None,
                       progress: StepProgress, fence: Callable[[], Mapping[str, Any]] | None = None) -> RunResult:
-        """``engine.api.run``, plus where a resumed run's half-done step stands."""
-        from engine.execution import Executor
-
+        """The executor over this run's plan, told where a resumed run's half-done step stands; ``fence``
+        re-checks the node's Lease right before each action (its token goes into ``action.intent``)."""
         executor = Executor(kube, nodes, events=sink, playbooks_dir=prepared.loaded.playbooks_dir, cancel=cancel,
-                            inventory_cmd_hint=str(self.settings.inventory or "INVENTORY"), fence=fence,
-                            **dict(self.executor_options))
+                            inventory_cmd_hint=self._cmd_hint(), fence=fence, **dict(self.executor_options))
         return executor.execute(plan, prepared.runbook, prepared.params, completed_steps=progress.completed,
                                 started_without_outcome=progress.interrupted_step, confirm_rerun=confirm_rerun,
                                 approve=approve, approved=approved,
                                 interrupted_action_finished=progress.action_finished)
 
-    def _stop(self, run_id: str, prepared: api.PreparedRun, plan: Plan, state: RunState, exit_code: int,
+    def _stop(self, run_id: str, prepared: PreparedRun, plan: Plan, state: RunState, exit_code: int,
               reason: str, *, event: str | None = None) -> RunResult:
         """End (or park, for ``interrupted``) a run before the executor starts."""
         default = {RunState.FAILED: "run.failed", RunState.BLOCKED: "run.blocked"}.get(state, "run.interrupted")
@@ -241,7 +565,7 @@ class RunService:
         return RunResult(state=state, exit_code=exit_code, runbook=prepared.loaded.name, node=prepared.node,
                          plan_digest=plan.digest, reason=reason)
 
-    def prepare_from_record(self, run_id: str) -> tuple[api.PreparedRun, Plan]:
+    def prepare_from_record(self, run_id: str) -> tuple[PreparedRun, Plan]:
         """Rebuild a recorded run (resume, approvals): same runbook, params and plan."""
         rec = self.journal.get_run(run_id)
         plan = self.stored_plan(run_id)
@@ -249,18 +573,130 @@ class RunService:
         if loaded.digest != plan.runbook_digest:
             raise StalePlan(f"runbook {rec.runbook} changed since run {run_id} was planned "
                             f"(planned {plan.runbook_digest[:12]}, now {loaded.digest[:12]})")
-        prepared = api.prepare_run(loaded, dict(rec.params))
+        prepared = prepare_run(loaded, dict(rec.params))
         return prepared, plan
 
+    # -- many nodes -----------------------------------------------------------------------------
 
-def select_fleet(service: RunService, loaded: api.LoadedRunbook, selector: str,
-                 raw_params: Sequence[str]) -> list[api.PreparedRun]:
-    nodes = api.select_nodes(service.settings.kube(), selector)
-    if not nodes:
-        raise UsageError(f"no node matches the selector {selector!r}")
-    return api.prepare_fleet(loaded, list(raw_params), nodes)
+    def run_targets(self, targets: Sequence[PreparedRun], plans: Sequence[Plan], *, max_parallel: int = 1,
+                    settle: float = 0.0, max_failures: int = 1, fail_fast: bool = False,
+                    cancel: threading.Event | None = None, overrides: Mapping[str, str] | None = None,
+                    confirm: Callable[[Sequence[Plan]], None] | None = None,
+                    execute_nothing_to_do: bool = False, source: str = "cli",
+                    sleep: Callable[[float], None] | None = None) -> FleetResult:
+        """Run planned targets: the fleet semantics of ``runbook run -l`` (one node is a fleet of one).
+
+        * A node whose plan is blocked, or whose guards refuse it, is recorded as a blocked run with
+          the reason and left untouched. ``fail_fast``: any such node refuses the whole fleet (every
+          blocked node is still recorded; nothing starts).
+        * A node with nothing to do is recorded as such (``execute_nothing_to_do``: executed anyway,
+          re-checked live, as ``runbook run --node`` always did).
+        * ``confirm(plans)`` is called once with the plans about to change something (it raises to refuse).
+        * The others run in rolling batches of ``max_parallel``, ``settle`` seconds apart; after
+          ``max_failures`` failed nodes no new batch starts (the running batch finishes). A batch's
+          playbook steps run as one ``ansible-playbook`` process over its hosts.
+        * ``cancel`` set: the running batch stops after its current actions; no new batch starts.
+        """
+        self.check_overrides(overrides or {})
+        cancel = cancel if cancel is not None else threading.Event()
+        rows: dict[str, NodeOutcome] = {}
+        blocked_reasons: dict[str, str] = {}
+        candidates: list[tuple[PreparedRun, Plan]] = []
+        for prep, p in zip(targets, plans, strict=True):
+            if p.state is PlanState.BLOCKED:
+                blocked_reasons[p.node] = "; ".join(p.blocked_reasons) or "the plan is blocked"
+            elif p.state is not PlanState.NOTHING_TO_DO or execute_nothing_to_do:
+                candidates.append((prep, p))
+        guarded = self.guard_blocks([prep.node for prep, _ in candidates], overrides,
+                                    changing=[p.node for _, p in candidates if p.state is PlanState.READY])
+        blocked_reasons.update(guarded)
+        todo = [(prep, p) for prep, p in candidates if prep.node not in guarded]
+        for prep, p in zip(targets, plans, strict=True):
+            if p.node in blocked_reasons:
+                run_id = self.create(prep, p, source=source)
+                self.record_blocked(run_id, blocked_reasons[p.node])
+                rows[p.node] = NodeOutcome(p.node, BLOCKED, run_id, 0.0, blocked_reasons[p.node], plan=p)
+        refused = ""
+        if fail_fast and blocked_reasons:
+            refused = (f"--fail-fast: {len(blocked_reasons)} of {len(plans)} nodes are blocked "
+                       f"({', '.join(sorted(blocked_reasons))}); nothing was started")
+            todo = []
+        for prep, p in zip(targets, plans, strict=True):
+            if p.node in rows or any(t.node == p.node for t, _ in todo):
+                continue
+            if p.state is PlanState.NOTHING_TO_DO:
+                run_id = self.create(prep, p, source=source)
+                reason = self._nothing_to_do(run_id, p)
+                rows[p.node] = NodeOutcome(p.node, NOTHING_TO_DO, run_id, 0.0, reason, plan=p)
+            else:  # refused by --fail-fast before it started
+                rows[p.node] = NodeOutcome(p.node, NOT_STARTED, None, 0.0, refused, plan=p)
+        changing = [p for _, p in todo if p.state is PlanState.READY]
+        if changing and confirm is not None:
+            confirm(changing)
+        failures = 0
+        by_node = {prep.node: (prep, p) for prep, p in todo}
+        batches = planning.fleet_batches([prep.node for prep, _ in todo], max_parallel)
+        wait = sleep if sleep is not None else cancel.wait
+        for i, batch in enumerate(batches):
+            if cancel.is_set() or failures >= max_failures:
+                why = "cancelled before its batch started" if cancel.is_set() else \
+                    f"not started: {failures} node{'s' if failures != 1 else ''} failed (--max-failures {max_failures})"
+                for n in batch:
+                    rows[n] = NodeOutcome(n, CANCELLED if cancel.is_set() else NOT_STARTED, None, 0.0, why,
+                                          plan=by_node[n][1])
+                continue
+            if i and settle > 0:
+                wait(settle)
+            for row in self._run_batch([by_node[n] for n in batch], cancel=cancel, overrides=overrides or {},
+                                       source=source):
+                rows[row.node] = row
+                failures += row.outcome == FAILED
+        return FleetResult(tuple(rows[p.node] for p in plans), cancelled=cancel.is_set(), refused=refused)
+
+    def _nothing_to_do(self, run_id: str, plan: Plan) -> str:
+        """Record a fleet node whose plan has nothing to do (no Lease, nothing executed)."""
+        reasons = [s.reason for s in plan.steps if s.reason]
+        reason = "nothing to do" + (f": {reasons[0]}" if reasons else "")
+        self.journal.append(run_id, "run.finish", state=RunState.SUCCEEDED.value, reason=reason)
+        self.journal.set_state(run_id, RunState.SUCCEEDED.value, exit_code=ExitCode.OK)
+        return reason
+
+    def _run_batch(self, batch: Sequence[tuple[PreparedRun, Plan]], *, cancel: threading.Event,
+                   overrides: Mapping[str, str], source: str) -> list[NodeOutcome]:
+        """One rolling batch: each node its own run (journal, guards, Lease, executor) in its own
+        thread, their playbook runs shared (``SharedPlaybooks``)."""
+        first = batch[0][0]
+        shared: SharedPlaybooks | None = None
+        if any(needs_hosts(prep.loaded, prep.params) for prep, _ in batch) and len(batch) > 1:
+            shared = SharedPlaybooks(self.settings.nodes(first.loaded.playbooks_dir), [p.node for p, _ in batch],
+                                     gather_window=self.gather_window)
+
+        def one(prep: PreparedRun, p: Plan) -> NodeOutcome:
+            t0 = time.monotonic()
+            run_id: str | None = None
+            try:
+                run_id = self.create(prep, p, approval_required=p.approval, source=source)
+                result = self.execute(run_id, prep, p, cancel=_NodeCancel(cancel), overrides=overrides,
+                                      nodes_for_run=shared)
+            except RunbookError as e:
+                if run_id is not None:
+                    self.journal.append(run_id, "run.failed", reason=str(e))
+                    self.journal.set_state(run_id, RunState.FAILED.value, exit_code=e.exit_code)
+                return NodeOutcome(prep.node, FAILED, run_id, time.monotonic() - t0, str(e), plan=p)
+            finally:
+                if shared is not None:
+                    shared.leave(prep.node)
+            outcome = _OUTCOME_OF_STATE.get(result.state, FAILED)
+            if outcome == SUCCEEDED and p.state is PlanState.NOTHING_TO_DO:
+                outcome = NOTHING_TO_DO
+            return NodeOutcome(prep.node, outcome, run_id, time.monotonic() - t0, result.reason, result, plan=p)
+
+        if len(batch) == 1:
+            return [one(*batch[0])]
+        with ThreadPoolExecutor(max_workers=len(batch), thread_name_prefix="fleet") as pool:
+            futures = [pool.submit(one, prep, p) for prep, p in batch]
+            return [f.result() for f in futures]
 
 
-__all__ = ["RunService", "needs_hosts", "select_fleet"]
-
-
+__all__ = ["FleetResult", "NodeOutcome", "RunService", "check_saved_plan", "current_user", "needs_hosts",
+           "plan_targets", "select_nodes"]

@@ -1,10 +1,13 @@
 """The engine's ``RunStarter`` for ``runbook serve``: paged runs through the same RunService as the CLI.
 
 ``submit`` only validates params and records the run (it is on the webhook's request path).
-``execute`` (in a worker thread) plans with live facts and previews; an ``approve``-mode run records
-its plan and digest and waits in ``waiting-approval``; an ``auto`` or approved run takes the node
-Lease and executes with the usual guards and verification. The journal is the only state, so runs
-and pending approvals survive a server restart (``recover``).
+``execute`` (in a worker thread) plans with live facts and previews through ``RunService``; a
+blocked plan is recorded as blocked (``RunService.record_blocked``); an ``approve``-mode run is
+parked in ``waiting-approval`` with its plan digest (``RunService.park``); an ``auto`` or approved
+run goes through ``RunService.execute``: the run guards (never overridden here: the service is
+``automatic``), the node Lease, the executor. The journal is the only state, so runs and pending
+approvals survive a server restart (``recover``). This module adapts; it decides nothing the
+service decides for the CLI too.
 """
 
 from __future__ import annotations
@@ -13,23 +16,25 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from engine import api
 from engine.errors import RunbookError, UsageError
 from engine.journal import ACTIVE_STATES, FINAL_STATES
+from engine.loader import list_runbooks
 from engine.model import PlanState, RunState
+from engine.params import prepare_run
 from engine.runs import RunService
 from engine.serve.starter import WEBHOOK_SOURCES, RunOutcome, RunRequest, RunTicket, TriggerSpec
 
 if TYPE_CHECKING:
+    from engine.run_guards import GuardConfig
     from engine.settings import Settings
 
 
 class JournalRunStarter:
     """Implements ``engine.serve.starter.RunStarter`` over ``RunService`` and the journal."""
 
-    def __init__(self, settings: Settings, *, lock_wait: float = 0.0) -> None:
-        self.service = RunService(settings, live=None, lock_wait=lock_wait)
-        loaded, problems = api.list_runbooks(settings.runbooks_dir)
+    def __init__(self, settings: Settings, *, lock_wait: float = 0.0, guards: GuardConfig | None = None) -> None:
+        self.service = RunService(settings, live=None, lock_wait=lock_wait, automatic=True, guards=guards)
+        loaded, problems = list_runbooks(settings.runbooks_dir)
         if problems:
             raise UsageError("; ".join(loc.format(msg) for loc, msg in problems))
         self._runbooks = {lr.name: lr for lr in loaded}
@@ -48,11 +53,12 @@ class JournalRunStarter:
         loaded = self._runbooks.get(request.runbook)
         if loaded is None:
             raise UsageError(f"no runbook named {request.runbook!r}")
-        prepared = api.prepare_run(loaded, dict(request.params), node=request.node)
+        prepared = prepare_run(loaded, dict(request.params), node=request.node)
         run_id = self.service.create(
             prepared, None, source=request.source, approval_required=request.mode == "approve",
             note={"mode": request.mode, "reason": request.reason, "warnings": list(request.warnings),
-                  "dedup_key": request.dedup_key})
+                  "dedup_key": request.dedup_key},
+            requested_by=request.requested_by or request.source)
         return RunTicket(run_id=run_id, state=RunState.PENDING.value)
 
     def execute(self, run_id: str) -> RunOutcome:
@@ -83,7 +89,7 @@ class JournalRunStarter:
                               f"executed by another process (pid {rec.owner_pid} on {rec.owner_host})")
         loaded = self._runbooks[rec.runbook]
         if rec.plan is None:
-            prepared = api.prepare_run(loaded, dict(rec.params))
+            prepared = prepare_run(loaded, dict(rec.params))
             plan = self.service.plan(prepared, preview=rec.approval_required)
             self.service.record_plan(run_id, plan)
             resume = False
@@ -92,14 +98,10 @@ class JournalRunStarter:
             resume = interrupted or bool(self.journal.step_progress(run_id)[0])
         if plan.state is PlanState.BLOCKED:
             reason = "; ".join(plan.blocked_reasons)
-            self.journal.append(run_id, "run.blocked", reason=reason)
-            self.journal.set_state(run_id, RunState.BLOCKED.value, exit_code=3)
+            self.service.record_blocked(run_id, reason)
             return RunOutcome(run_id, RunState.BLOCKED.value, plan.digest, 3, reason)
         if rec.approval_required and rec.approved_digest != plan.digest:
-            self.journal.set_state(run_id, RunState.WAITING_APPROVAL.value)
-            self.journal.append(run_id, "approval.waiting", plan_digest=plan.digest,
-                                reason="approve-mode run: POST /runs/{id}/approve with this plan_digest")
-            self.journal.disown(run_id)  # parked on purpose: not "interrupted" when this server exits
+            self.service.park(run_id, plan, "approve-mode run: POST /runs/{id}/approve with this plan_digest")
             return RunOutcome(run_id, RunState.WAITING_APPROVAL.value, plan.digest, None, "waiting for approval")
         result = self.service.execute(run_id, prepared, plan, approved=True, wait_approval=False, resume=resume)
         return RunOutcome(run_id, result.state.value, plan.digest, result.exit_code, result.reason)
@@ -114,8 +116,11 @@ class JournalRunStarter:
         rec = self.journal.get_run(run_id)
         events = self.journal.events(run_id)
         notes = [e.data for e in events if e.kind == "run.note"]
+        requested = [e.data.get("by") for e in events if e.kind == "run.requested"]
         return {**rec.summary(), "plan": rec.plan, "warnings": notes[0].get("warnings", []) if notes else [],
                 "reason": notes[0].get("reason", "") if notes else "",
+                "dedup_key": notes[0].get("dedup_key", "") if notes else "",
+                "requested_by": requested[0] if requested else None,
                 "outcome_reason": outcome_reason(events),
                 "events": [e.as_dict() for e in events]}
 

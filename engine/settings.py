@@ -12,11 +12,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engine.errors import UsageError
+from engine.errors import KubeError, UsageError
 
 if TYPE_CHECKING:
     from engine.connectors.base import KubeAPI, NodeAutomation
     from engine.journal import Journal
+    from engine.run_guards import GuardConfig
 
 
 @dataclass
@@ -29,6 +30,10 @@ class Settings:
     become_password_file: Path | None = None
     ask_become_pass: bool = False
     debug: bool = False
+    guards_config: Path | None = None  # a YAML file with a ``guards:`` section (``engine.run_guards``)
+    namespace: str | None = None  # where the node Leases live (None: ``engine.locks.DEFAULT_NAMESPACE``)
+    request_timeout: float | None = None  # seconds an API request may take (None: the connector's default)
+    no_tty: bool = False  # plain progress lines even on a terminal (``engine.live``)
     _cache: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def become_password(self) -> str | None:
@@ -58,21 +63,68 @@ class Settings:
             # Inside a pod with no kubeconfig at hand: the service account's in-cluster config.
             in_cluster = (self.kubeconfig is None and "KUBERNETES_SERVICE_HOST" in os.environ
                           and not (Path.home() / ".kube" / "config").exists())
-            self._cache["kube"] = KubeConnector(kubeconfig=self.kubeconfig, context=self.context,
-                                                in_cluster=in_cluster)
+            if not in_cluster:
+                self._check_kubeconfig()
+            read = self.request_timeout or 30.0
+            try:
+                self._cache["kube"] = KubeConnector(kubeconfig=self.kubeconfig, context=self.context,
+                                                    in_cluster=in_cluster, read_timeout=read,
+                                                    connect_timeout=min(5.0, read))
+            except KubeError as e:
+                raise UsageError(f"{e}\n{self.kube_hint()}") from None
         return self._cache["kube"]
+
+    def kubeconfig_used(self) -> str:
+        """The kubeconfig this command reads, as a person would name it."""
+        if self.kubeconfig:
+            return self.kubeconfig
+        return f"{Path.home() / '.kube' / 'config'} (the default)"
+
+    def kube_hint(self) -> str:
+        """Which kubeconfig and context were used, and how to choose others (for errors)."""
+        ctx = f"context {self.context}" if self.context else "its current context"
+        return (f"  used kubeconfig {self.kubeconfig_used()}, {ctx}; choose another with --kubeconfig FILE "
+                f"(or env KUBECONFIG) and --context NAME")
+
+    def inventory_hint(self) -> str:
+        where = str(self.inventory) if self.inventory else "none"
+        return f"  used inventory {where}; choose another with --inventory FILE (or env RUNBOOK_INVENTORY)"
+
+    def _check_kubeconfig(self) -> None:
+        """A kubeconfig that is not there is a usage error (exit 2), said before anything is tried."""
+        files = [f for f in (self.kubeconfig or "").split(os.pathsep) if f]
+        if not files:
+            default = Path.home() / ".kube" / "config"
+            if not default.exists():
+                raise UsageError(f"no kubeconfig: {default} does not exist and neither --kubeconfig nor KUBECONFIG "
+                                 f"is set\n  give --kubeconfig FILE or set KUBECONFIG (inside a pod, the service "
+                                 f"account is used when no kubeconfig is given)")
+            return
+        missing = [f for f in files if not Path(f).is_file()]
+        if len(missing) == len(files):
+            raise UsageError(f"kubeconfig {self.kubeconfig} not found (from --kubeconfig or env KUBECONFIG)\n"
+                             f"  give --kubeconfig FILE or set KUBECONFIG to an existing file")
 
     def nodes(self, playbooks_dir: Path) -> NodeAutomation:
         if "nodes" not in self._cache:
             if self.inventory is None:
-                raise UsageError("this runbook needs node hosts: give --inventory or set RUNBOOK_INVENTORY")
+                raise UsageError("this runbook needs node hosts: give --inventory FILE or set RUNBOOK_INVENTORY")
             if not self.inventory.exists():
-                raise UsageError(f"{self.inventory}: inventory not found")
+                raise UsageError(f"{self.inventory}: inventory not found (from --inventory or env RUNBOOK_INVENTORY)"
+                                 f"\n  give --inventory FILE or set RUNBOOK_INVENTORY to an existing inventory")
             from engine.connectors.ansible import AnsibleConnector
 
             self._cache["nodes"] = AnsibleConnector(self.inventory, playbooks_dir,
                                                     become_password=self.become_password())
         return self._cache["nodes"]
+
+    def guard_config(self) -> GuardConfig:
+        """The run guards' configuration: ``--guards-config`` (its ``guards:`` section), else the defaults."""
+        if "guards" not in self._cache:
+            from engine.run_guards import load_guard_config
+
+            self._cache["guards"] = load_guard_config(self.guards_config)
+        return self._cache["guards"]
 
     def open_journal(self) -> Journal:
         if "journal" not in self._cache:

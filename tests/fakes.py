@@ -8,6 +8,9 @@
 * ``FakeNodes`` (``NodeAutomation``): scripted ``HostFacts`` per host; ``run_playbook`` records the
   run, applies a scripted effect (a function of the facts) and returns fresh facts like
   ``tasks/facts.yml`` does.
+* ``install_gpu_host``: the shipped flagship's playbooks on a fake omen2, kubelet coming back by
+  itself after swap-off or not, and vfio-manager killing the host's CUDA jobs when kubelet comes back
+  before the relabel.
 
 Failures are scripted with ``fail`` mappings (method name -> exception or list of exceptions).
 """
@@ -441,8 +444,8 @@ def incident_node(name: str = "omen2") -> NodeFacts:
                      allocatable={"cpu": "16", "memory": "64Gi", "nvidia.com/gpu": "0"})
 
 
-def incident_host(name: str = "omen2") -> HostFacts:
-    return make_host(name, swap=True, fstab_swap=True, kubelet="activating", journal=SWAP_REFUSAL)
+def incident_host(name: str = "omen2", cuda: int = 0) -> HostFacts:
+    return make_host(name, swap=True, fstab_swap=True, kubelet="activating", journal=SWAP_REFUSAL, cuda=cuda)
 
 
 def healthy_node(name: str = "omen2") -> NodeFacts:
@@ -475,3 +478,83 @@ def install_recovery_effects(kube: FakeKube, nodes: FakeNodes, *, ready_after: f
 
     nodes.effects["swap-off.yml"] = swap_off
     nodes.effects["restart-kubelet.yml"] = restart_kubelet
+
+
+# ------------------------------------------------------------------------------------------------
+# The shipped flagship's host, with the behaviour its step order guards against
+# ------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class KubeletComeback:
+    """One time kubelet came back on a fake GPU host: why, and the workload label at that moment."""
+
+    cause: str  # "restart-kubelet.yml" or "auto-restart"
+    label: str | None
+    killed: tuple[int, ...]  # host CUDA pids vfio-manager killed then
+
+
+@dataclasses.dataclass
+class GpuHostLog:
+    """What happened to a fake GPU host, seen from outside the engine, in order.
+
+    ``effects``: ``label=<value>`` for each label PATCH (the API server's view), then the playbook
+    names as they acted (the host's view); ``comebacks``: each time kubelet came back."""
+
+    effects: list[str] = dataclasses.field(default_factory=list)
+    comebacks: list[KubeletComeback] = dataclasses.field(default_factory=list)
+
+
+def install_gpu_host(kube: FakeKube, nodes: FakeNodes, node: str = "omen2", *, auto_restart: bool,
+                     ready_after: float = 5.0, gpu_after: float = 10.0) -> GpuHostLog:
+    """What the shipped gpu-node-recovery's playbooks do to a fake omen2, and what the GPU Operator does next.
+
+    * ``swap-off.yml``: swap off, fstab's swap entry commented out. With ``auto_restart`` kubelet's
+      own ``Restart=always`` brings it back at once (a real node's systemd; the lab's); without it
+      kubelet stays down (``systemctl stop kubelet``) until ``restart-kubelet.yml``.
+    * ``restart-kubelet.yml``: kubelet comes back unless swap is still on (it refuses again).
+    * Whenever kubelet comes back while the node's workload label is not ``container``, vfio-manager
+      rebinds the GPU to vfio-pci and kills every host CUDA job (the incident's danger); the node then
+      never advertises nvidia.com/gpu. Otherwise it turns Ready ``ready_after`` s later and
+      advertises its GPU ``gpu_after`` s later (fake time; 0: at once).
+
+    Returns the log, appended to as things happen (tests assert it, not only the run's outcome).
+    """
+    log = GpuHostLog()
+
+    def label_patched(name: str, patch: Any) -> None:
+        labels = ((patch.get("metadata") or {}).get("labels") or {}) if isinstance(patch, dict) else {}
+        if name == node and GPU_LABEL in labels:
+            log.effects.append(f"label={labels[GPU_LABEL]}")
+
+    def come_back(fn: FakeNodes, cause: str) -> None:
+        h = fn.hosts[node]
+        assert isinstance(h, HostFacts)
+        label = kube.nodes[node].labels.get(GPU_LABEL) if node in kube.nodes else None
+        killed: tuple[int, ...] = ()
+        changes: dict[str, Any] = {"services": {**h.services, "kubelet": ServiceFacts("kubelet", "active")}}
+        if label != "container":
+            killed = tuple(p.pid for p in h.cuda_processes)
+            changes.update(cuda_processes=(), gpus=tuple(replace(g, driver="vfio-pci") for g in h.gpus))
+        fn.update(node, **changes)
+        log.comebacks.append(KubeletComeback(cause, label, killed))
+        fn.clock.after(ready_after, lambda: kube.set_ready(node, True))
+        if not killed:
+            fn.clock.after(gpu_after, lambda: kube.set_allocatable(node, "nvidia.com/gpu", "1"))
+
+    def swap_off(fn: FakeNodes, host: str, _: Mapping[str, Any]) -> None:
+        log.effects.append("swap-off.yml")
+        fn.update(host, swap_devices=(), fstab_active_swap=())
+        if auto_restart:
+            come_back(fn, "auto-restart")
+
+    def restart_kubelet(fn: FakeNodes, host: str, _: Mapping[str, Any]) -> None:
+        log.effects.append("restart-kubelet.yml")
+        h = fn.hosts[host]
+        assert isinstance(h, HostFacts)
+        if not h.swap_active:
+            come_back(fn, "restart-kubelet.yml")
+
+    kube.on_patch = label_patched
+    nodes.effects["swap-off.yml"] = swap_off
+    nodes.effects["restart-kubelet.yml"] = restart_kubelet
+    return log

@@ -449,7 +449,7 @@ class AnsibleConnector:
         self.forks = forks
         self.ssh_timeout = ssh_timeout
         self.control_persist = control_persist
-        # None: the playbook's default ([kubelet], 20 lines) or the inventory's variables
+        # None: the playbook's default ([kubelet, containerd], 20 lines) or the inventory's variables
         self.facts_services = tuple(facts_services) if facts_services is not None else None
         self.journal_lines = journal_lines
         self.facts_become = become_password is not None if facts_become is None else facts_become

@@ -36,6 +36,9 @@ namespace it is bind-mounted at ``/run/runbook-lab``). It holds:
      "cuda_jobs": [{"pid": 4242, "name": "python3", "used_memory_mib": 20480}],
      "cuda_jobs_killed": 0}
 
+``units.<name>.start_error`` (optional, set by tests: ``{"status": 1, "lines": ["level=fatal ..."]}``)
+makes ``systemctl start/restart`` of that unit fail like systemd: its lines and systemd's in the
+journal, the unit ``failed``, rc 1. ``crictl info`` answers while ``units.containerd`` is active.
 ``units.<name>.active`` is what ``systemctl is-active`` prints. ``desired`` is what systemd was last
 asked for (``running`` or ``stopped``); ``generation`` grows with each start/restart request, so the
 simulator notices a restart even when the state did not change. The shims under ``lab/shims/`` carry

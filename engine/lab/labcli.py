@@ -38,8 +38,46 @@ def _lab_dir_option(func: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def _say(message: str) -> None:
-    click.echo(message, err=True)
+class _Phases:
+    """What a long lab command waits for: a rich status line (spinner, phase, seconds) on a terminal,
+    one plain line per phase with its start time otherwise (pipes, CI, NO_COLOR)."""
+
+    def __init__(self) -> None:
+        import os
+        import time
+
+        self._clock = time.monotonic
+        self.t0 = self._clock()
+        self.live = sys.stderr.isatty() and "NO_COLOR" not in os.environ
+        self._status: Any = None
+        self._phase = ""
+        self._phase_t0 = self.t0
+
+    def __call__(self, message: str) -> None:
+        now = self._clock()
+        if not self.live:
+            click.echo(f"[{now - self.t0:5.1f}s] {message}", err=True)
+            return
+        from rich.console import Console
+
+        if self._status is None:
+            self._status = Console(stderr=True).status(message)
+            self._status.start()
+        elif self._phase:
+            self._status.console.print(f"[green]✓[/] {self._phase} [dim]({now - self._phase_t0:.1f} s)[/]",
+                                       highlight=False)
+        self._phase, self._phase_t0 = message, now
+        self._status.update(message)
+
+    def __enter__(self) -> _Phases:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._status is not None:
+            if self._phase and exc[0] is None:
+                self._status.console.print(
+                    f"[green]✓[/] {self._phase} [dim]({self._clock() - self._phase_t0:.1f} s)[/]", highlight=False)
+            self._status.stop()
 
 
 @click.group("lab")
@@ -65,8 +103,9 @@ def up_command(lab: Any, scenario: Path | None, timeout: float, with_monitoring:
 
     Alertmanager's bearer token is $RUNBOOK_WEBHOOK_TOKEN (or a new one): `runbook lab env` exports it
     for `runbook serve`."""
-    summary = lab.up(scenario, timeout=timeout, progress=_say, with_monitoring=with_monitoring,
-                     alert_webhook=alert_webhook, monitoring_rules=monitoring_rules)
+    with _Phases() as say:
+        summary = lab.up(scenario, timeout=timeout, progress=say, with_monitoring=with_monitoring,
+                         alert_webhook=alert_webhook, monitoring_rules=monitoring_rules)
     for line in summary["started"] or ["nothing new: the lab was already running"]:
         click.echo(f"started {line}" if summary["started"] else line)
     click.echo(f"lab ready in {summary['lab_dir']}: eval \"$(runbook lab env)\" to use it")
@@ -140,7 +179,8 @@ def job_stop(lab: Any, node: str) -> None:
 @_lab_dir_option
 def reset_command(lab: Any, timeout: float) -> None:
     """Back to the scenario's initial state (host files and state, API objects, Leases, counters)."""
-    result = lab.reset(timeout=timeout, progress=_say)
+    with _Phases() as say:
+        result = lab.reset(timeout=timeout, progress=say)
     click.echo(f"lab reset to its initial state in {result['seconds']} s")
 
 

@@ -393,14 +393,19 @@ class Lab:
         if not self.running():
             raise LabError(f"the lab in {self.dir} is not (fully) running: `runbook lab down` then `up`")
         scenario = self.scenario()
+        progress("stopping the simulator")
         self._stop_simulator(record)
         kube = self.kube()
         try:
+            progress("removing the scenario's API objects and Leases")
             sim_seed.wipe_cluster(kube, scenario)
+            progress("restoring the node hosts' files and state")
             self._initialise_hosts(scenario, record)
             for host in record["hosts"].values():
                 self._write_host_file(host, "/etc/fstab", host["fstab"])
+            progress("creating the scenario's nodes, pods and VirtualMachines")
             sim_seed.seed_cluster(kube, scenario, self._addresses(record), self._host_states(record))
+            progress("starting the simulator")
             self._start_simulator(record)
             self._wait_for_scenario(kube, scenario, timeout, progress)
         finally:

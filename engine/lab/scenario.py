@@ -89,6 +89,9 @@ class SwapDevice(_Model):
     used: int = 0
     uuid: str | None = None
     in_fstab: bool = True  # listed (active) in the host's /etc/fstab when ``fstab`` is generated
+    # not in fstab: true = a .swap unit file turns it on (/etc/systemd/system); false = turned on by
+    # hand with swapon (systemd shows a transient unit, no unit file; it does not come back at boot)
+    unit_file: bool = True
     description: str | None = None  # systemd unit description (zram: "Compressed Swap on /dev/zram0")
 
     @field_validator("size", "used", mode="before")

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
+import time
+from collections.abc import Mapping
 from datetime import datetime
 from typing import Any, Literal
 
@@ -81,26 +84,134 @@ def format_validation_error(e: ValidationError, limit: int = 5) -> str:
     return "; ".join(parts)
 
 
+# A lone surrogate can only enter through a ``\uD800``-``\uDFFF`` escape (raw surrogate bytes are not
+# UTF-8 and fail to decode), so bodies without such an escape need no walk.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+TRUNCATED = "...[truncated]"
+
+
+def _lone_surrogate(value: Any, path: str) -> str | None:
+    """The path of the first string (key or value) holding a lone surrogate, or None."""
+    stack: list[tuple[Any, str]] = [(value, path)]
+    while stack:
+        v, p = stack.pop()
+        if isinstance(v, str):
+            if _SURROGATE.search(v):
+                return p or "(body)"
+        elif isinstance(v, dict):
+            for k, item in v.items():
+                if _SURROGATE.search(k):
+                    return f"{p}.{k.encode('utf-8', 'backslashreplace').decode()}" if p else "(a key)"
+                stack.append((item, f"{p}.{k}" if p else k))
+        elif isinstance(v, list):
+            stack.extend((item, f"{p}[{i}]") for i, item in enumerate(v))
+    return None
+
+
 def load_json(body: bytes) -> Any:
-    """Raw bytes -> JSON value, or PayloadError naming the position of the first problem."""
+    """Raw bytes -> JSON value, or PayloadError naming the position of the first problem.
+
+    Text must be valid Unicode: a lone surrogate (``"\ud800"``) is refused here, before anything
+    could store it and fail to write it back out."""
     if not body:
         raise PayloadError("empty body: expected a JSON object")
     try:
-        return json.loads(body.decode("utf-8"))  # RFC 8259: JSON between systems is UTF-8
+        data = json.loads(body.decode("utf-8"))  # RFC 8259: JSON between systems is UTF-8
     except UnicodeDecodeError as e:
         raise PayloadError(f"body is not UTF-8: {e.reason} at byte {e.start}") from e
     except json.JSONDecodeError as e:
         raise PayloadError(f"body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from e
     except RecursionError as e:
         raise PayloadError("body is nested too deeply") from e
+    if _SURROGATE_ESCAPE.search(body):
+        where = _lone_surrogate(data, "")
+        if where is not None:
+            raise PayloadError(f"{where}: text is not valid Unicode (a lone surrogate \\uD800-\\uDFFF)")
+    return data
 
 
-def parse_webhook(body: bytes) -> WebhookPayload:
-    """Bytes of an Alertmanager webhook -> ``WebhookPayload``; PayloadError when malformed."""
+def _bounded_text(where: str, values: Any, *, max_entries: int, max_bytes: int) -> Any:
+    """Label/annotation maps: at most ``max_entries`` entries (else PayloadError); values longer than
+    ``max_bytes`` are cut and end with ``...[truncated]``. Other types are left to the model."""
+    if not isinstance(values, Mapping):
+        return values
+    if len(values) > max_entries:
+        raise PayloadError(f"{where}: {len(values)} entries, more than the limit of {max_entries}")
+    short = max_bytes // 4  # a string of at most this many characters is at most max_bytes in UTF-8
+    for k, v in values.items():
+        if (isinstance(k, str) and len(k) > short) or (isinstance(v, str) and len(v) > short):
+            break
+    else:
+        return values  # the common case: nothing to cut
+    out: dict[Any, Any] = {}
+    for k, v in values.items():
+        if isinstance(k, str) and len(k) > max_bytes:
+            raise PayloadError(f"{where}: a name is longer than {max_bytes} characters")
+        if isinstance(v, str) and len(v.encode("utf-8")) > max_bytes:
+            v = v.encode("utf-8")[: max_bytes - len(TRUNCATED)].decode("utf-8", "ignore") + TRUNCATED
+        out[k] = v
+    return out
+
+
+def parse_alertmanager(body: bytes, *, max_alerts: int = 1000, max_labels: int = 64,
+                       max_value_bytes: int = 1024) -> tuple[WebhookPayload, int]:
+    """Bytes of an Alertmanager webhook -> (``WebhookPayload``, alerts beyond ``max_alerts``, dropped).
+
+    Validated one alert at a time, yielding the interpreter between alerts: a single model
+    validation of a 2 MB payload would hold the GIL long enough to stall the event loop."""
     data = load_json(body)
     if not isinstance(data, dict):
         raise PayloadError(f"expected a JSON object, got {type(data).__name__}")
+    raw_alerts = data.get("alerts")
+    if not isinstance(raw_alerts, list):
+        raw_alerts = None
+    head = {**data, "alerts": []} if raw_alerts is not None else dict(data)
+    for key in ("groupLabels", "commonLabels", "commonAnnotations"):
+        if key in head:
+            head[key] = _bounded_text(key, head[key], max_entries=max_labels, max_bytes=max_value_bytes)
+    kept = [_bounded_alert(i, raw, max_labels, max_value_bytes)
+            for i, raw in enumerate((raw_alerts or [])[:max_alerts])]
+    dropped = len(raw_alerts or []) - len(kept)
+    if len(kept) <= 20:  # small (the common case): one validation is cheapest
+        try:
+            return WebhookPayload.model_validate({**head, "alerts": kept} if raw_alerts is not None else head), dropped
+        except ValidationError as e:
+            raise PayloadError(f"not an Alertmanager v4 webhook: {format_validation_error(e)}") from e
     try:
-        return WebhookPayload.model_validate(data)
+        payload = WebhookPayload.model_validate(head)
     except ValidationError as e:
         raise PayloadError(f"not an Alertmanager v4 webhook: {format_validation_error(e)}") from e
+    alerts: list[Alert] = []
+    for i, raw in enumerate(kept):
+        if i % 20 == 19:
+            time.sleep(0)  # let the event loop's thread run (see the docstring)
+        try:
+            alerts.append(Alert.model_validate(raw))
+        except ValidationError as e:
+            msg = format_validation_error(e).replace("(body)", "", 1)
+            raise PayloadError(f"not an Alertmanager v4 webhook: alerts[{i}]"
+                               f"{'.' if not msg.startswith(':') else ''}{msg}") from e
+    return payload.model_copy(update={"alerts": tuple(alerts)}), dropped
+
+
+def _bounded_alert(i: int, raw: Any, max_labels: int, max_value_bytes: int) -> Any:
+    """One raw alert with its label/annotation maps bounded (copied only when something changes)."""
+    if not isinstance(raw, dict):
+        return raw
+    out = raw
+    for key in ("labels", "annotations"):
+        value = raw.get(key)
+        if value is not None:
+            bounded = _bounded_text(f"alerts[{i}].{key}", value, max_entries=max_labels, max_bytes=max_value_bytes)
+            if bounded is not value:
+                out = {**out, key: bounded}
+    fp = raw.get("fingerprint")
+    if isinstance(fp, str) and len(fp) > 128:  # a key we keep in memory: bounded
+        out = {**out, "fingerprint": "sha256-" + hashlib.sha256(fp.encode("utf-8")).hexdigest()}
+    return out
+
+
+def parse_webhook(body: bytes) -> WebhookPayload:
+    """Bytes of an Alertmanager webhook -> ``WebhookPayload`` (default limits); PayloadError when malformed."""
+    return parse_alertmanager(body)[0]

@@ -1,31 +1,31 @@
 """The HTTP face of ``runbook serve``: a Starlette ASGI app (run it with uvicorn).
 
-Routes::
+Routes (roles from ``engine.serve.access``)::
 
-    POST /hooks/alertmanager   Alertmanager webhook v4 (Bearer token or basic auth, password = token)
-    POST /hooks/pagerduty      PagerDuty v3 webhook (X-PagerDuty-Signature verified before parsing)
-    GET  /healthz              liveness + worker/breaker status
-    GET  /metrics              Prometheus text format
-    GET  /runs[?limit=N]       runs, newest first          (token when protect_reads)
-    GET  /runs/{id}            one run (404 if unknown)    (token when protect_reads)
-    POST /runs/{id}/approve    {"plan_digest": "...", "approved_by": "..."} (token when set)
-    GET  /breaker              breaker state
-    POST /breaker/reset        {"node": N} | {"runbook": R} | {} = everything (token when set)
-    GET  /triggers             the trigger index
+    POST /hooks/alertmanager   Alertmanager webhook v4                      sender
+    POST /hooks/pagerduty      PagerDuty v3 webhook (signature, then fresh signed time, then replay)
+    GET  /healthz              liveness + worker/breaker status             open
+    GET  /metrics              Prometheus text format                       reads
+    GET  /runs[?limit=N]       runs, newest first                           reads
+    GET  /runs/{id}            one run (404 if unknown)                     reads
+    POST /runs/{id}/approve    {"plan_digest": "..."}                       approver (recorded by name)
+    GET  /breaker              breaker state                                reads
+    POST /breaker/reset        {"node": N} | {"runbook": R} | {} = everything   approver
+    GET  /triggers             the trigger index                            reads
 
-Each handler authenticates, reads a bounded body, parses at the boundary (bad input is a 4xx with
-a clear message, never a 500) and hands typed values to the ``Dispatcher`` in a thread, so the
-event loop never blocks. This module decides nothing about runs.
+("reads": open, or a reader/approver credential, per ``auth.reads``.) Every request but
+``/healthz`` must carry an allowed ``Host`` (and ``Origin``, when a browser sends one); every POST
+must be ``application/json``. Each handler authenticates, reads a bounded body under a deadline and
+a server-wide byte budget, parses at the boundary off the event loop (bad input is a 4xx with a
+clear message, never a 500) and hands typed values to the ``Dispatcher`` in a thread, so the event
+loop never blocks. This module decides nothing about runs.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
-import hmac
+import asyncio
 import json
 import logging
-import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
@@ -33,16 +33,18 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse as StarletteJSON
 from starlette.responses import Response
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.errors import StalePlan, UsageError
-from engine.serve.alertmanager import PayloadError, load_json, parse_webhook
+from engine.serve.access import Access, Identity
+from engine.serve.alertmanager import PayloadError, WebhookPayload, load_json, parse_alertmanager
 from engine.serve.cluster import ClusterView
 from engine.serve.config import ServeConfig
-from engine.serve.dispatcher import Decision, Dispatcher, NotFound, summarize
+from engine.serve.dispatcher import Decision, Dispatcher, NotFound, SelfApproval, summarize
 from engine.serve.guards import Guards, ReplayGuard
 from engine.serve.metrics import ServeMetrics
 from engine.serve.notify import Notifier
@@ -50,8 +52,12 @@ from engine.serve.pagerduty import (
     MAX_BODY_BYTES,
     SIGNATURE_HEADER,
     WEBHOOK_ID_HEADER,
+    Delivery,
     SignatureMismatch,
     SignatureMissing,
+    StaleDelivery,
+    check_fresh,
+    content_key,
     header_signatures,
     parse_delivery,
     verify_signature,
@@ -62,11 +68,23 @@ from engine.serve.worker import WorkerPool
 
 log = logging.getLogger(__name__)
 _SMALL_BODY = 64 * 1024
-_APPROVER = re.compile(r"^[\w.@+ -]{1,100}$")
+# Bodies up to this size are parsed on the event loop (well under a millisecond: cheaper than the
+# hop to a thread); larger ones in a worker thread, validated in pieces (see parse_alertmanager).
+_INLINE_PARSE_BYTES = 32 * 1024
+_HELD = "runbook.body_bytes"  # scope key: bytes of the byte budget this request holds
+_JSON_POSTS = frozenset({"/hooks/alertmanager", "/hooks/pagerduty", "/breaker/reset"})
 
 
 class BodyTooLarge(Exception):
     pass
+
+
+class BodyTimeout(Exception):
+    """The body did not arrive within ``limits.body_timeout``."""
+
+
+class ServerBusy(Exception):
+    """Too many bodies in flight, or the byte budget is spent: 503, try again."""
 
 
 def _plain(value: Any) -> Any:
@@ -78,52 +96,96 @@ def _plain(value: Any) -> Any:
 
 
 class JSONResponse(StarletteJSON):
-    """JSON that also takes read-only mappings and tuples (run summaries may hold them)."""
+    """JSON that also takes read-only mappings and tuples (run summaries may hold them).
+
+    Always renders: text that is not valid Unicode (a lone surrogate that reached a record by some
+    other path) is written as a ``\\udXXX`` escape instead of failing the answer."""
 
     def render(self, content: Any) -> bytes:
-        return json.dumps(content, default=_plain, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+        text = json.dumps(content, default=_plain, ensure_ascii=False, separators=(",", ":"))
+        return text.encode("utf-8", "backslashreplace")
 
 
 def _error(status: int, message: str, **extra: Any) -> JSONResponse:
     return JSONResponse({"error": message, **extra}, status_code=status)
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The raw body, or BodyTooLarge as soon as more than ``limit`` bytes are announced or read."""
+def _closing(status: int, message: str) -> JSONResponse:
+    """An error after which the connection is closed (its unread body is abandoned)."""
+    return JSONResponse({"error": message}, status_code=status, headers={"Connection": "close"})
+
+
+class BodyBudget:
+    """Bodies being received at once and the bytes they hold, server-wide (event-loop only: no lock)."""
+
+    def __init__(self, max_reads: int, max_bytes: int) -> None:
+        self.max_reads, self.max_bytes = max_reads, max_bytes
+        self.reads = 0
+        self.bytes = 0
+
+    def take(self, n: int) -> None:
+        if self.bytes + n > self.max_bytes:
+            raise ServerBusy
+        self.bytes += n
+
+
+async def read_body(request: Request, limit: int, *, budget: BodyBudget | None = None,
+                    timeout: float = 10.0) -> bytes:
+    """The raw body, or BodyTooLarge as soon as more than ``limit`` bytes are announced or read,
+    BodyTimeout when it does not arrive within ``timeout``, ServerBusy when the budget is spent.
+
+    The bytes stay counted against ``budget`` until ``release_body`` (the handler is done)."""
+    budget = budget or BodyBudget(1, limit)
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise BodyTooLarge
-    size = 0
-    chunks: list[bytes] = []
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise BodyTooLarge
-        chunks.append(chunk)
-    return b"".join(chunks)
+    if budget.reads >= budget.max_reads:
+        raise ServerBusy
+    budget.reads += 1
+    held = 0
+    try:
+        if declared.isdigit():
+            budget.take(int(declared))
+            held = int(declared)
+        size = 0
+        chunks: list[bytes] = []
+        async with asyncio.timeout(timeout):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise BodyTooLarge
+                if size > held:
+                    budget.take(size - held)
+                    held = size
+                chunks.append(chunk)
+    except TimeoutError as e:
+        budget.bytes -= held
+        raise BodyTimeout from e
+    except BaseException:
+        budget.bytes -= held
+        raise
+    finally:
+        budget.reads -= 1
+    request.scope[_HELD] = held
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-def token_ok(request: Request, token: str | None) -> bool:
-    """``Authorization: Bearer <token>`` or basic auth with the token as password (any user)."""
-    if not token:
-        return True
-    scheme, _, cred = request.headers.get("authorization", "").partition(" ")
-    cred = cred.strip()
-    expected = token.encode("utf-8")
-    if scheme.lower() == "bearer":
-        return hmac.compare_digest(cred.encode("utf-8"), expected)
-    if scheme.lower() == "basic":
-        try:
-            _, _, password = base64.b64decode(cred, validate=True).decode("utf-8").partition(":")
-        except (binascii.Error, UnicodeDecodeError):
-            return False
-        return hmac.compare_digest(password.encode("utf-8"), expected)
-    return False
+def release_body(request: Request, budget: BodyBudget) -> None:
+    held = request.scope.pop(_HELD, 0)
+    if held:
+        budget.bytes -= held
 
 
 def _unauthorized() -> JSONResponse:
+    # Why close: an unauthenticated client must not keep a connection by trickling its body
     return JSONResponse({"error": "missing or wrong credentials (Authorization: Bearer <token>)"},
-                        status_code=401, headers={"WWW-Authenticate": 'Bearer realm="runbook"'})
+                        status_code=401, headers={"WWW-Authenticate": 'Bearer realm="runbook"',
+                                                  "Connection": "close"})
+
+
+def _forbidden_role(who: Identity, needs: str) -> JSONResponse:
+    return JSONResponse({"error": f"credential of {who.name} ({who.role}) may not {needs}"}, status_code=403,
+                        headers={"Connection": "close"})
 
 
 def _answer(decisions: list[Decision], **extra: Any) -> tuple[JSONResponse, str]:
@@ -133,47 +195,114 @@ def _answer(decisions: list[Decision], **extra: Any) -> tuple[JSONResponse, str]
     return JSONResponse(body, status_code=status), outcome
 
 
+class HostGuard:
+    """ASGI middleware: refuse requests whose ``Host`` (or browser ``Origin``) is not ours (DNS
+    rebinding, cross-site posts), and POSTs that are not ``application/json`` (HTML forms can send
+    only form types without a CORS preflight). ``/healthz`` is exempt (probes use any address)."""
+
+    def __init__(self, app: ASGIApp, access: Access) -> None:
+        self.app = app
+        self.access = access
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("path") == "/healthz":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers", ())
+                   if k in (b"host", b"origin", b"content-type")}
+        problem: tuple[int, str] | None = None
+        if not self.access.host_allowed(headers.get("host")):
+            problem = (421, "this server does not answer to that Host name (see auth.allowed_hosts)")
+        elif not self.access.origin_allowed(headers.get("origin")):
+            problem = (403, "cross-origin requests are refused")
+        elif scope.get("method") == "POST" and (scope.get("path") in _JSON_POSTS
+                                                or str(scope.get("path", "")).endswith("/approve")):
+            media = headers.get("content-type", "").partition(";")[0].strip().lower()
+            if media != "application/json":
+                problem = (415, "the body must be JSON (Content-Type: application/json)")
+        if problem is not None:
+            await _closing(*problem)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
 class ServeApp:
     """Route handlers bound to one dispatcher; ``create_app`` wires it into Starlette."""
 
     def __init__(self, config: ServeConfig, dispatcher: Dispatcher, metrics: ServeMetrics,
-                 replays: ReplayGuard) -> None:
+                 replays: ReplayGuard, *, access: Access | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
         self.config = config
         self.dispatcher = dispatcher
         self.metrics = metrics
         self.replays = replays
+        self.access = access or Access(config)
+        self.budget = BodyBudget(config.limits.max_body_reads, config.limits.buffered_bytes)
+        self._clock = clock
 
-    async def _timed(self, endpoint: str, handler: Callable[[], Awaitable[tuple[Response, str]]]) -> Response:
+    async def _body(self, request: Request, limit: int) -> bytes:
+        return await read_body(request, limit, budget=self.budget, timeout=self.config.limits.body_timeout)
+
+    async def _timed(self, endpoint: str, handler: Callable[[], Awaitable[tuple[Response, str]]],
+                     request: Request | None = None) -> Response:
         started = time.perf_counter()
         try:
             response, outcome = await handler()
         except BodyTooLarge:
-            response, outcome = _error(413, "body too large"), "too-large"
+            response, outcome = _closing(413, "body too large"), "too-large"
+        except BodyTimeout:
+            response, outcome = _closing(408, "the body did not arrive in time"), "timeout"
+        except ServerBusy:
+            response, outcome = _closing(503, "too many requests in flight; retry later"), "busy"
+        except ClientDisconnect:
+            response, outcome = _closing(400, "the client went away"), "disconnected"
         except Exception:
             log.exception("%s failed", endpoint)
             response, outcome = _error(500, "internal error; see the server log"), "error"
+        finally:
+            if request is not None:
+                release_body(request, self.budget)
         self.metrics.webhook_requests.labels(endpoint=endpoint, outcome=outcome).inc()
         self.metrics.webhook_seconds.labels(endpoint=endpoint).observe(time.perf_counter() - started)
         return response
 
+    def _caller(self, request: Request) -> Identity | None:
+        return self.access.identify(request.headers.get("authorization"))
+
     # -- webhooks -------------------------------------------------------------------------------
+
+    def _parse_alerts(self, body: bytes) -> tuple[WebhookPayload, int]:
+        lim = self.config.limits
+        return parse_alertmanager(body, max_alerts=lim.max_alerts, max_labels=lim.max_labels,
+                                  max_value_bytes=lim.max_value_bytes)
 
     async def alertmanager(self, request: Request) -> Response:
         async def handle() -> tuple[Response, str]:
-            if not token_ok(request, self.config.webhook_token):
+            who = self._caller(request)
+            if who is None:
                 return _unauthorized(), "unauthorized"
-            body = await read_body(request, self.config.max_body_bytes)
+            if not who.may("sender"):
+                return _forbidden_role(who, "send alerts"), "forbidden"
+            body = await self._body(request, self.config.max_body_bytes)
             try:
-                payload = parse_webhook(body)
+                # Why a thread: parsing a large delivery must not stall the event loop (/healthz)
+                if len(body) <= _INLINE_PARSE_BYTES:
+                    payload, dropped = self._parse_alerts(body)
+                else:
+                    payload, dropped = await run_in_threadpool(self._parse_alerts, body)
             except PayloadError as e:
                 return _error(400, str(e)), "bad-request"
-            decisions = self.dispatcher.quick_alerts(payload)
+            decisions = self.dispatcher.quick_alerts(payload) if len(payload.alerts) <= 20 else None
             if decisions is None:
-                decisions = await run_in_threadpool(self.dispatcher.handle_alerts, payload)
-            extra = {"truncated_alerts": payload.truncated_alerts} if payload.truncated_alerts else {}
+                decisions = await run_in_threadpool(self.dispatcher.handle_alerts, payload, who.name)
+            if dropped:
+                decisions = [*decisions, self.dispatcher.refused_excess(dropped)]
+            extra: dict[str, Any] = {"truncated_alerts": payload.truncated_alerts} if payload.truncated_alerts else {}
+            if dropped:
+                extra["refused_alerts"] = dropped
             return _answer(decisions, **extra)
 
-        return await self._timed("alertmanager", handle)
+        return await self._timed("alertmanager", handle, request)
 
     async def pagerduty(self, request: Request) -> Response:
         async def handle() -> tuple[Response, str]:
@@ -185,38 +314,56 @@ class ServeApp:
                 header_signatures(header)  # 400 before reading a body we could never trust
             except SignatureMissing as e:
                 return _error(400, str(e)), "bad-request"
-            body = await read_body(request, MAX_BODY_BYTES)
+            body = await self._body(request, MAX_BODY_BYTES)
             started = time.perf_counter()
             try:
-                verify_signature(body, header, secrets)
+                if len(body) <= _INLINE_PARSE_BYTES:
+                    verify_signature(body, header, secrets)
+                else:
+                    await run_in_threadpool(verify_signature, body, header, secrets)
             except SignatureMissing as e:
                 return _error(400, str(e)), "bad-request"
             except SignatureMismatch as e:
                 return _error(403, str(e)), "forbidden"
             finally:
                 self.metrics.verify_seconds.observe(time.perf_counter() - started)
-            webhook_id = request.headers.get(WEBHOOK_ID_HEADER, "").strip()[:200]
-            if webhook_id and not self.replays.claim(webhook_id):
-                return JSONResponse({"status": "duplicate", "reason": f"webhook {webhook_id} already received",
-                                     "runs": []}), "duplicate"
             try:
-                return await self._incident(body)
+                delivery = parse_delivery(body) if len(body) <= _INLINE_PARSE_BYTES else \
+                    await run_in_threadpool(parse_delivery, body)
+            except PayloadError as e:
+                return _error(400, str(e)), "bad-request"
+            pd = self.config.pagerduty
+            try:
+                check_fresh(delivery.event, self._clock(), max_age=pd.max_age, skew=pd.clock_skew)
+            except PayloadError as e:
+                return _error(400, str(e)), "bad-request"
+            except StaleDelivery as e:
+                return _error(403, str(e)), "stale"
+            # Why the content: X-Webhook-Id is not signed, so a replayer can change it at will.
+            claims = [content_key(body)]
+            webhook_id = request.headers.get(WEBHOOK_ID_HEADER, "").strip()[:200]
+            if webhook_id:
+                claims.append("id-" + webhook_id)
+            for i, key in enumerate(claims):
+                if not self.replays.claim(key):
+                    for done in claims[:i]:
+                        self.replays.release(done)
+                    return JSONResponse({"status": "duplicate", "runs": [],
+                                         "reason": "this delivery was already received"}), "duplicate"
+            try:
+                return await self._incident(delivery)
             except Exception:
-                if webhook_id:
-                    self.replays.release(webhook_id)  # we answer 5xx: PagerDuty retries, let it in
+                for key in claims:
+                    self.replays.release(key)  # we answer 5xx: PagerDuty retries, let it in
                 raise
 
-        return await self._timed("pagerduty", handle)
+        return await self._timed("pagerduty", handle, request)
 
-    async def _incident(self, body: bytes) -> tuple[Response, str]:
-        try:
-            delivery = parse_delivery(body)
-        except PayloadError as e:
-            return _error(400, str(e)), "bad-request"
+    async def _incident(self, delivery: Delivery) -> tuple[Response, str]:
         event = delivery.event
         if event.event_type not in self.config.pagerduty.event_types or event.resource_type not in ("", "incident"):
             return JSONResponse({"status": "ignored", "runs": [],
-                                 "reason": f"event type {event.event_type} starts nothing"}), "ignored"
+                                 "reason": f"event type {event.event_type[:100]} starts nothing"}), "ignored"
         try:
             incident = event.incident()
         except PayloadError as e:
@@ -231,14 +378,21 @@ class ServeApp:
     async def healthz(self, request: Request) -> Response:
         return JSONResponse({"status": "ok", **self.dispatcher.status()})
 
+    def _read_refused(self, request: Request) -> Response | None:
+        if self.access.open_reads:
+            return None
+        who = self._caller(request)
+        if who is None:
+            return _unauthorized()
+        if not who.may("reader", "approver"):
+            return _forbidden_role(who, "read")
+        return None
+
     async def metrics_endpoint(self, request: Request) -> Response:
+        if (refused := self._read_refused(request)) is not None:
+            return refused
         self.dispatcher.refresh_gauges()
         return Response(self.metrics.render(), media_type=self.metrics.content_type)
-
-    def _read_refused(self, request: Request) -> Response | None:
-        if self.config.protect_reads and not token_ok(request, self.config.webhook_token):
-            return _unauthorized()
-        return None
 
     async def runs(self, request: Request) -> Response:
         if (refused := self._read_refused(request)) is not None:
@@ -257,7 +411,7 @@ class ServeApp:
             return _error(404, str(e))
 
     async def _json_object(self, request: Request, *, allow_empty: bool) -> dict[str, Any]:
-        body = await read_body(request, _SMALL_BODY)
+        body = await self._body(request, _SMALL_BODY)
         if not body.strip() and allow_empty:
             return {}
         data = load_json(body)
@@ -266,29 +420,37 @@ class ServeApp:
         return data
 
     async def approve(self, request: Request) -> Response:
-        if not token_ok(request, self.config.webhook_token):
-            return _unauthorized()
-        try:
-            data = await self._json_object(request, allow_empty=False)
-        except BodyTooLarge:
-            return _error(413, "body too large")
-        except PayloadError as e:
-            return _error(400, str(e))
-        digest, by = data.get("plan_digest"), data.get("approved_by", "api")
-        if not isinstance(digest, str) or not 0 < len(digest) <= 200:
-            return _error(400, 'expected {"plan_digest": "<the digest of the plan you reviewed>"}')
-        if not isinstance(by, str) or not _APPROVER.match(by):
-            return _error(400, "approved_by must be a short name (letters, digits, . _ @ + - and spaces)")
-        run_id = request.path_params["run_id"]
-        try:
-            result = await run_in_threadpool(self.dispatcher.approve, run_id, digest, by)
-        except NotFound as e:
-            return _error(404, str(e))
-        except StalePlan as e:
-            return _error(409, str(e))
-        except UsageError as e:
-            return _error(422, str(e))
-        return JSONResponse(result, status_code=202 if result.get("queued") else 200)
+        async def handle() -> tuple[Response, str]:
+            who = self._caller(request)
+            if who is None:
+                return _unauthorized(), "unauthorized"
+            if not who.may("approver"):
+                return _forbidden_role(who, "approve runs"), "forbidden"
+            try:
+                data = await self._json_object(request, allow_empty=False)
+            except PayloadError as e:
+                return _error(400, str(e)), "bad-request"
+            digest, by = data.get("plan_digest"), data.get("approved_by")
+            if not isinstance(digest, str) or not 0 < len(digest) <= 200:
+                return _error(400, 'expected {"plan_digest": "<the digest of the plan you reviewed>"}'), "bad-request"
+            if by is not None and by != who.name:
+                # Why refuse rather than ignore: the caller believes another name will be recorded.
+                return _error(400, f"approved_by is the identity of your credential ({who.name}), "
+                                   "not a field you choose; leave it out"), "bad-request"
+            run_id = request.path_params["run_id"]
+            try:
+                result = await run_in_threadpool(self.dispatcher.approve, run_id, digest, who)
+            except NotFound as e:
+                return _error(404, str(e)), "not-found"
+            except SelfApproval as e:
+                return _error(403, str(e)), "forbidden"
+            except StalePlan as e:
+                return _error(409, str(e)), "conflict"
+            except UsageError as e:
+                return _error(422, str(e)), "invalid"
+            return JSONResponse(result, status_code=202 if result.get("queued") else 200), "approved"
+
+        return await self._timed("approve", handle, request)
 
     async def breaker(self, request: Request) -> Response:
         if (refused := self._read_refused(request)) is not None:
@@ -296,20 +458,25 @@ class ServeApp:
         return JSONResponse(self.dispatcher.guards.state())
 
     async def breaker_reset(self, request: Request) -> Response:
-        if not token_ok(request, self.config.webhook_token):
-            return _unauthorized()
-        try:
-            data = await self._json_object(request, allow_empty=True)
-        except BodyTooLarge:
-            return _error(413, "body too large")
-        except PayloadError as e:
-            return _error(400, str(e))
-        node, runbook = data.get("node"), data.get("runbook")
-        if not all(v is None or isinstance(v, str) for v in (node, runbook)):
-            return _error(400, "node and runbook must be strings")
-        done = self.dispatcher.reset_breaker(node=node, runbook=runbook)
-        log.warning("breaker reset (%s): %s", json.dumps(data), ", ".join(done) or "nothing was open")
-        return JSONResponse({"reset": done})
+        async def handle() -> tuple[Response, str]:
+            who = self._caller(request)
+            if who is None:
+                return _unauthorized(), "unauthorized"
+            if not who.may("approver"):
+                return _forbidden_role(who, "reset breakers"), "forbidden"
+            try:
+                data = await self._json_object(request, allow_empty=True)
+            except PayloadError as e:
+                return _error(400, str(e)), "bad-request"
+            node, runbook = data.get("node"), data.get("runbook")
+            if not all(v is None or (isinstance(v, str) and len(v) <= 253) for v in (node, runbook)):
+                return _error(400, "node and runbook must be short strings"), "bad-request"
+            done = self.dispatcher.reset_breaker(node=node, runbook=runbook)
+            log.warning("breaker reset by %s (%s): %s", who.name, json.dumps(data)[:300],
+                        ", ".join(done) or "nothing was open")
+            return JSONResponse({"reset": done, "by": who.name}), "reset"
+
+        return await self._timed("breaker-reset", handle, request)
 
     async def triggers(self, request: Request) -> Response:
         if (refused := self._read_refused(request)) is not None:
@@ -325,12 +492,17 @@ def create_app(config: ServeConfig, starter: RunStarter, *, cluster: ClusterView
     ``app.state.dispatcher`` gives tests and the CLI the dispatcher (worker pool, guards, notifier).
     """
     metrics = metrics or ServeMetrics()
-    notifier = notifier or Notifier(config.notify.url, events=config.notify.events, timeout=config.notify.timeout)
+    notifier = notifier or Notifier.from_config(config.notify, public_url=config.public_url)
     index = TriggerIndex(starter.trigger_index(), config.pagerduty.mappings)
     dispatcher = Dispatcher(config, starter, cluster, index=index, guards=Guards(config, clock=clock),
                             worker=WorkerPool(config.workers, config.queue_size), notifier=notifier,
                             metrics=metrics, clock=clock)
-    handlers = ServeApp(config, dispatcher, metrics, ReplayGuard(config.dedup.webhook_id_window, clock=clock))
+    pd = config.pagerduty
+    # Why this window: an older delivery is refused by its signed time anyway, so remembering
+    # content keys longer buys nothing; X-Webhook-Id values share the same bounded memory.
+    replays = ReplayGuard(max(config.dedup.webhook_id_window, pd.max_age + 2 * pd.clock_skew), clock=clock,
+                          max_ids=config.limits.max_dedup_entries)
+    handlers = ServeApp(config, dispatcher, metrics, replays, clock=clock)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -355,4 +527,6 @@ def create_app(config: ServeConfig, starter: RunStarter, *, cluster: ClusterView
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.dispatcher = dispatcher
     app.state.metrics = metrics
+    app.state.handlers = handlers
+    app.add_middleware(HostGuard, access=handlers.access)
     return app

@@ -1,15 +1,14 @@
 """``runbook serve``: run the webhook server; ``runbook serve breaker-reset``: close a breaker.
 
-Thin: options -> ``load_config`` -> ``create_app`` -> uvicorn. The run machinery comes from
-``engine.app.create_run_starter(settings, config)`` (the ``RunStarter`` of ``engine.serve.starter``);
+Thin: options -> ``load_config`` -> ``create_app`` -> uvicorn. The run machinery is the run
+service's adapter ``engine.serve_starter.JournalRunStarter`` (the ``RunStarter`` of
+``engine.serve.starter``), imported plainly: the same road to the executor as the CLI's;
 the cluster view reads through ``Settings.kube()``. Options shared with the other commands are
 declared here again rather than imported from ``engine.cli``, which loads this module (no cycle).
 """
 
 from __future__ import annotations
 
-import importlib
-import ipaddress
 import logging
 import os
 import sys
@@ -20,36 +19,39 @@ import click
 
 from engine.cli import settings_from, shared_options
 from engine.errors import ExitCode, RunbookError, UsageError
+from engine.serve.access import Access, is_loopback
 from engine.serve.config import ServeConfig, load_config, split_listen
 from engine.serve.starter import RunStarter
+from engine.serve_starter import JournalRunStarter
 from engine.settings import Settings
 
 
 def load_run_starter(settings: Settings, config: ServeConfig) -> RunStarter:
-    """The engine's ``RunStarter`` (``engine.app.create_run_starter``)."""
-    try:
-        factory = importlib.import_module("engine.app").create_run_starter
-    except (ImportError, AttributeError) as e:
-        raise UsageError("this build has no run starter: engine.app.create_run_starter is missing") from e
-    starter: RunStarter = factory(settings, config)
-    return starter
+    """The engine's ``RunStarter``: automatic runs through the run service, under the run guards
+    of the server's configuration (never overridden)."""
+    return JournalRunStarter(settings, guards=config.run_guards())
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+INSECURE_BANNER = """\
+**********************************************************************
+*  runbook serve --insecure-no-auth: NO CREDENTIALS ARE CHECKED.      *
+*  Anyone who can reach {listen:<44}*
+*  can start runs, approve them and reset breakers. Local experiments *
+*  only; never on a machine that can reach production nodes.          *
+**********************************************************************"""
 
 
-def build_app(settings: Settings, config_file: Path | None, listen: str | None) -> tuple[Any, ServeConfig]:
+def build_app(settings: Settings, config_file: Path | None, listen: str | None, *,
+              insecure_no_auth: bool = False) -> tuple[Any, ServeConfig]:
     """The configured ASGI app and its configuration (nothing listens yet)."""
     from engine.serve.app import create_app
     from engine.serve.cluster import KubeClusterView
 
     config = load_config(config_file, overrides={"listen": listen} if listen else None)
+    if config.auth.insecure_no_auth and not insecure_no_auth:
+        raise UsageError("auth.insecure_no_auth can only be set by the --insecure-no-auth option")
+    if insecure_no_auth:
+        config = config.model_copy(update={"auth": config.auth.model_copy(update={"insecure_no_auth": True})})
     if config.breaker.state_file is None:
         journal = settings.journal
         if journal is None:
@@ -59,21 +61,49 @@ def build_app(settings: Settings, config_file: Path | None, listen: str | None) 
         state = Path(journal).parent / "serve-breaker.json"
         config = config.model_copy(update={"breaker": config.breaker.model_copy(update={"state_file": state})})
     host, _ = split_listen(config.listen)
-    if not _is_loopback(host) and not config.webhook_token:
-        raise UsageError(f"refusing to listen on {host} without RUNBOOK_WEBHOOK_TOKEN: anyone could start runs")
+    if not is_loopback(host):
+        if insecure_no_auth:
+            raise UsageError(f"--insecure-no-auth is refused on {host}: only on a loopback address (127.0.0.1, ::1)")
+        if host in ("0.0.0.0", "::", "") and not config.auth.allowed_hosts:
+            raise UsageError(f"listening on {host or 'every address'} needs auth.allowed_hosts: the names "
+                             "clients use to reach this server (requests for any other Host are refused)")
     starter = load_run_starter(settings, config)
     cluster = KubeClusterView(settings.kube, config.run_guards(), ttl=config.cluster_cache_ttl)
     return create_app(config, starter, cluster=cluster), config
 
 
-def serve(settings: Settings, config_file: Path | None, listen: str | None) -> int:
+def uvicorn_options(config: ServeConfig) -> dict[str, Any]:
+    """The connection limits of ``config.limits`` as uvicorn options (shared with the tests and bench)."""
+    from engine.serve.http import header_timeout_protocol
+
+    lim = config.limits
+    return {"limit_concurrency": lim.max_connections, "timeout_keep_alive": max(1, int(lim.keep_alive)),
+            "h11_max_incomplete_event_size": 16 * 1024, "http": header_timeout_protocol(lim.header_timeout),
+            "timeout_graceful_shutdown": int(config.shutdown_grace) + 5}
+
+
+def start_banner(config: ServeConfig) -> str | None:
+    """The warning printed at start when no credential is checked (``--insecure-no-auth``)."""
+    return INSECURE_BANNER.format(listen=config.listen + " ") if config.auth.insecure_no_auth else None
+
+
+def serve(settings: Settings, config_file: Path | None, listen: str | None, *, insecure_no_auth: bool = False) -> int:
     """Load the configuration, build the app and serve until SIGINT/SIGTERM."""
     import uvicorn
 
-    app, config = build_app(settings, config_file, listen)
+    app, config = build_app(settings, config_file, listen, insecure_no_auth=insecure_no_auth)
     host, port = split_listen(config.listen)
     logging.basicConfig(level=logging.DEBUG if settings.debug else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    banner = start_banner(config)
+    if banner is not None:
+        click.echo(banner, err=True)
+    else:
+        roles = Access(config).roles_configured()
+        missing = [r for r, n in roles.items() if not n]
+        if missing:
+            logging.getLogger(__name__).warning(
+                "no %s credential configured: those requests are all refused (401)", "/".join(missing))
     from uvicorn.config import LOGGING_CONFIG
 
     from engine.logformat import current_format
@@ -81,7 +111,7 @@ def serve(settings: Settings, config_file: Path | None, listen: str | None) -> i
     # json: uvicorn's own lines go through the root logger's JSON handler too
     log_config = None if current_format() == "json" else LOGGING_CONFIG
     uvicorn.run(app, host=host, port=port, log_level="debug" if settings.debug else "info", log_config=log_config,
-                lifespan="on", timeout_graceful_shutdown=int(config.shutdown_grace) + 5)
+                lifespan="on", **uvicorn_options(config))
     return 0
 
 
@@ -98,14 +128,19 @@ def _fail(e: RunbookError, debug: bool) -> None:
               help="Address to listen on (default from the config, else 127.0.0.1:8080).")
 @click.option("--config", "config_file", type=click.Path(dir_okay=False, exists=True),
               envvar="RUNBOOK_SERVE_CONFIG", help="Serve configuration YAML (env RUNBOOK_SERVE_CONFIG).")
+@click.option("--insecure-no-auth", is_flag=True,
+              help="Check no credential at all (local experiments only; refused beyond loopback).")
 @shared_options
 @click.pass_context
-def serve_command(ctx: click.Context, listen: str | None, config_file: str | None, **opts: Any) -> None:
+def serve_command(ctx: click.Context, listen: str | None, config_file: str | None, insecure_no_auth: bool,
+                  **opts: Any) -> None:
     """Receive Alertmanager and PagerDuty webhooks and start runbooks inside strict guards.
 
     \b
-    Secrets come from the environment: RUNBOOK_WEBHOOK_TOKEN (Bearer token for
-    /hooks/alertmanager, approvals and breaker resets), RUNBOOK_PAGERDUTY_SECRET.
+    Credentials (at least 16 bytes each) come from the configuration's auth
+    section or the environment: RUNBOOK_WEBHOOK_TOKEN (the Alertmanager sender),
+    RUNBOOK_APPROVER_TOKEN_<NAME> (an approver, recorded as <name>),
+    RUNBOOK_READER_TOKEN_<NAME>, RUNBOOK_PAGERDUTY_SECRET.
     See docs/serve.md for the configuration file, guards and breaker.
     """
     ctx.ensure_object(dict)
@@ -115,7 +150,7 @@ def serve_command(ctx: click.Context, listen: str | None, config_file: str | Non
         return
     settings = settings_from(opts)
     try:
-        code = serve(settings, ctx.obj["config_file"], listen)
+        code = serve(settings, ctx.obj["config_file"], listen, insecure_no_auth=insecure_no_auth)
     except RunbookError as e:
         _fail(e, settings.debug)
         return
@@ -128,7 +163,9 @@ def serve_command(ctx: click.Context, listen: str | None, config_file: str | Non
 @click.option("--url", help="Server base URL (default: http://<listen>).")
 @click.pass_context
 def breaker_reset(ctx: click.Context, node: str | None, runbook: str | None, url: str | None) -> None:
-    """Close breakers on a running server (all of them when neither --node nor --runbook is given)."""
+    """Close breakers on a running server (all of them when neither --node nor --runbook is given).
+
+    Presents the approver token in RUNBOOK_TOKEN (a sender's token may not reset breakers)."""
     import httpx
 
     try:
@@ -139,7 +176,8 @@ def breaker_reset(ctx: click.Context, node: str | None, runbook: str | None, url
         return
     host, port = split_listen(config.listen)
     base = url or f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"
-    headers = {"Authorization": f"Bearer {config.webhook_token}"} if config.webhook_token else {}
+    token = os.environ.get("RUNBOOK_TOKEN", "")
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
     body = {k: v for k, v in (("node", node), ("runbook", runbook)) if v}
     try:
         resp = httpx.post(base.rstrip("/") + "/breaker/reset", json=body, headers=headers, timeout=10)

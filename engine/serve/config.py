@@ -70,18 +70,40 @@ class BreakerConfig(_Section):
     state_file: Path | None = None  # where node-breaker resets are kept (default: memory only)
 
 
+def _check_http_url(v: str | None, key: str) -> str | None:
+    if v is not None and not re.match(r"^https?://[^\s/]+", v):
+        raise ValueError(f"{key} must be an http(s) URL")
+    return v
+
+
+class PagerDutyEventsConfig(_Section):
+    """``notify.pagerduty``: PagerDuty Events API v2 (``engine.serve.pagerduty_events``)."""
+
+    routing_key: str = Field(min_length=1, max_length=64, repr=False)  # env RUNBOOK_PAGERDUTY_ROUTING_KEY
+    url: str = "https://events.pagerduty.com/v2/enqueue"
+    source: str = Field(default="runbook", min_length=1, max_length=255)  # when the run has no node
+    severity: Literal["critical", "error", "warning", "info"] = "critical"
+    acknowledge_on_start: bool = False  # acknowledge the page's incident when the run starts
+    dedup_key: Literal["alertmanager-group", "alert"] = "alertmanager-group"
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, v: str) -> str:
+        return _check_http_url(v, "notify.pagerduty.url") or v
+
+
 class NotifyConfig(_Section):
     url: str | None = None  # generic webhook; the JSON has Slack's "text" key
     timeout: Seconds = 5.0
-    events: tuple[Literal["started", "waiting-approval", "finished", "failed", "blocked"], ...] = (
+    events: tuple[Literal["started", "waiting-approval", "step", "finished", "failed", "blocked"], ...] = (
         "started", "waiting-approval", "finished", "failed", "blocked")
+    secret: str | None = Field(default=None, repr=False)  # signs webhook POSTs; env RUNBOOK_NOTIFY_SECRET
+    pagerduty: PagerDutyEventsConfig | None = None
 
     @field_validator("url")
     @classmethod
     def _http_url(cls, v: str | None) -> str | None:
-        if v is not None and not re.match(r"^https?://[^\s/]+", v):
-            raise ValueError("notify.url must be an http(s) URL")
-        return v
+        return _check_http_url(v, "notify.url")
 
 
 class PagerDutyMapping(_Section):
@@ -104,15 +126,64 @@ class PagerDutyMapping(_Section):
 
 
 class PagerDutyConfig(_Section):
-    secrets: tuple[str, ...] = ()  # env RUNBOOK_PAGERDUTY_SECRET adds one; several during rotation
+    secrets: tuple[str, ...] = Field(default=(), repr=False)  # env RUNBOOK_PAGERDUTY_SECRET adds one
     event_types: tuple[str, ...] = ("incident.triggered",)
     mappings: tuple[PagerDutyMapping, ...] = ()
+    max_age: Seconds = 300.0  # a signed occurred_at older than this (plus clock_skew) is refused
+    clock_skew: Seconds = 60.0  # tolerated difference between PagerDuty's clock and ours (both ways)
+
+
+_IDENTITY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@+-]{0,99}$")
+MIN_SECRET_BYTES = 16
+
+
+class AuthConfig(_Section):
+    """Who may do what. Each credential is a bearer token bound to one identity and one role.
+
+    * ``senders``: may POST ``/hooks/alertmanager`` (nothing else);
+    * ``approvers``: may approve runs (recorded under their name), reset breakers, and read;
+    * ``readers``: may read ``/runs``, ``/runs/{id}``, ``/breaker``, ``/triggers``, ``/metrics``.
+
+    PagerDuty's credential is its signing secret (``pagerduty.secrets``)."""
+
+    senders: dict[str, str] = Field(default_factory=dict, repr=False)
+    approvers: dict[str, str] = Field(default_factory=dict, repr=False)
+    readers: dict[str, str] = Field(default_factory=dict, repr=False)
+    reads: Literal["auto", "open", "token"] = "auto"  # auto: open when bound to loopback, else token
+    allowed_hosts: tuple[str, ...] = ()  # Host names besides the bound address (and loopback names)
+    requester_cannot_approve: bool = True  # the identity that requested a run cannot approve it
+    insecure_no_auth: bool = False  # only from --insecure-no-auth: no credential at all (loopback only)
+
+    @field_validator("senders", "approvers", "readers")
+    @classmethod
+    def _names(cls, v: dict[str, str]) -> dict[str, str]:
+        for name in v:
+            if not _IDENTITY.match(name):
+                raise ValueError(f"identity {name!r} must be a short name (letters, digits, . _ @ + -)")
+        return v
+
+
+class LimitsConfig(_Section):
+    """Bounds on what one request (or one sender) can make the server hold or write."""
+
+    body_timeout: Seconds = 10.0  # a body must arrive within this; else 408 and the connection closes
+    header_timeout: Seconds = 10.0  # a connection must send its request headers within this
+    keep_alive: Seconds = 5.0  # idle keep-alive connections are closed after this
+    max_connections: int = Field(default=1000, ge=8)  # uvicorn limit_concurrency: beyond, 503
+    max_body_reads: int = Field(default=64, ge=1)  # bodies being received at once; beyond: 503
+    buffered_bytes: int = Field(default=16 * 1024 * 1024, ge=64 * 1024)  # request bytes held at once
+    max_alerts: int = Field(default=1000, ge=1)  # alerts considered per delivery; the rest: refused
+    max_labels: int = Field(default=64, ge=1)  # labels (and annotations) per alert; more: 400
+    max_value_bytes: int = Field(default=1024, ge=64)  # longer label/annotation values are truncated
+    max_reason_bytes: int = Field(default=2048, ge=256)  # reasons recorded with runs and notifications
+    max_dedup_entries: int = Field(default=20000, ge=100)  # fingerprints/refusals/webhook ids kept
 
 
 class ServeConfig(_Section):
     listen: str = "127.0.0.1:8080"
-    webhook_token: str | None = Field(default=None, repr=False)  # env RUNBOOK_WEBHOOK_TOKEN
-    protect_reads: bool = False  # true: GET /runs, /runs/{id}, /breaker, /triggers need the token too
+    public_url: str | None = None  # e.g. https://runbook.example.org: notifications link <public_url>/runs/<id>
+    webhook_token: str | None = Field(default=None, repr=False)  # = auth.senders.alertmanager
+    protect_reads: bool = False  # true: = auth.reads: token
     force_mode: Literal["approve"] | None = None  # "approve": no automatic run at all
     mode_overrides: dict[str, Literal["auto", "approve"]] = Field(default_factory=dict)  # runbook -> mode
     max_body_bytes: int = Field(default=2 * 1024 * 1024, ge=1024, le=64 * 1024 * 1024)
@@ -126,6 +197,13 @@ class ServeConfig(_Section):
     guards: GuardConfig | None = None  # the run guards (engine.run_guards); exclusions above when unset
     notify: NotifyConfig = Field(default_factory=NotifyConfig)
     pagerduty: PagerDutyConfig = Field(default_factory=PagerDutyConfig)
+    auth: AuthConfig = Field(default_factory=AuthConfig)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+
+    @field_validator("public_url")
+    @classmethod
+    def _public_url(cls, v: str | None) -> str | None:
+        return _check_http_url(v, "public_url")
 
     @field_validator("listen")
     @classmethod
@@ -147,6 +225,16 @@ class ServeConfig(_Section):
             return self.guards
         return GuardConfig(labels=dict(self.exclusions.labels), kured=self.exclusions.kured)
 
+    def with_compat(self) -> ServeConfig:
+        """Fold the older keys into ``auth``: ``webhook_token`` is the sender ``alertmanager``'s token,
+        ``protect_reads: true`` is ``auth.reads: token``."""
+        auth = self.auth
+        if self.webhook_token and "alertmanager" not in auth.senders:
+            auth = auth.model_copy(update={"senders": {"alertmanager": self.webhook_token, **auth.senders}})
+        if self.protect_reads and auth.reads == "auto":
+            auth = auth.model_copy(update={"reads": "token"})
+        return self if auth is self.auth else self.model_copy(update={"auth": auth})
+
     def mode_for(self, runbook: str, declared: Literal["auto", "approve"]) -> Literal["auto", "approve"]:
         """The runbook's mode, after the per-runbook override and the forced mode."""
         if self.force_mode == "approve":
@@ -162,13 +250,66 @@ def split_listen(listen: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    if env.get("RUNBOOK_WEBHOOK_TOKEN"):
-        out["webhook_token"] = env["RUNBOOK_WEBHOOK_TOKEN"]
+_ROLE_ENV = {"RUNBOOK_SENDER_TOKEN_": "senders", "RUNBOOK_APPROVER_TOKEN_": "approvers",
+             "RUNBOOK_READER_TOKEN_": "readers"}
+
+
+def _from_env(env: Mapping[str, str], data: dict[str, Any], where: dict[str, str]) -> None:
+    """Secrets and the forced mode from the environment into ``data``; ``where`` maps each secret's
+    config key to the variable it came from (errors name the variable, never the value)."""
+    if "RUNBOOK_WEBHOOK_TOKEN" in env:  # Why "in": a blank value is an error, not "unset"
+        data["webhook_token"] = env["RUNBOOK_WEBHOOK_TOKEN"]
+        where["webhook_token"] = "RUNBOOK_WEBHOOK_TOKEN"
     if env.get("RUNBOOK_SERVE_FORCE_MODE"):
-        out["force_mode"] = env["RUNBOOK_SERVE_FORCE_MODE"]
-    return out
+        data["force_mode"] = env["RUNBOOK_SERVE_FORCE_MODE"]
+    for var in sorted(env):
+        for prefix, role in _ROLE_ENV.items():
+            if var.startswith(prefix) and len(var) > len(prefix):
+                name = var[len(prefix):].lower().replace("_", "-")
+                auth = dict(data.get("auth") or {})
+                auth[role] = {**dict(auth.get(role) or {}), name: env[var]}
+                data["auth"] = auth
+                where[f"auth.{role}.{name}"] = var
+
+
+def check_secrets(data: Mapping[str, Any], where: Mapping[str, str], origin: str) -> None:
+    """Refuse blank, whitespace-only and short (< 16 bytes) tokens and secrets, and one token given to
+    two identities (a sender's token must never approve). Errors name the key, never the value."""
+    found: list[tuple[str, Any]] = []
+    if "webhook_token" in data:
+        found.append(("webhook_token", data["webhook_token"]))
+    auth = data.get("auth")
+    if isinstance(auth, Mapping):
+        for role in ("senders", "approvers", "readers"):
+            creds = auth.get(role)
+            if isinstance(creds, Mapping):
+                found += [(f"auth.{role}.{name}", value) for name, value in creds.items()]
+    notify = data.get("notify")
+    if isinstance(notify, Mapping) and notify.get("secret") is not None:
+        found.append(("notify.secret", notify["secret"]))
+    pd = data.get("pagerduty")
+    if isinstance(pd, Mapping) and isinstance(pd.get("secrets"), list | tuple):
+        found += [(f"pagerduty.secrets[{i}]", v) for i, v in enumerate(pd["secrets"])]
+    owners: dict[str, str] = {}
+    for key, value in found:
+        named = where.get(key, f"{origin}: {key}")
+        if value is None and key == "webhook_token":
+            continue
+        if not isinstance(value, str):
+            raise UsageError(f"{named}: must be a string")
+        if not value.strip():
+            raise UsageError(f"{named}: is blank; a blank secret is an error, not 'unset'")
+        if value != value.strip():
+            raise UsageError(f"{named}: has leading or trailing whitespace")
+        if len(value.encode("utf-8")) < MIN_SECRET_BYTES:
+            raise UsageError(f"{named}: is shorter than {MIN_SECRET_BYTES} bytes; use a random secret "
+                             "(e.g. `openssl rand -hex 24`)")
+        if not key.startswith("pagerduty."):  # Why notify.secret too: a receiver holding it must not hold a token
+            other = owners.get(value)
+            if other is not None and other != key and {other, key} != {"webhook_token", "auth.senders.alertmanager"}:
+                raise UsageError(f"{named}: the same token is also given to {where.get(other, other)}; "
+                                 "every identity needs its own")
+            owners[value] = key
 
 
 def load_config(path: Path | str | None = None, *, env: Mapping[str, str] | None = None,
@@ -193,16 +334,28 @@ def load_config(path: Path | str | None = None, *, env: Mapping[str, str] | None
             raise UsageError(f"{path}: the serve configuration must be a mapping")
         data = dict(raw or {})
     data.update(overrides or {})
-    data.update(_from_env(env))
+    sources: dict[str, str] = {}
+    _from_env(env, data, sources)
     notify_url = env.get("RUNBOOK_NOTIFY_URL")
     if notify_url:
         data["notify"] = {**dict(data.get("notify") or {}), "url": notify_url}
-    pd_secret = env.get("RUNBOOK_PAGERDUTY_SECRET")
-    if pd_secret:
+    if "RUNBOOK_NOTIFY_SECRET" in env:
+        data["notify"] = {**dict(data.get("notify") or {}), "secret": env["RUNBOOK_NOTIFY_SECRET"]}
+        sources["notify.secret"] = "RUNBOOK_NOTIFY_SECRET"
+    if env.get("RUNBOOK_PAGERDUTY_ROUTING_KEY"):
+        notify = dict(data.get("notify") or {})
+        if not isinstance(notify.get("pagerduty"), Mapping):
+            notify["pagerduty"] = {}
+        notify["pagerduty"] = {**dict(notify["pagerduty"]), "routing_key": env["RUNBOOK_PAGERDUTY_ROUTING_KEY"]}
+        data["notify"] = notify
+    if "RUNBOOK_PAGERDUTY_SECRET" in env:
         pd = dict(data.get("pagerduty") or {})
-        pd["secrets"] = (pd_secret, *tuple(pd.get("secrets") or ()))
+        pd["secrets"] = (env["RUNBOOK_PAGERDUTY_SECRET"], *tuple(pd.get("secrets") or ()))
         data["pagerduty"] = pd
+        sources["pagerduty.secrets[0]"] = "RUNBOOK_PAGERDUTY_SECRET"
+    check_secrets(data, sources, where)
     try:
-        return ServeConfig.model_validate(data)
+        config = ServeConfig.model_validate(data)
     except ValidationError as e:
         raise UsageError(f"{where}: invalid serve configuration: {format_validation_error(e, limit=10)}") from e
+    return config.with_compat()

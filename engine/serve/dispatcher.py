@@ -29,12 +29,13 @@ from datetime import datetime
 from typing import Any, Literal
 
 from engine.errors import RunbookError
+from engine.serve.access import Identity
 from engine.serve.alertmanager import Alert, WebhookPayload
 from engine.serve.cluster import ClusterSnapshot, ClusterUnavailable, ClusterView
 from engine.serve.config import ServeConfig
 from engine.serve.guards import Guards, Reservation
 from engine.serve.metrics import ServeMetrics
-from engine.serve.notify import Notification, Notifier
+from engine.serve.notify import Notification, Notifier, RefusalDigest, run_report, step_outcomes
 from engine.serve.pagerduty import Incident
 from engine.serve.starter import WEBHOOK_SOURCES, Mode, RunOutcome, RunRequest, RunStarter
 from engine.serve.triggers import Candidate, Matches, TriggerIndex
@@ -82,10 +83,31 @@ class _RunMeta:
     state: str = "pending"
     plan_digest: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    source: str = ""
+    alert_key: str = ""
+    group_key: str = ""
+    alert_started: float | None = None
+
+    def note(self, event: str, run_id: str, **kw: Any) -> Notification:
+        """A notification about this run, carrying the alert it came from."""
+        kw.setdefault("mode", self.mode)
+        return Notification(event, self.runbook, node=self.node, run_id=run_id, alert_key=self.alert_key,
+                            group_key=self.group_key, **kw)
 
 
 class NotFound(Exception):
     """No run with that id (HTTP 404)."""
+
+
+class SelfApproval(Exception):
+    """The approver is the identity that requested the run (HTTP 403, ``auth.requester_cannot_approve``)."""
+
+
+def _cut(text: str, limit: int) -> str:
+    data = text.encode("utf-8")
+    if len(data) <= limit:
+        return text
+    return data[: limit - 14].decode("utf-8", "ignore") + "...[truncated]"
 
 
 def _epoch(iso: Any) -> float | None:
@@ -125,6 +147,7 @@ class Dispatcher:
         self._alert_runs: dict[str, str] = {}  # alert dedup key -> the run its firing started
         self._stop = threading.Event()
         self._sweeper: threading.Thread | None = None
+        self.digest = RefusalDigest(config.dedup.node_cooldown, clock=clock)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -149,6 +172,16 @@ class Dispatcher:
                 self.guards.track_active(node, run_id, approve=mode == "approve")
             elif state in _FINAL:
                 self.guards.track_ended(node, run_id, _epoch(s.get("finished")) or started)
+            if now - started < self.config.dedup.fingerprint_window:
+                # Why: the alert's fingerprint window promised in docs/serve.md outlives the process
+                key = s.get("dedup_key")
+                if key is None:
+                    try:
+                        key = self.starter.run(run_id).get("dedup_key")
+                    except RunbookError:
+                        key = None
+                if isinstance(key, str) and key:
+                    self.guards.remember(f"{s.get('runbook')}|{key}", started, run_id)
         for run_id in queue_ids:
             if not self.worker.submit(functools.partial(self._execute, run_id), reserved=False):
                 log.warning("worker pool full at start: run %s stays pending until the next start", run_id)
@@ -167,8 +200,25 @@ class Dispatcher:
         while not self._stop.wait(interval):
             try:
                 self.reconcile()
+                self.flush_refusals()
             except Exception:
                 log.exception("reconcile failed")
+
+    def flush_refusals(self, *, force: bool = False) -> None:
+        """Send the aggregate "N alerts refused" notification when its window is over."""
+        summary = self.digest.due(force=force)
+        if summary is not None:
+            self.notifier.notify(summary)
+
+    def refused_excess(self, count: int) -> Decision:
+        """Alerts beyond ``limits.max_alerts`` in one delivery: one decision, counted in the aggregate."""
+        self.digest.count(count, "over-max-alerts")
+        return Decision("rejected", f"{count} alerts beyond limits.max_alerts "
+                        f"({self.config.limits.max_alerts}) in this delivery were not considered")
+
+    def _refusal_notice(self, runbook: str, node: str | None, kind: str, n: Notification) -> None:
+        if self.digest.admit(runbook, node, kind):
+            self.notifier.notify(n)
 
     def reconcile(self) -> None:
         """Runs waiting for approval may time out or be cancelled elsewhere: notice their end."""
@@ -184,14 +234,19 @@ class Dispatcher:
 
     # -- pages --------------------------------------------------------------------------------
 
-    def handle_alerts(self, payload: WebhookPayload) -> list[Decision]:
+    def handle_alerts(self, payload: WebhookPayload, requested_by: str = "alertmanager") -> list[Decision]:
+        self.flush_refusals()
         decisions: list[Decision] = []
-        for alert in payload.alerts:
-            label = alert.describe()
+        for i, alert in enumerate(payload.alerts):
+            if i % 20 == 19:
+                time.sleep(0)  # Why: yield the interpreter so the event loop answers in between
+            label = _cut(alert.describe(), 512)
             if not alert.firing:
                 decisions.append(self._resolved(alert, label))
                 continue
-            decisions += self._decide(self.index.for_alert(alert), label)
+            decisions += self._decide(self.index.for_alert(alert), label, requested_by,
+                                      group_key=payload.group_key,
+                                      alert_started=alert.starts_at.timestamp() if alert.starts_at else None)
         return decisions
 
     def _resolved(self, alert: Alert, label: str) -> Decision:
@@ -205,13 +260,15 @@ class Dispatcher:
                 "alert": label, "fingerprint": alert.dedup_key,
                 "ends_at": alert.ends_at.isoformat() if alert.ends_at else None})
         except Exception as e:  # Why: a journal hiccup must not turn the webhook into an error
+            self.metrics.journal_errors.labels(operation="record-event").inc()
             log.warning("could not record the resolved alert %s against run %s: %s", label, run_id, e)
             return Decision("ignored", "resolved alerts never start runs", alert=label, run_id=run_id)
         return Decision("ignored", f"resolved alerts never start runs; recorded against run {run_id}",
                         alert=label, run_id=run_id)
 
     def handle_incident(self, incident: Incident) -> list[Decision]:
-        return self._decide(self.index.for_incident(incident), f"incident {incident.id}")
+        self.flush_refusals()
+        return self._decide(self.index.for_incident(incident), f"incident {incident.id[:100]}", "pagerduty")
 
     def quick_alerts(self, payload: WebhookPayload) -> list[Decision] | None:
         """The answer when nothing can start (resolved, unmatched, duplicates), computed without
@@ -221,7 +278,7 @@ class Dispatcher:
         keeps them out of the thread pool, where they would queue behind real work."""
         decisions: list[Decision] = []
         for alert in payload.alerts:
-            label = alert.describe()
+            label = _cut(alert.describe(), 512)
             if not alert.firing:
                 with self._lock:
                     started_a_run = alert.dedup_key in self._alert_runs
@@ -237,10 +294,12 @@ class Dispatcher:
 
     def quick_incident(self, incident: Incident) -> list[Decision] | None:
         """``quick_alerts`` for a PagerDuty incident."""
-        return self._quick(self.index.for_incident(incident), f"incident {incident.id}")
+        return self._quick(self.index.for_incident(incident), f"incident {incident.id[:100]}")
 
     def _quick(self, matches: Matches, label: str) -> list[Decision] | None:
-        out = [Decision("rejected", r.reason, runbook=r.runbook, alert=label) for r in matches.refusals]
+        if matches.refusals:
+            return None  # refusals are counted for the aggregate notification: the full path
+        out: list[Decision] = []
         if not matches.candidates and not matches.refusals:
             out.append(Decision("ignored", "no runbook trigger matches", alert=label))
         for c in matches.candidates:
@@ -250,13 +309,21 @@ class Dispatcher:
             out.append(Decision("duplicate", reason, runbook=c.runbook, node=c.node, alert=label))
         return out
 
-    def _decide(self, matches: Matches, label: str) -> list[Decision]:
-        out = [Decision("rejected", r.reason, runbook=r.runbook, alert=label) for r in matches.refusals]
+    def _decide(self, matches: Matches, label: str, requested_by: str, *, group_key: str = "",
+                alert_started: float | None = None) -> list[Decision]:
+        out: list[Decision] = []
+        for r in matches.refusals:
+            reason = _cut(r.reason, self.config.limits.max_reason_bytes)
+            self._refusal_notice(r.runbook, None, "rejected:" + reason[:80], Notification(
+                "blocked", r.runbook, reason=f"refused: {reason} (page: {label})"))
+            out.append(Decision("rejected", reason, runbook=r.runbook, alert=label))
         if not matches.candidates and not matches.refusals:
             out.append(Decision("ignored", "no runbook trigger matches", alert=label))
         for c in matches.candidates:
+            c = replace(c, reason=_cut(c.reason, self.config.limits.max_reason_bytes), group_key=group_key,
+                        alert_started=alert_started)
             try:
-                d = self._consider(c)
+                d = self._consider(c, requested_by)
             except Exception as e:  # Why: one broken candidate must not lose the others' answers
                 log.exception("deciding on %s failed", c.reason)
                 d = Decision("rejected", f"internal error: {type(e).__name__}", runbook=c.runbook, node=c.node)
@@ -266,17 +333,18 @@ class Dispatcher:
     def _blocked(self, c: Candidate, kind: str, reason: str, mode: Mode | None = None, *,
                  transient: bool = False) -> Decision:
         self.metrics.runs_blocked.labels(runbook=c.runbook, reason=kind).inc()
-        self.notifier.notify(Notification("blocked", c.runbook, node=c.node, mode=mode,
-                                          reason=f"{reason} (page: {c.reason})"))
+        self._refusal_notice(c.runbook, c.node, kind, Notification(
+            "blocked", c.runbook, node=c.node, mode=mode, reason=f"{reason} (page: {c.reason})",
+            state="refused", alert_key=c.dedup_key, group_key=c.group_key))
         return Decision("blocked", reason, runbook=c.runbook, node=c.node, mode=mode, transient=transient)
 
-    def _consider(self, c: Candidate) -> Decision:
+    def _consider(self, c: Candidate, requested_by: str = "") -> Decision:
         mode = self.config.mode_for(c.runbook, c.mode)
         claim = self.guards.reserve(f"{c.runbook}|{c.dedup_key}", c.node)
         if isinstance(claim, str):
             return Decision("duplicate", claim, runbook=c.runbook, node=c.node)
         try:
-            decision = self._guarded(c, mode, claim)
+            decision = self._guarded(c, mode, claim, requested_by)
         except BaseException:
             self.guards.release(claim)
             raise
@@ -286,7 +354,7 @@ class Dispatcher:
             self.guards.release(claim, keep_key=not decision.transient)
         return decision
 
-    def _guarded(self, c: Candidate, mode: Mode, claim: Reservation) -> Decision:
+    def _guarded(self, c: Candidate, mode: Mode, claim: Reservation, requested_by: str = "") -> Decision:
         try:
             snapshot = self.cluster.snapshot()
         except ClusterUnavailable as e:
@@ -315,14 +383,18 @@ class Dispatcher:
                                  f"({self.worker.stats()['capacity']} runs queued or running)", mode,
                                  transient=True)
         request = RunRequest(runbook=c.runbook, params=dict(c.params), node=c.node, mode=mode,
-                             source=c.source, reason=c.reason, warnings=warnings, dedup_key=c.dedup_key)
+                             source=c.source, reason=c.reason, warnings=warnings, dedup_key=c.dedup_key,
+                             requested_by=requested_by)
         try:
             ticket = self.starter.submit(request)
         except RunbookError as e:
             self.worker.release()
             self._undo(c, auto_slot, mode)
-            return Decision("rejected", str(e).splitlines()[0] if str(e) else type(e).__name__,
-                            runbook=c.runbook, node=c.node, mode=mode)
+            why = _cut(str(e).splitlines()[0] if str(e) else type(e).__name__, self.config.limits.max_reason_bytes)
+            self._refusal_notice(c.runbook, c.node, "rejected", Notification(
+                "blocked", c.runbook, node=c.node, mode=mode, reason=f"refused: {why} (page: {c.reason})",
+                state="refused", alert_key=c.dedup_key, group_key=c.group_key))
+            return Decision("rejected", why, runbook=c.runbook, node=c.node, mode=mode)
         except BaseException:
             self.worker.release()
             self._undo(c, auto_slot, mode)
@@ -332,15 +404,21 @@ class Dispatcher:
         if mode == "approve":
             self.guards.bind_approval(run_id)
         with self._lock:
-            self._runs[run_id] = _RunMeta(c.runbook, c.node, mode, warnings, c.reason, state=ticket.state)
+            self._runs[run_id] = _RunMeta(c.runbook, c.node, mode, warnings, c.reason, state=ticket.state,
+                                          source=c.source, alert_key=c.dedup_key, group_key=c.group_key,
+                                          alert_started=c.alert_started)
             if c.source == "alertmanager":
                 if len(self._alert_runs) >= 10000:  # bounded: forget the oldest
                     self._alert_runs.pop(next(iter(self._alert_runs)))
                 self._alert_runs[c.dedup_key] = run_id
         self.metrics.runs_started.labels(runbook=c.runbook, mode=mode).inc()
+        if c.alert_started is not None:
+            self.metrics.alert_to_run_start.labels(runbook=c.runbook).observe(
+                max(0.0, self._clock() - c.alert_started))
         if mode == "auto":
-            self.notifier.notify(Notification("started", c.runbook, node=c.node, run_id=run_id, mode=mode,
-                                              reason=c.reason))
+            with self._lock:
+                meta = self._runs[run_id]
+            self.notifier.notify(meta.note("started", run_id, reason=c.reason, state="running"))
         self.worker.submit(lambda: self._execute(run_id))
         reason = "run created; it executes now" if mode == "auto" else \
             "run created; a plan is being prepared for approval"
@@ -368,9 +446,9 @@ class Dispatcher:
         if outcome.state == "waiting-approval":
             with self._lock:
                 meta.state, meta.plan_digest = outcome.state, outcome.plan_digest
-            self.notifier.notify(Notification(
-                "waiting-approval", meta.runbook, node=meta.node, run_id=run_id, mode=meta.mode,
-                reason=meta.reason, warnings=meta.warnings, extra={"plan_digest": outcome.plan_digest}))
+            self.notifier.notify(meta.note(
+                "waiting-approval", run_id, reason=meta.reason, warnings=meta.warnings, state=outcome.state,
+                extra={"plan_digest": outcome.plan_digest}))
             return
         if outcome.state not in _FINAL:
             log.warning("run %s returned state %s; treating it as still active", run_id, outcome.state)
@@ -398,9 +476,24 @@ class Dispatcher:
         reason = outcome.reason or outcome.state
         if opened:
             reason += f"; the breaker for {meta.node} is open: no automatic run there until reset"
-        self.notifier.notify(Notification(event, meta.runbook, node=meta.node, run_id=run_id, mode=meta.mode,
-                                          reason=reason, extra={"state": outcome.state,
-                                                                "exit_code": outcome.exit_code}))
+        self.metrics.runs_finished.labels(runbook=meta.runbook, state=outcome.state,
+                                          trigger=meta.source or "unknown").inc()
+        if outcome.state == "succeeded" and meta.alert_started is not None:
+            self.metrics.alert_to_recovery.labels(runbook=meta.runbook).observe(
+                max(0.0, self._clock() - meta.alert_started))
+        events: list[Mapping[str, Any]] = []
+        try:
+            events = list(self.starter.run(run_id).get("events") or ())
+        except Exception as e:  # Why: the outcome is still notified without the details
+            self.metrics.journal_errors.labels(operation="read-run").inc()
+            log.warning("could not read the events of run %s: %s", run_id, e)
+        self.metrics.observe_run(meta.runbook, events)
+        for step in step_outcomes(events):
+            self.notifier.notify(meta.note("step", run_id, state="running", reason=step["reason"],
+                                           extra={"step": step["step"], "status": step["status"]}))
+        self.notifier.notify(meta.note(event, run_id, reason=reason, state=outcome.state,
+                                       report=run_report(events, outcome.state, reason),
+                                       extra={"exit_code": outcome.exit_code}))
 
     # -- API --------------------------------------------------------------------------------------
 
@@ -413,9 +506,15 @@ class Dispatcher:
         except RunbookError as e:
             raise NotFound(str(e)) from e
 
-    def approve(self, run_id: str, plan_digest: str, approved_by: str) -> dict[str, Any]:
-        """Record the approval (StalePlan / UsageError propagate) and queue the run if it is ours."""
-        self.run(run_id)  # NotFound first, so an unknown id is a 404 and not a 409
+    def approve(self, run_id: str, plan_digest: str, who: Identity) -> dict[str, Any]:
+        """Record ``who``'s approval (StalePlan / UsageError propagate) and queue the run if it is ours.
+
+        The approver recorded is the identity bound to the credential, nothing the caller wrote."""
+        current = self.run(run_id)  # NotFound first, so an unknown id is a 404 and not a 409
+        if self.config.auth.requester_cannot_approve and current.get("requested_by") == who.name:
+            raise SelfApproval(f"run {run_id} was requested by {who.name}; another person must approve it "
+                               "(auth.requester_cannot_approve)")
+        approved_by = who.name
         summary = dict(self.starter.approve(run_id, plan_digest, approved_by))
         with self._lock:
             meta = self._runs.get(run_id)
@@ -428,9 +527,8 @@ class Dispatcher:
         if not self.worker.submit(lambda: self._execute(run_id), reserved=False):
             return {"run": summary, "queued": False,
                     "note": "approval recorded, but the worker pool is full: the run is queued at the next start"}
-        self.notifier.notify(Notification("started", meta.runbook, node=meta.node, run_id=run_id,
-                                          mode=meta.mode, reason=f"approved by {approved_by}",
-                                          warnings=meta.warnings))
+        self.notifier.notify(meta.note("started", run_id, reason=f"approved by {approved_by}",
+                                       warnings=meta.warnings, state="approved"))
         return {"run": summary, "queued": True}
 
     def reset_breaker(self, node: str | None = None, runbook: str | None = None) -> list[str]:

@@ -14,12 +14,16 @@
   so a storm cannot bury the on-call engineer in plans.
 
 Open node breakers are written to ``breaker.state_file`` (when set) so a restart does not close
-them. Everything else is rebuilt from the journal at start. Thread-safe; the clock is injected.
+them. Everything else is rebuilt from the journal at start (``remember``: fingerprints of recent
+runs). Memory is bounded whatever senders choose: dedup keys are kept as 16-byte digests, at most
+``limits.max_dedup_entries`` of them (the oldest are forgotten first). Thread-safe; the clock is
+injected.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -38,6 +42,19 @@ from engine.serve.config import ServeConfig
 log = logging.getLogger(__name__)
 _RESERVED = "(starting)"
 _REFUSED = "(refused)"
+
+
+def _k(key: str) -> bytes:
+    """A fixed-size stand-in for a sender-chosen key (fingerprints may be long)."""
+    return hashlib.blake2b(key.encode("utf-8", "backslashreplace"), digest_size=16).digest()
+
+
+def _trim(entries: dict[Any, tuple[float, str]], now: float, window: float, limit: int) -> None:
+    while entries:
+        first = next(iter(entries))
+        if len(entries) < limit and now - entries[first][0] < window:
+            return
+        del entries[first]
 
 
 @dataclass(frozen=True)
@@ -62,7 +79,8 @@ class Guards:
         self._cfg = config
         self._clock = clock
         self._lock = threading.RLock()
-        self._seen: dict[str, tuple[float, str]] = {}  # dedup key -> (time, run id or reserved)
+        self._seen: dict[bytes, tuple[float, str]] = {}  # _k(dedup key) -> (time, run id or reserved)
+        self._max = config.limits.max_dedup_entries
         self._active: dict[str, str] = {}  # node -> run id (or _RESERVED)
         self._cooldown: dict[str, tuple[float, str]] = {}  # node -> (ended at, run id)
         self._auto_starts: dict[str, deque[float]] = {}  # runbook -> start times in the window
@@ -76,15 +94,29 @@ class Guards:
     # -- dedup ------------------------------------------------------------------------------
 
     def _expire(self, now: float) -> None:
-        window = self._cfg.dedup.fingerprint_window
-        if len(self._seen) > 1000:
-            self._seen = {k: v for k, v in self._seen.items() if now - v[0] < window}
-        cooldown = self._cfg.dedup.node_cooldown
-        if len(self._cooldown) > 1000:
-            self._cooldown = {k: v for k, v in self._cooldown.items() if now - v[0] < cooldown}
+        # Both maps are in insertion (= time) order: drop from the front what expired, and the oldest
+        # while full. Amortised O(1) per call.
+        _trim(self._seen, now, self._cfg.dedup.fingerprint_window, self._max)
+        _trim(self._cooldown, now, self._cfg.dedup.node_cooldown, self._max)
+
+    def _put(self, key: bytes, value: tuple[float, str]) -> None:
+        self._seen.pop(key, None)  # re-inserted: the newest, so eviction takes the oldest first
+        self._seen[key] = value
+
+    def entries(self) -> int:
+        with self._lock:
+            return len(self._seen) + len(self._cooldown)
+
+    def remember(self, key: str, at: float, run_id: str) -> None:
+        """A run found in the journal at start: its fingerprint stays a duplicate for the window."""
+        with self._lock:
+            self._expire(self._clock())
+            prev = self._seen.get(_k(key))
+            if prev is None or prev[0] < at:
+                self._put(_k(key), (at, run_id))
 
     def _duplicate(self, key: str, node: str | None, now: float) -> str | None:
-        seen = self._seen.get(key)
+        seen = self._seen.get(_k(key))
         if seen is not None and now - seen[0] < self._cfg.dedup.fingerprint_window:
             what = "nothing was started then" if seen[1] == _REFUSED else f"it started {seen[1]}"
             return f"duplicate: {key} was handled {now - seen[0]:.0f}s ago ({what})"
@@ -113,26 +145,26 @@ class Guards:
                 return reason
             if node is not None:
                 self._active[node] = _RESERVED
-            self._seen[key] = (now, _RESERVED)
+            self._put(_k(key), (now, _RESERVED))
             self._tokens += 1
             return Reservation(key, node, self._tokens)
 
     def release(self, r: Reservation, *, keep_key: bool = False) -> None:
         """Nothing was started after all: free the node; forget the key unless ``keep_key``."""
         with self._lock:
-            seen = self._seen.get(r.key)
+            seen = self._seen.get(_k(r.key))
             if seen is not None and seen[1] == _RESERVED:
                 if keep_key:
-                    self._seen[r.key] = (seen[0], _REFUSED)
+                    self._seen[_k(r.key)] = (seen[0], _REFUSED)
                 else:
-                    del self._seen[r.key]
+                    del self._seen[_k(r.key)]
             if r.node is not None and self._active.get(r.node) == _RESERVED:
                 del self._active[r.node]
 
     def bind(self, r: Reservation, run_id: str) -> None:
         """The run was created: the claim now names it."""
         with self._lock:
-            self._seen[r.key] = (self._seen.get(r.key, (self._clock(), ""))[0], run_id)
+            self._seen[_k(r.key)] = (self._seen.get(_k(r.key), (self._clock(), ""))[0], run_id)
             if r.node is not None:
                 self._active[r.node] = run_id
 
@@ -150,6 +182,7 @@ class Guards:
                 self._active.pop(node, None)
                 prev = self._cooldown.get(node)
                 if prev is None or prev[0] < ended_at:
+                    self._cooldown.pop(node, None)
                     self._cooldown[node] = (ended_at, run_id)
 
     def finished(self, node: str | None, run_id: str, *, state: str, automatic: bool, reason: str = "") -> bool:
@@ -302,30 +335,37 @@ class Guards:
 
 
 class ReplayGuard:
-    """PagerDuty ``X-Webhook-Id`` values seen within ``window`` seconds (deliveries are retried)."""
+    """PagerDuty deliveries seen within ``window`` seconds: content keys and ``X-Webhook-Id`` values
+    (deliveries are retried), kept as 16-byte digests, at most ``max_ids`` of them."""
 
-    def __init__(self, window: float, *, clock: Callable[[], float] = time.time, max_ids: int = 100_000) -> None:
+    def __init__(self, window: float, *, clock: Callable[[], float] = time.time, max_ids: int = 20_000) -> None:
         self._window = window
         self._clock = clock
         self._max = max_ids
-        self._seen: dict[str, float] = {}
+        self._seen: dict[bytes, float] = {}
         self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._seen)
 
     def claim(self, webhook_id: str) -> bool:
         """True the first time an id is seen in the window; False for a replay."""
+        key = _k(webhook_id)
         with self._lock:
             now = self._clock()
-            if len(self._seen) >= self._max:
-                self._seen = {k: t for k, t in self._seen.items() if now - t < self._window}
-                while len(self._seen) >= self._max:  # still full: forget the oldest
-                    self._seen.pop(next(iter(self._seen)))
-            at = self._seen.get(webhook_id)
+            while self._seen:
+                first = next(iter(self._seen))
+                if len(self._seen) < self._max and now - self._seen[first] < self._window:
+                    break
+                del self._seen[first]
+            at = self._seen.get(key)
             if at is not None and now - at < self._window:
                 return False
-            self._seen[webhook_id] = now
+            self._seen.pop(key, None)
+            self._seen[key] = now
             return True
 
     def release(self, webhook_id: str) -> None:
         """Processing failed (the sender will retry): forget the id."""
         with self._lock:
-            self._seen.pop(webhook_id, None)
+            self._seen.pop(_k(webhook_id), None)

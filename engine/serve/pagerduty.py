@@ -14,6 +14,7 @@ import hashlib
 import hmac
 import re
 from collections.abc import Iterable
+from datetime import datetime
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -109,6 +110,37 @@ class Event(_Frozen):
 
 class Delivery(_Frozen):
     event: Event
+
+
+class StaleDelivery(Exception):
+    """A verified delivery whose signed ``occurred_at`` is outside the accepted window (-> 403)."""
+
+
+def check_fresh(event: Event, now: float, *, max_age: float, skew: float) -> float:
+    """The signed ``occurred_at`` as epoch seconds, when it lies within ``max_age`` (+ ``skew``) in the
+    past and at most ``skew`` in the future. PayloadError when missing or not a timestamp;
+    StaleDelivery when outside the window: a captured delivery replayed later starts nothing."""
+    raw = event.occurred_at.strip()
+    if not raw:
+        raise PayloadError("event.occurred_at is missing: a delivery must carry its signed time")
+    try:
+        at = datetime.fromisoformat(raw.replace("Z", "+00:00"))
+    except ValueError as e:
+        raise PayloadError(f"event.occurred_at is not an ISO 8601 time: {raw[:40]!r}") from e
+    if at.tzinfo is None:
+        raise PayloadError(f"event.occurred_at has no time zone: {raw[:40]!r}")
+    epoch = at.timestamp()
+    if now - epoch > max_age + skew:
+        raise StaleDelivery(f"delivery occurred {now - epoch:.0f}s ago, more than the "
+                            f"{max_age:.0f}s (+{skew:.0f}s skew) accepted: refused as a possible replay")
+    if epoch - now > skew:
+        raise StaleDelivery(f"delivery is dated {epoch - now:.0f}s in the future (more than {skew:.0f}s skew)")
+    return epoch
+
+
+def content_key(body: bytes) -> str:
+    """The replay key of a verified delivery: its signed content, whatever ``X-Webhook-Id`` says."""
+    return "body-" + hashlib.sha256(body).hexdigest()
 
 
 def parse_delivery(body: bytes) -> Delivery:

@@ -2,8 +2,9 @@
 
 The server decides *whether* and *how* (mode, warnings) a run starts; a ``RunStarter`` owns
 *what a run is*: params validation, the journal, planning, approvals, the node Lease, execution.
-The real implementation lives with the engine (``engine.app.create_run_starter``); unit tests use
-``engine.serve.testing.FakeRunStarter``. This module holds types only: no I/O, no decisions.
+The real implementation lives with the engine (``engine.serve_starter.JournalRunStarter``, an
+adapter over the run service); unit tests use ``engine.serve.testing.FakeRunStarter``. This module
+holds types only: no I/O, no decisions.
 
 Lifecycle of a paged run, and which side calls what::
 
@@ -32,7 +33,11 @@ Rules every implementation must keep:
 * ``approve`` raises ``engine.errors.StalePlan`` when the digest is not the run's current plan or the
   run is not waiting for approval, and ``UsageError`` for an unknown run id.
 * ``run``/``runs`` return ``RunRecord.summary()``-shaped dicts: at least ``id``, ``runbook``,
-  ``params``, ``nodes``, ``state``, ``source``, ``plan_digest``, ``approval_required``.
+  ``params``, ``nodes``, ``state``, ``source``, ``plan_digest``, ``approval_required``; ``run`` also
+  ``dedup_key`` (the server rebuilds its fingerprint windows from it at start) and ``requested_by``
+  (who asked for the run: the sender identity, or the user of a CLI run).
+* ``approve``'s ``approved_by`` is the identity bound to the approver's credential, never a name the
+  caller typed.
 """
 
 from __future__ import annotations
@@ -69,6 +74,7 @@ class RunRequest:
     reason: str  # one line: "alertmanager: KubeNodeNotReady{node=omen2} fingerprint 4f2a..."
     warnings: tuple[str, ...] = ()  # why an ``auto`` trigger became ``approve`` (breaker), shown with the plan
     dedup_key: str = ""  # alert fingerprint or PagerDuty incident id, for the record
+    requested_by: str = ""  # the sender identity that paged (recorded; it can never approve)
 
 
 @dataclass(frozen=True)

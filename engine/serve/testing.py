@@ -88,6 +88,7 @@ class FakeRunStarter:
                 "nodes": [node], "state": "pending", "source": request.source, "plan_digest": None,
                 "approval_required": request.mode == "approve", "approved_by": None,
                 "warnings": list(request.warnings), "reason": request.reason,
+                "dedup_key": request.dedup_key, "requested_by": request.requested_by or request.source,
                 "started": time.strftime("%Y-%m-%dT%H:%M:%S.000Z", time.gmtime()), "finished": None,
                 "exit_code": None}
             self._cond.notify_all()
@@ -229,8 +230,12 @@ def webhook(*alerts: Mapping[str, Any], status: str | None = None) -> dict[str, 
     }
 
 
-TOKEN = "t0k3n-for-tests"
+TOKEN = "t0k3n-for-tests-sender"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
+APPROVER_TOKEN = "t0k3n-for-tests-alice"  # approver "alice"
+APPROVE = {"Authorization": f"Bearer {APPROVER_TOKEN}"}
+READER_TOKEN = "t0k3n-for-tests-reader"  # reader "grafana"
+READ = {"Authorization": f"Bearer {READER_TOKEN}"}
 INCIDENT_NODES = tuple(make_node(f"omen{i}") for i in range(1, 9))
 
 
@@ -261,9 +266,13 @@ class Served:
 @contextmanager
 def served(mode: str = "auto", *, token: str | None = TOKEN, nodes: Iterable[NodeFacts] | None = None,
            starter: FakeRunStarter | None = None, env: Mapping[str, str] | None = None,
+           clock: Callable[[], float] = time.time, notify_from_config: bool = False,
            **cfg: Any) -> Iterator[Served]:
     """The app over fakes: trigger KubeNodeNotReady/Unreachable on ``node=~"omen.*"`` in ``mode``;
-    eight healthy nodes omen1..omen8 unless ``nodes``; ``cfg`` overrides the configuration."""
+    eight healthy nodes omen1..omen8 unless ``nodes``; ``cfg`` overrides the configuration. The
+    sender's token is ``token`` (``AUTH``), approver ``alice`` has ``APPROVE``, reader ``grafana``
+    has ``READ``; the TestClient's Host ``testserver`` is allowed. ``notify_from_config``: the
+    configuration's ``notify:`` section sends the notifications (real HTTP), not the capture."""
     import httpx
     from starlette.testclient import TestClient
 
@@ -277,11 +286,15 @@ def served(mode: str = "auto", *, token: str | None = TOKEN, nodes: Iterable[Nod
         sent.append(json.loads(request.content))
         return httpx.Response(200)
 
-    environ = {**({"RUNBOOK_WEBHOOK_TOKEN": token} if token else {}), **dict(env or {})}
-    config = load_config(None, env=environ, overrides=cfg)
+    environ = {**({"RUNBOOK_WEBHOOK_TOKEN": token} if token else {}),
+               "RUNBOOK_APPROVER_TOKEN_ALICE": APPROVER_TOKEN, "RUNBOOK_READER_TOKEN_GRAFANA": READER_TOKEN,
+               **dict(env or {})}
+    auth = {"allowed_hosts": ["testserver"], **dict(cfg.pop("auth", None) or {})}
+    config = load_config(None, env=environ, overrides={**cfg, "auth": auth})
     starter = starter or FakeRunStarter([trigger_spec(mode=mode, matchers=('node=~"omen.*"',))])
     cluster = StaticClusterView(INCIDENT_NODES if nodes is None else nodes)
-    notifier = Notifier("http://127.0.0.1:9/notify", transport=httpx.MockTransport(receive))
-    app = create_app(config, starter, cluster=cluster, notifier=notifier, sweep_interval=0)
+    notifier = None if notify_from_config else Notifier("http://127.0.0.1:9/notify",
+                                                        transport=httpx.MockTransport(receive))
+    app = create_app(config, starter, cluster=cluster, notifier=notifier, sweep_interval=0, clock=clock)
     with TestClient(app) as client:
         yield Served(client, starter, cluster, sent)

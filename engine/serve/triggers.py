@@ -24,6 +24,7 @@ from typing import Any
 from engine import templating
 from engine.errors import UsageError
 from engine.model import ParamValue, is_template
+from engine.params import control_character, is_node_name
 from engine.serve.alertmanager import Alert
 from engine.serve.config import PagerDutyMapping
 from engine.serve.matchers import Matcher, MatcherError, all_match, parse_all
@@ -45,6 +46,8 @@ class Candidate:
     source: Source
     reason: str
     dedup_key: str
+    group_key: str = ""  # Alertmanager's groupKey of the delivery (PagerDuty Events dedup_key)
+    alert_started: float | None = None  # the alert's startsAt (epoch seconds), for metrics
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,18 @@ def _render(templates: Mapping[str, str], ctx: Mapping[str, Any]) -> dict[str, P
 def _node_of(params: Mapping[str, ParamValue], node_param: str | None) -> str | None:
     value = params.get(node_param or "node")
     return value if isinstance(value, str) and value else None
+
+
+def _check_node(params: Mapping[str, ParamValue], node_param: str | None) -> None:
+    """The node param must be a whole, valid node name before it becomes a dedup or guard key."""
+    name = node_param or "node"
+    value = params.get(name)
+    if isinstance(value, str):
+        bad = control_character(value)
+        if bad is not None:
+            raise ValueError(f"param {name}: {value[:80]!r} contains a control character ({bad})")
+        if not is_node_name(value):
+            raise ValueError(f"param {name}: {value[:80]!r} is not a valid node name (RFC 1123)")
 
 
 class TriggerIndex:
@@ -176,7 +191,8 @@ class TriggerIndex:
                 })
             try:
                 params = _render(t.spec.trigger.params, ctx)
-            except templating.TemplateError as e:
+                _check_node(params, t.spec.node_param)
+            except (templating.TemplateError, ValueError) as e:
                 found.refusals.append(Refusal(t.spec.runbook, f"params: {e}"))
                 continue
             found.candidates.append(Candidate(
@@ -205,7 +221,8 @@ class TriggerIndex:
             })
             try:
                 params: dict[str, ParamValue] = {**t.fixed, **groups, **_render(t.templates, ctx)}
-            except templating.TemplateError as e:
+                _check_node(params, t.node_param)
+            except (templating.TemplateError, ValueError) as e:
                 found.refusals.append(Refusal(t.runbook, f"params: {e}"))
                 continue
             found.candidates.append(Candidate(

@@ -310,10 +310,14 @@ def test_no_secret_and_no_artifact_is_left_on_disk(node_hosts: Callable[..., Nod
     automation = AnsibleConnector(inventory, sleep_playbook(tmp_path, 2), become_password=secret)
     private = automation.private_data_dir
     leaks: list[str] = []
+    looked_at: list[str] = []  # what the look saw running: it must have seen the playbook
 
-    def look_while_running() -> None:  # artifacts/<id>/command holds the child's whole environment
+    def look_while_running(event: TaskEvent) -> None:  # artifacts/<id>/command holds the whole environment
+        if event["task"] != "First task":
+            return  # the look happens once, while "Sleep on the host" runs (2 s)
         leaks.extend(files_containing(secret, private))
         for pid, cmd in processes_of(automation):
+            looked_at.append(cmd)
             try:
                 if secret.encode() in Path(f"/proc/{pid}/environ").read_bytes() + \
                         Path(f"/proc/{pid}/cmdline").read_bytes():
@@ -321,12 +325,11 @@ def test_no_secret_and_no_artifact_is_left_on_disk(node_hosts: Callable[..., Nod
             except OSError:
                 continue
 
-    timer = threading.Timer(1.8, look_while_running)
     try:
-        timer.start()
-        result = automation.run_playbook(Path("sleep.yml"), ["omen2"])
-        timer.join()
+        result = automation.run_playbook(Path("sleep.yml"), ["omen2"], on_event=look_while_running)
         assert result.ok, result.failed_hosts
+        # the look was not empty: it saw the running ansible-playbook (whose environment it searched)
+        assert any("ansible-playbook" in cmd for cmd in looked_at), looked_at
         assert list((private / "artifacts").iterdir()) == []  # each run's artifacts are gone
         assert automation.run_playbook(Path("sleep.yml"), ["omen2"], check=True).ok
     finally:

@@ -165,56 +165,43 @@ def test_wait_for_node_sees_a_node_appear_and_disappear(kube: KubeConnector, kub
     assert ok and node is None
 
 
-def test_wait_for_node_re_lists_and_re_watches_when_its_watch_expires(
+def test_wait_for_node_re_lists_and_re_watches_when_the_api_server_expires_its_resource_version(
         control_plane: ControlPlane, kube_client: Any) -> None:
-    """The server ends an expired watch with an ERROR 410 event: re-list, re-watch, go on.
+    """The real API server ends a watch from an expired resourceVersion with an ERROR 410 event:
+    re-list, re-watch, go on.
 
-    (The apiserver's watch cache keeps recent events for a while, so a real 410 cannot be forced
-    quickly; the first watch answer is replaced by the 410 the server would send.)
+    A resourceVersion expires for real when it is older than what the server can replay: here,
+    two changes later the API server restarts, and its watch cache starts at the newer revision
+    (the same 410 as an etcd compaction gives). The connector's first list is made to return that
+    expired resourceVersion (the only thing changed in it), as if the server had expired it
+    between the list and the watch.
     """
-
-    class ExpiringFirstWatch(KubeConnector):
-        lists = 0
-        watches = 0
-
-        def _raw(self, method: str, path: str, what: str, **kw: Any) -> Any:
-            query = dict(kw.get("query", ()))
-            if query.get("watch") == "true":
-                ExpiringFirstWatch.watches += 1
-                if ExpiringFirstWatch.watches == 1:
-                    return _FakeStream([{"type": "ERROR", "object": {
-                        "kind": "Status", "code": 410, "reason": "Expired",
-                        "message": "too old resource version: 1 (302)"}}])
-            elif "fieldSelector" in query:
-                ExpiringFirstWatch.lists += 1
-            return super()._raw(method, path, what, **kw)
-
     make_node(kube_client, "omen2")
-    kube = ExpiringFirstWatch(kubeconfig=str(control_plane.kubeconfig))
-    threading.Timer(0.5, kube_client.patch_node, ("omen2", {"metadata": {"labels": {"x": "1"}}})).start()
-    ok, node = kube.wait_for_node("omen2", lambda n: n is not None and n.labels.get("x") == "1", timeout=10)
-    assert ok and node is not None
-    assert ExpiringFirstWatch.lists == 2  # the initial read, and the re-list after the 410
-    assert ExpiringFirstWatch.watches >= 2
+    expired = kube_client.list_node(field_selector="metadata.name=omen2").metadata.resource_version
+    for n in ("1", "2"):
+        kube_client.patch_node("omen2", {"metadata": {"labels": {"churn": n}}})
+    control_plane.restart_apiserver()
+    # the thing the connector must handle really happens: a raw watch from it gets the server's 410
+    raw = kube_client.list_node(field_selector="metadata.name=omen2", watch=True, resource_version=expired,
+                                _preload_content=False, _request_timeout=10)
+    first = json.loads(raw.readline())
+    raw.release_conn()
+    assert (first["type"], first["object"]["code"]) == ("ERROR", 410), first
 
+    class ListsFromAnExpiredVersion(KubeConnector):
+        lists: list[str] = []  # the resourceVersion each list returned, in order
 
-class _FakeStream:
-    """An open watch response that delivers ``events`` and ends."""
+        def _list_node_with_rv(self, name: str) -> tuple[NodeFacts | None, str]:
+            node, rv = super()._list_node_with_rv(name)
+            ListsFromAnExpiredVersion.lists.append(rv)
+            return node, (expired if len(ListsFromAnExpiredVersion.lists) == 1 else rv)
 
-    def __init__(self, events: list[dict[str, Any]]) -> None:
-        self.body = b"".join(json.dumps(e).encode() + b"\n" for e in events)
-
-    def stream(self, amt: Any = None, decode_content: bool = False) -> Any:
-        yield self.body
-
-    def release_conn(self) -> None:
-        pass
-
-    def shutdown(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
+    kube = ListsFromAnExpiredVersion(kubeconfig=str(control_plane.kubeconfig))
+    threading.Timer(1.0, kube_client.patch_node, ("omen2", {"metadata": {"labels": {"x": "1"}}})).start()
+    ok, node = kube.wait_for_node("omen2", lambda n: n is not None and n.labels.get("x") == "1", timeout=20)
+    assert ok and node is not None and node.labels["churn"] == "2"
+    # the initial list, and the re-list the real 410 caused (a stream that merely ends re-watches without one)
+    assert len(ListsFromAnExpiredVersion.lists) == 2, ListsFromAnExpiredVersion.lists
 
 
 # -- leases -------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -130,6 +131,42 @@ def test_swap_off_turns_the_active_swapfile_off_and_the_facts_show_it(
     assert not after.swap_active and after.fstab_active_swap == ()
     calls = HostState(host["omen2"].state_dir).calls("swapoff")
     assert [c["argv"] for c in calls] == [["/swapfile"]]
+
+
+def test_swap_turned_on_by_hand_is_turned_off_with_the_fstab_entries_and_is_not_refused(
+        node_hosts: Callable[..., NodeHostSet]) -> None:
+    host = lab_host(node_hosts, active=["/swapfile"])
+    state = HostState(host["omen2"].state_dir)
+
+    def by_hand(s: dict[str, Any]) -> None:  # `swapon /swapfile2`: a transient unit, no unit file
+        s["swap"]["devices"]["/swapfile2"] = {"type": "file", "size": 1 << 30, "in_fstab": False,
+                                              "unit_file": False}
+        s["swap"]["active"].append("/swapfile2")
+
+    state.update(by_hand)
+    with AnsibleConnector(host.inventory_path, PLAYBOOKS) as automation:
+        before = automation.gather_facts(["omen2"])["omen2"]
+        assert not isinstance(before, Exception)
+        assert [d.name for d in before.swap_devices] == ["/swapfile", "/swapfile2"]
+        assert before.unhandled_swap_sources == ()  # a transient unit is ours to turn off
+        result = automation.run_playbook(Path("swap-off.yml"), ["omen2"])
+    assert result.ok, result.failed_hosts
+    after = result.host_facts["omen2"]
+    assert not after.swap_active
+    assert sorted(c["argv"][0] for c in state.calls("swapoff")) == ["/swapfile", "/swapfile2"]
+    assert host["omen2"].read_file("/etc/fstab") == EXPECTED_FSTAB  # only the fstab entries, by path and UUID=
+
+
+def test_a_swap_unit_file_is_an_unhandled_source(node_hosts: Callable[..., NodeHostSet]) -> None:
+    host = lab_host(node_hosts, active=[])
+    state = HostState(host["omen2"].state_dir)
+    state.update(lambda s: (s["swap"]["devices"].update({"/swap2.img": {"type": "file", "size": 1 << 30,
+                                                                       "in_fstab": False}}),
+                            s["swap"]["active"].append("/swap2.img")))
+    with AnsibleConnector(host.inventory_path, PLAYBOOKS) as automation:
+        facts = automation.gather_facts(["omen2"])["omen2"]
+    assert not isinstance(facts, Exception)
+    assert facts.unhandled_swap_sources == ("systemd unit swap2.img.swap (/etc/systemd/system/swap2.img.swap)",)
 
 
 def test_swap_off_refuses_a_zram_swap_it_cannot_keep_off_and_changes_nothing(

@@ -3,7 +3,8 @@
 Alertmanager is started by the test with a webhook receiver whose ``http_config.authorization``
 carries the server's token (it arrives as ``Authorization: Bearer <token>``); the server runs under
 uvicorn in a thread with the fake starter. An alert posted to Alertmanager's ``/api/v2/alerts`` the
-way Prometheus posts it must arrive as a real v4 webhook and start the run. Every address is
+way Prometheus posts it must arrive as a real v4 webhook and submit the run (what the run does is
+proven on the lab, test_serve_lab.py). Every address is
 127.0.0.1 with ports chosen at run time; gossip is off (``--cluster.listen-address=``).
 Skipped only when the binary is missing outside CI; in CI (``CI=true``) a missing binary fails.
 """
@@ -146,7 +147,7 @@ def _fire(am: str, node: str) -> None:
     assert r.status_code == 200, r.text
 
 
-def test_an_alert_posted_to_a_real_alertmanager_arrives_with_bearer_credentials_and_starts_the_run(
+def test_an_alert_posted_to_a_real_alertmanager_arrives_with_bearer_credentials_and_submits_the_run(
         runbook_server: Server, alertmanager: str) -> None:
     _fire(alertmanager, "omen2")
     assert runbook_server.starter.wait_until(lambda s: len(s.requests) >= 1, timeout=30), \
@@ -156,9 +157,7 @@ def test_an_alert_posted_to_a_real_alertmanager_arrives_with_bearer_credentials_
         "gpu-node-recovery", {"node": "omen2"}, "omen2", "auto", "alertmanager")
     assert "fingerprint" in req.reason and req.dedup_key  # Alertmanager's own fingerprint
     assert ("/hooks/alertmanager", f"Bearer {TOKEN}") in runbook_server.recorder.seen
-    assert runbook_server.starter.wait_until(lambda s: len(s.executed) == 1, timeout=10)
-    runs = httpx.get(f"{runbook_server.url}/runs", timeout=5).json()
-    assert [(r["nodes"], r["state"]) for r in runs] == [(["omen2"], "succeeded")]
+    # what the run then does is the fake starter's, not proven here: test_serve_lab.py runs it for real
     metrics = httpx.get(f"{runbook_server.url}/metrics", timeout=5).text
     assert 'runbook_serve_webhook_requests_total{endpoint="alertmanager",outcome="started"} 1.0' in metrics
 

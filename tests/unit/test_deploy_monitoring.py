@@ -44,6 +44,16 @@ def _exported_names() -> set[str]:
     metrics.webhook_seconds.labels(endpoint="e").observe(0.1)
     metrics.verify_seconds.observe(0.1)
     metrics.set_breaker("node", "n", True)
+    metrics.runs_finished.labels(runbook="r", state="succeeded", trigger="alertmanager").inc()
+    metrics.alert_to_run_start.labels(runbook="r").observe(1)
+    metrics.alert_to_recovery.labels(runbook="r").observe(1)
+    metrics.journal_errors.labels(operation="read-run").inc()
+    metrics.observe_run("r", [
+        {"kind": "step.outcome", "step": "s", "status": "succeeded", "started_at": 1.0, "finished_at": 2.0},
+        {"kind": "verify.result", "step": "s", "holds": True, "elapsed": 1.0},
+        {"kind": "guard.result", "step": "s", "check": "c", "holds": False},
+        {"kind": "run.state", "time": "2026-01-01T00:00:00.000Z"},
+        {"kind": "lock.acquired", "time": "2026-01-01T00:00:01.000Z"}])
     return {s.name for family in metrics.registry.collect() for s in family.samples} | {"up"}
 
 

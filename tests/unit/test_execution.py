@@ -15,10 +15,13 @@ from fakes import (
     FakeClock,
     FakeKube,
     FakeNodes,
+    GpuHostLog,
+    KubeletComeback,
     RecordingSink,
     healthy_host,
     incident_host,
     incident_node,
+    install_gpu_host,
     install_recovery_effects,
     make_host,
 )
@@ -27,6 +30,7 @@ from engine import probes
 from engine.connectors.base import PlaybookResult
 from engine.errors import HostError, KubeError
 from engine.execution import Executor
+from engine.facts import HostFacts
 from engine.loader import load_runbook, parse_runbook
 from engine.model import Plan, PlanState, Runbook, RunResult, RunState, StepStatus
 from engine.planning import plan_run
@@ -382,3 +386,106 @@ def test_an_approved_run_proceeds_and_a_refused_one_is_cancelled(lab: Lab) -> No
     refused = Lab(FakeClock(), FakeKube([incident_node()]), FakeNodes({"omen2": incident_host()}), RecordingSink(),
                   threading.Event()).execute(runbook=rb, approve=lambda step: False)
     assert refused.state is RunState.CANCELLED and refused.exit_code == 4
+
+
+# -- the shipped flagship (runbooks/gpu-node-recovery.yaml and its playbooks), not the frozen look-alike --
+SHIPPED_DIR = Path(__file__).resolve().parents[2]
+SHIPPED_PLAYBOOKS = SHIPPED_DIR / "playbooks"
+SHIPPED = load_runbook(SHIPPED_DIR / "runbooks" / "gpu-node-recovery.yaml", playbooks_dir=SHIPPED_PLAYBOOKS)
+SHIPPED_PARAMS: dict[str, Any] = {"node": "omen2", "workload": "container", "ready_timeout": 120, "gpu_timeout": 180}
+CUDA_PIDS = (1000,)
+
+
+def shipped_omen2(*, auto_restart: bool, ready_after: float = 5.0,
+                  gpu_after: float = 10.0) -> tuple[Lab, GpuHostLog]:
+    """The incident on fakes, with one host CUDA job, kubelet coming back by itself after swap-off or not."""
+    clock = FakeClock()
+    kube = FakeKube([incident_node()], clock=clock)
+    nodes = FakeNodes({"omen2": incident_host(cuda=len(CUDA_PIDS))}, clock=clock)
+    log = install_gpu_host(kube, nodes, auto_restart=auto_restart, ready_after=ready_after, gpu_after=gpu_after)
+    return Lab(clock, kube, nodes, RecordingSink(), threading.Event()), log
+
+
+def run_shipped(lab: Lab) -> RunResult:
+    facts = probes.gather(SHIPPED, SHIPPED_PARAMS, "omen2", lab.kube, lab.nodes, clock=lab.clock.wall)
+    plan = plan_run(SHIPPED, SHIPPED_PARAMS, facts, runbook_digest="d" * 64, now=NOW)
+    assert plan.state is PlanState.READY, plan.blocked_reasons
+    executor = Executor(lab.kube, lab.nodes, events=lab.sink, playbooks_dir=SHIPPED_PLAYBOOKS, clock=lab.clock,
+                        sleep=lab.clock.sleep, wall=lab.clock.wall, cancel=lab.cancel)
+    return executor.execute(plan, SHIPPED, SHIPPED_PARAMS)
+
+
+def cuda_pids(lab: Lab) -> tuple[int, ...]:
+    host = lab.nodes.hosts["omen2"]
+    assert isinstance(host, HostFacts)
+    return tuple(p.pid for p in host.cuda_processes)
+
+
+def test_the_fake_gpu_host_kills_the_cuda_job_when_kubelet_comes_back_before_the_relabel() -> None:
+    # the danger the shipped order guards against is real in the fake: without it the tests below prove nothing
+    lab, log = shipped_omen2(auto_restart=False)
+    lab.nodes.run_playbook(SHIPPED_PLAYBOOKS / "swap-off.yml", ["omen2"])
+    lab.nodes.run_playbook(SHIPPED_PLAYBOOKS / "restart-kubelet.yml", ["omen2"])
+    assert log.comebacks == [KubeletComeback("restart-kubelet.yml", "vm-passthrough", CUDA_PIDS)]
+    assert cuda_pids(lab) == ()
+    lab, log = shipped_omen2(auto_restart=True)
+    lab.nodes.run_playbook(SHIPPED_PLAYBOOKS / "swap-off.yml", ["omen2"])
+    assert log.comebacks == [KubeletComeback("auto-restart", "vm-passthrough", CUDA_PIDS)]
+
+
+def test_the_shipped_flagship_restarts_a_stopped_kubelet_after_relabel_and_swap_off_and_the_cuda_job_lives() -> None:
+    lab, log = shipped_omen2(auto_restart=False)
+    result = run_shipped(lab)
+    assert result.state is RunState.SUCCEEDED and result.exit_code == 0, result.reason
+    assert statuses(result) == [("relabel-container", StepStatus.SUCCEEDED), ("swap-off", StepStatus.SUCCEEDED),
+                                ("restart-kubelet", StepStatus.SUCCEEDED)]
+    # the order, from the fakes' side: label PATCH, then swap off, then the restart that brought kubelet back
+    assert log.effects == ["label=container", "swap-off.yml", "restart-kubelet.yml"]
+    assert log.comebacks == [KubeletComeback("restart-kubelet.yml", "container", ())]
+    assert cuda_pids(lab) == CUDA_PIDS
+    restart = result.outcomes[2]
+    checks = {v["check"]: (v["holds"], v["observed"]) for v in restart.evidence["verify"]}
+    assert checks["no host CUDA process killed since the plan"] == (
+        True, "1 CUDA process; all 1 from the plan still run")
+    assert checks["node is Ready"][0] is True
+    assert "host CUDA processes: 1 when planned, 1 now (none killed)" in result.report
+
+
+def test_the_shipped_flagship_skips_the_restart_when_kubelet_came_back_by_itself_after_swap_off() -> None:
+    lab, log = shipped_omen2(auto_restart=True, ready_after=0.0, gpu_after=0.0)
+    result = run_shipped(lab)
+    assert result.state is RunState.SUCCEEDED and result.exit_code == 0, result.reason
+    assert statuses(result) == [("relabel-container", StepStatus.SUCCEEDED), ("swap-off", StepStatus.SUCCEEDED),
+                                ("restart-kubelet", StepStatus.SKIPPED)]
+    assert result.outcomes[2].reason.startswith("already done: ")
+    assert log.effects == ["label=container", "swap-off.yml"]  # restart-kubelet.yml never ran
+    assert log.comebacks == [KubeletComeback("auto-restart", "container", ())]
+    assert cuda_pids(lab) == CUDA_PIDS
+
+
+def test_the_shipped_flagship_restarts_a_kubelet_that_came_back_but_is_not_serving_yet() -> None:
+    # auto-restarted, but the node is not yet Ready when the step starts: not "already done", so it acts
+    lab, log = shipped_omen2(auto_restart=True, ready_after=30.0, gpu_after=40.0)
+    result = run_shipped(lab)
+    assert result.state is RunState.SUCCEEDED, result.reason
+    assert statuses(result)[2] == ("restart-kubelet", StepStatus.SUCCEEDED)
+    assert log.effects == ["label=container", "swap-off.yml", "restart-kubelet.yml"]
+    assert [c.label for c in log.comebacks] == ["container", "container"]
+    assert cuda_pids(lab) == CUDA_PIDS
+
+
+def test_the_shipped_flagship_does_not_restart_kubelet_when_the_label_was_reverted_before_the_restart() -> None:
+    # something (an operator, a person) puts vm-passthrough back after the relabel: the live guard refuses
+    lab, log = shipped_omen2(auto_restart=False)
+    swap_off = lab.nodes.effects["swap-off.yml"]
+
+    def swap_off_then_revert(fn: FakeNodes, host: str, evars: Any) -> None:
+        swap_off(fn, host, evars)
+        lab.kube.set_label("omen2", GPU_LABEL, "vm-passthrough")
+
+    lab.nodes.effects["swap-off.yml"] = swap_off_then_revert
+    result = run_shipped(lab)
+    assert result.state is not RunState.SUCCEEDED and result.exit_code != 0
+    assert statuses(result)[2] == ("restart-kubelet", StepStatus.BLOCKED)
+    assert "restart-kubelet.yml" not in log.effects and log.comebacks == []
+    assert cuda_pids(lab) == CUDA_PIDS

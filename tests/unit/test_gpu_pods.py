@@ -204,15 +204,18 @@ report: >-
 
 
 def test_the_plan_previews_each_eviction_with_a_server_dry_run_and_evicts_nothing() -> None:
-    from engine import api, output
+    from engine import output
+    from engine.loader import LoadedRunbook
+    from engine.params import PreparedRun
+    from engine.previews import preview_plan
 
     kube = FakeKube([healthy_node()])
     kube.pods = [pod("train", {GPU: "1"}), pod("web", {"cpu": "1"})]
     nodes = FakeNodes({"omen2": healthy_host()})
-    prepared = api.PreparedRun(api.LoadedRunbook(RUNBOOK, Path("evict-gpu-pods.yaml"), "d" * 64, PLAYBOOKS),
+    prepared = PreparedRun(LoadedRunbook(RUNBOOK, Path("evict-gpu-pods.yaml"), "d" * 64, PLAYBOOKS),
                                {"node": "omen2"}, "omen2")
     facts = probes.gather(RUNBOOK, {"node": "omen2"}, "omen2", kube, nodes)
-    plan = api.preview_plan(plan_run(RUNBOOK, {"node": "omen2"}, facts, runbook_digest="d" * 64, now=NOW),
+    plan = preview_plan(plan_run(RUNBOOK, {"node": "omen2"}, facts, runbook_digest="d" * 64, now=NOW),
                             prepared, kube, nodes, facts=facts)
     assert plan.step("evict").preview == "server dry-run accepted: evict ml/train"
     assert ("evict_pod", kube.pods[0]) in kube.calls and kube.evicted == []

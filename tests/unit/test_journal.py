@@ -31,13 +31,14 @@ from fakes import (
     install_recovery_effects,
 )
 
-from engine import api, probes
+from engine import probes
 from engine.connectors.base import PlaybookResult
 from engine.errors import KubeError, UsageError
 from engine.execution import Executor, fault_injection_points
 from engine.journal import Journal, JournalSink, StepProgress, _process_start
 from engine.locks import holder_for, lease_name
 from engine.model import Plan, RunState, StepStatus
+from engine.params import PreparedRun, prepare_run
 from engine.planning import plan_run
 from engine.runs import RunService
 from engine.settings import Settings
@@ -163,6 +164,13 @@ def test_known_secrets_and_secret_looking_keys_never_reach_the_file(tmp_path: Pa
     raw = b"".join(p.read_bytes() for p in tmp_path.glob("j.sqlite*"))
     for secret in (b"s3cr3t-Become", b"tok-123", b"p4ss"):
         assert secret not in raw
+    # the run and the event around the secrets were written, masked, not dropped
+    again = Journal(path)
+    assert again.get_run(run_id).params == {"node": "omen2", "api_token": "***"}
+    (event,) = again.events(run_id)
+    assert (event.kind, event.step) == ("ansible.task", "s")
+    assert event.data == {"msg": "sudo: *** rejected", "password": "***"}
+    again.close()
 
 
 # -- progress: what a resume must know -------------------------------------------------------
@@ -271,7 +279,7 @@ class World:
     kube: FakeKube
     nodes: FakeNodes
     service: RunService
-    prepared: api.PreparedRun
+    prepared: PreparedRun
 
     def plan(self) -> Plan:
         rb, params = self.prepared.runbook, self.prepared.params
@@ -321,7 +329,7 @@ def world(tmp_path: Path) -> Iterator[World]:
     settings._cache.update(kube=kube, nodes=nodes)  # our fakes instead of the real connectors
     service = RunService(settings, executor_options={"clock": clock, "sleep": clock.sleep, "wall": clock.wall})
     loaded = service.load(str(FLAGSHIP))
-    yield World(clock, kube, nodes, service, api.prepare_run(loaded, {"node": "omen2"}))
+    yield World(clock, kube, nodes, service, prepare_run(loaded, {"node": "omen2"}))
     service.journal.close()
 
 
@@ -413,7 +421,7 @@ def test_a_non_idempotent_half_done_step_is_never_rerun_without_confirmation(tmp
     (tmp_path / "runbooks").mkdir()
     (tmp_path / "runbooks" / "gpu-node-recovery.yaml").write_text(text)
     world.service.settings.runbooks_dir = tmp_path / "runbooks"
-    world.prepared = api.prepare_run(world.service.load("gpu-node-recovery"), {"node": "omen2"})
+    world.prepared = prepare_run(world.service.load("gpu-node-recovery"), {"node": "omen2"})
     run_id = world.start_and_die("restart-kubelet", "before-action")
     result = world.resume(run_id)  # no way to ask (no terminal): blocked, and still resumable
     assert (result.state, result.exit_code) == (RunState.BLOCKED, 3)
@@ -539,7 +547,7 @@ def test_waiting_for_approval_parks_the_run_without_an_owner(world: World) -> No
     d.mkdir()
     (d / "gpu-node-recovery.yaml").write_text(text)
     world.service.settings.runbooks_dir = d
-    world.prepared = api.prepare_run(world.service.load("gpu-node-recovery"), {"node": "omen2"})
+    world.prepared = prepare_run(world.service.load("gpu-node-recovery"), {"node": "omen2"})
     plan = world.plan()
     run_id = world.service.create(world.prepared, plan, approval_required=True)
     result = world.service.execute(run_id, world.prepared, plan, wait_approval=False)

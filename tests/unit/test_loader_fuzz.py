@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -104,13 +105,62 @@ def _paths(value: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
     return out
 
 
-@FUZZ
-@given(st.data())
-def test_wrong_values_anywhere_in_a_runbook_are_located(data: st.DataObject) -> None:
-    doc = yaml.safe_load(data.draw(st.sampled_from(SEEDS)))
-    path = data.draw(st.sampled_from(_paths(doc)[1:]))
-    target = doc
-    for part in path[:-1]:
-        target = target[part]
-    target[path[-1]] = data.draw(JSON_VALUES)
-    assert_loads_or_locates(yaml.safe_dump(doc, sort_keys=False).encode())
+def _lines_of(text: str, path: tuple[Any, ...]) -> tuple[int, int]:
+    """(first, last) line of the YAML node at ``path`` in ``text``, the first being its key's line."""
+    node = yaml.compose(text)
+    assert node is not None
+    first = 1
+    for part in path:
+        if isinstance(node, yaml.MappingNode):
+            key, node = next((k, v) for k, v in node.value if k.value == part)
+            first = key.start_mark.line + 1
+        else:
+            node = node.value[part]
+            first = node.start_mark.line + 1
+    return first, node.end_mark.line + 1
+
+
+def test_wrong_values_anywhere_in_a_runbook_are_located_at_the_value_or_the_mapping_holding_it() -> None:
+    tally = {"refused": 0, "loaded": 0}
+
+    @FUZZ
+    @given(st.data())
+    def one(data: st.DataObject) -> None:
+        doc = yaml.safe_load(data.draw(st.sampled_from(SEEDS)))
+        path = data.draw(st.sampled_from(_paths(doc)[1:]))
+        target = doc
+        for part in path[:-1]:
+            target = target[part]
+        target[path[-1]] = data.draw(JSON_VALUES)
+        text = yaml.safe_dump(doc, sort_keys=False)
+        try:
+            parse_runbook(text.encode(), "fuzz.yaml", stem=None, playbooks_dir=REPO / "playbooks")
+        except LoadError as e:
+            assert_loads_or_locates(text.encode())  # every line PATH:LINE:
+            lines = [int(m.group(1)) for m in map(LOCATED.match, str(e).splitlines()) if m]
+            first = _lines_of(text, path[:-1])[0] if len(path) > 1 else 1
+            last = _lines_of(text, path)[1]
+            assert any(first <= n <= last for n in lines), (path, first, last, str(e))
+            tally["refused"] += 1
+        else:
+            tally["loaded"] += 1  # the drawn value happened to be valid there (a free-form field, a bool for a bool)
+
+    one()
+    # not vacuous: most drawn values are wrong, and those were refused (a loader accepting anything fails here)
+    assert tally["refused"] >= 0.8 * (tally["refused"] + tally["loaded"]), tally
+
+
+@pytest.mark.parametrize(("line", "wrong", "error"), [
+    ("        timeout: 30s\n", "        timeout: banana\n", "steps[0].verify[0].timeout: not a duration: 'banana'"),
+    ("        become: true\n", "        become: maybe please\n",
+     "steps[1].action.ansible.become: expected a valid boolean"),
+    ("    max: 3600\n", "    max: lots\n", "params.ready_timeout.max: expected a valid integer"),
+    ("      - {swap_active: false}\n", "      - {swap_active: 7}\n",
+     "steps[1].skip_if[0].swap_active: expected a valid boolean"),
+], ids=["timeout", "become", "max", "swap_active"])
+def test_a_wrong_value_in_the_flagship_is_reported_at_its_own_line(line: str, wrong: str, error: str) -> None:
+    text = FLAGSHIP_PATH.read_text()
+    at = text[:text.index(line)].count("\n") + 1
+    with pytest.raises(LoadError) as refused:
+        parse_runbook(text.replace(line, wrong, 1).encode(), "fuzz.yaml", stem=None, playbooks_dir=REPO / "playbooks")
+    assert str(refused.value).startswith(f"fuzz.yaml:{at}: {error}"), str(refused.value)

@@ -13,10 +13,14 @@ from typing import Any
 
 from fakes import FakeClock, FakeKube, FakeNodes, RecordingSink, make_host, make_node
 
-from engine import api
 from engine.connectors.base import PlaybookResult
+from engine.execution import Executor
 from engine.facts import HostFacts
+from engine.loader import load
 from engine.model import PlanState, RunState
+from engine.params import PreparedRun, prepare_run
+from engine.previews import start_host_work
+from engine.runs import plan_targets
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -48,7 +52,7 @@ class RememberingNodes(FakeNodes):
 
 
 def _lab(nodes_cls: type[FakeNodes] = RememberingNodes, *, labels: Mapping[str, str] | None = None
-         ) -> tuple[FakeClock, FakeKube, FakeNodes, api.PreparedRun]:
+         ) -> tuple[FakeClock, FakeKube, FakeNodes, PreparedRun]:
     clock = FakeClock()
     kube = FakeKube([make_node("omen2", labels=dict(labels or {}))], clock=clock)
     nodes = nodes_cls({"omen2": make_host("omen2")}, clock=clock)
@@ -57,13 +61,13 @@ def _lab(nodes_cls: type[FakeNodes] = RememberingNodes, *, labels: Mapping[str, 
         fn.files.setdefault(node, {})[ev["marker_path"]] = f"marker={ev['marker_content']}\n"
 
     nodes.effects["example-touch-file.yml"] = touch
-    loaded = api.load("example-label-and-file", REPO / "runbooks")
-    return clock, kube, nodes, api.prepare_run(loaded, ["value=ok1"], node="omen2")
+    loaded = load("example-label-and-file", REPO / "runbooks")
+    return clock, kube, nodes, prepare_run(loaded, ["value=ok1"], node="omen2")
 
 
 def test_the_previews_closing_facts_are_the_plans_host_facts() -> None:
     _, kube, nodes, prepared = _lab()
-    plan = api.plan(prepared, kube, nodes)
+    plan = plan_targets([prepared], kube, nodes)[0]
     assert plan.state is PlanState.READY
     assert nodes.gathers == []  # no facts run: the check-mode run's closing facts served
     (preview_run,) = nodes.runs
@@ -75,7 +79,7 @@ def test_the_previews_closing_facts_are_the_plans_host_facts() -> None:
 def test_a_preview_of_a_step_the_plan_does_not_change_is_dropped() -> None:
     _, kube, nodes, prepared = _lab(labels={"runbook.example/marker": "ok1"})
     nodes.files["omen2"] = {"/var/tmp/runbook-example": "marker=ok1\n"}
-    plan = api.plan(prepared, kube, nodes)
+    plan = plan_targets([prepared], kube, nodes)[0]
     assert plan.state is PlanState.NOTHING_TO_DO
     assert all(s.preview == "" for s in plan.steps)
     assert nodes.gathers == [] and [r["check"] for r in nodes.runs] == [True]
@@ -83,7 +87,7 @@ def test_a_preview_of_a_step_the_plan_does_not_change_is_dropped() -> None:
 
 def test_without_facts_from_the_previews_a_facts_run_gathers_them() -> None:
     _, kube, nodes, prepared = _lab(FakeNodes)  # keeps no recent facts
-    plan = api.plan(prepared, kube, nodes)
+    plan = plan_targets([prepared], kube, nodes)[0]
     assert plan.state is PlanState.READY
     assert nodes.gathers == [(["omen2"], ["/var/tmp/runbook-example"])]
     assert plan.step("touch-file").preview.startswith("check mode")
@@ -91,20 +95,21 @@ def test_without_facts_from_the_previews_a_facts_run_gathers_them() -> None:
 
 def test_a_plan_without_previews_waits_for_the_facts_run_it_started_first() -> None:
     _, kube, nodes, prepared = _lab()
-    work = api.start_host_work(prepared, nodes, preview=False)
+    work = start_host_work([prepared], nodes, preview=False)
     assert work.previews is None and work.facts is not None
-    plan = api.plan(prepared, kube, nodes, preview=False, host_work=work)
+    plan = plan_targets([prepared], kube, nodes, preview=False, host_work=work)[0]
     assert plan.state is PlanState.READY
     assert nodes.gathers == [(["omen2"], ["/var/tmp/runbook-example"])] and nodes.runs == []  # one facts run
 
 
 def test_the_executor_reuses_the_previous_playbooks_facts_and_journals_it() -> None:
     clock, kube, nodes, prepared = _lab()
-    plan = api.plan(prepared, kube, nodes, preview=False)
+    plan = plan_targets([prepared], kube, nodes, preview=False)[0]
     gathers_before = len(nodes.gathers)
     sink = RecordingSink()
-    result = api.run(prepared, plan, kube, nodes, events=sink, cancel=threading.Event(), clock=clock,
-                     sleep=clock.sleep, wall=clock.wall)
+    result = Executor(kube, nodes, events=sink, playbooks_dir=prepared.loaded.playbooks_dir,
+                      cancel=threading.Event(), clock=clock, sleep=clock.sleep, wall=clock.wall,
+                      ).execute(plan, prepared.runbook, prepared.params)
     assert result.state is RunState.SUCCEEDED, result.reason
     reused = [d for k, d in sink.events if k == "probe.reused"]
     # touch-file's skip_if used the plan's facts (seconds old), not a new facts run
@@ -117,9 +122,10 @@ def test_the_executor_reuses_the_previous_playbooks_facts_and_journals_it() -> N
 
 def test_reuse_off_gathers_before_every_step() -> None:
     clock, kube, nodes, prepared = _lab()
-    plan = api.plan(prepared, kube, nodes, preview=False)
+    plan = plan_targets([prepared], kube, nodes, preview=False)[0]
     sink = RecordingSink()
-    result = api.run(prepared, plan, kube, nodes, events=sink, cancel=threading.Event(), clock=clock,
-                     sleep=clock.sleep, wall=clock.wall, host_facts_max_age=0)
+    result = Executor(kube, nodes, events=sink, playbooks_dir=prepared.loaded.playbooks_dir,
+                      cancel=threading.Event(), clock=clock, sleep=clock.sleep, wall=clock.wall,
+                      host_facts_max_age=0).execute(plan, prepared.runbook, prepared.params)
     assert result.state is RunState.SUCCEEDED, result.reason
     assert not [k for k, _ in sink.events if k == "probe.reused"]

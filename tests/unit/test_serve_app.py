@@ -14,8 +14,10 @@ from engine.serve.app import create_app
 from engine.serve.config import load_config
 from engine.serve.notify import Notifier
 from engine.serve.testing import (
+    APPROVE,
     AUTH,
     DIGEST,
+    READ,
     TOKEN,
     FakeRunStarter,
     StaticClusterView,
@@ -61,9 +63,12 @@ def test_bearer_or_basic_auth_with_the_token_as_password_is_accepted(headers: di
         assert len(s.starter.requests) == 1
 
 
-def test_without_a_configured_token_no_credentials_are_needed() -> None:
-    with served(token=None) as s:
-        assert s.post_alerts(alert("omen2"), headers={}).status_code == 202
+def test_without_a_configured_token_every_state_changing_endpoint_refuses() -> None:
+    with served(token=None, env={"RUNBOOK_APPROVER_TOKEN_ALICE": "an-approver-token-long"}) as s:
+        assert s.post_alerts(alert("omen2"), headers={}).status_code == 401
+        assert s.client.post("/breaker/reset", json={}).status_code == 401
+        assert s.client.post("/runs/r-x/approve", json={"plan_digest": DIGEST}).status_code == 401
+        assert s.starter.requests == []
 
 
 # -- bad input --------------------------------------------------------------------------------
@@ -96,7 +101,8 @@ def test_bodies_over_the_limit_are_refused_with_413() -> None:
         r = s.client.post("/hooks/alertmanager", json=big, headers=AUTH)
         assert r.status_code == 413
         # also when the sender does not announce a length (chunked)
-        r = s.client.post("/hooks/alertmanager", content=iter([json.dumps(big).encode()]), headers=AUTH)
+        r = s.client.post("/hooks/alertmanager", content=iter([json.dumps(big).encode()]),
+                          headers={**AUTH, "Content-Type": "application/json"})
         assert r.status_code == 413
         assert s.starter.requests == []
 
@@ -114,7 +120,10 @@ def test_resolved_alerts_never_start_runs() -> None:
         r = s.post_alerts(alert("omen2", status="resolved"), alert("omen3", status="resolved"))
         assert r.status_code == 200
         assert r.json()["status"] == "ignored"
-        assert all("resolved" in d["reason"] for d in r.json()["decisions"])
+        decisions = r.json()["decisions"]
+        assert [(d["outcome"], d["reason"]) for d in decisions] == [
+            ("ignored", "resolved alerts never start runs")] * 2  # one decision per alert, both resolved
+        assert [d["alert"].split('node="')[1].split('"')[0] for d in decisions] == ["omen2", "omen3"]
         assert s.starter.requests == []
 
 
@@ -167,21 +176,22 @@ def test_approve_mode_waits_and_only_the_right_digest_completes_it() -> None:
 
         url = f"/runs/{run_id}/approve"
         assert s.client.post(url, json={"plan_digest": DIGEST}).status_code == 401
-        wrong = s.client.post(url, json={"plan_digest": "b" * 64}, headers=AUTH)
+        wrong = s.client.post(url, json={"plan_digest": "b" * 64}, headers=APPROVE)
         assert wrong.status_code == 409 and "plan" in wrong.json()["error"]
-        assert s.client.post("/runs/r-nope/approve", json={"plan_digest": DIGEST}, headers=AUTH).status_code == 404
-        assert s.client.post(url, content=b"{", headers=AUTH).status_code == 400
-        assert s.client.post(url, json={"digest": DIGEST}, headers=AUTH).status_code == 400
+        assert s.client.post("/runs/r-nope/approve", json={"plan_digest": DIGEST}, headers=APPROVE).status_code == 404
+        assert s.client.post(url, content=b"{", headers={**APPROVE, "Content-Type": "application/json"}
+                             ).status_code == 400
+        assert s.client.post(url, json={"digest": DIGEST}, headers=APPROVE).status_code == 400
         assert s.client.post(url, json={"plan_digest": DIGEST, "approved_by": "<script>"},
-                             headers=AUTH).status_code == 400
+                             headers=APPROVE).status_code == 400
         assert s.client.get(f"/runs/{run_id}").json()["state"] == "waiting-approval"
 
-        ok = s.client.post(url, json={"plan_digest": DIGEST, "approved_by": "alice"}, headers=AUTH)
+        ok = s.client.post(url, json={"plan_digest": DIGEST}, headers=APPROVE)
         assert ok.status_code == 202 and ok.json()["queued"] is True
         s.idle()
         run = s.client.get(f"/runs/{run_id}").json()
         assert (run["state"], run["approved_by"]) == ("succeeded", "alice")
-        again = s.client.post(url, json={"plan_digest": DIGEST}, headers=AUTH)
+        again = s.client.post(url, json={"plan_digest": DIGEST}, headers=APPROVE)
         assert again.status_code == 409 and "not waiting" in again.json()["error"]
 
 
@@ -191,7 +201,7 @@ def test_approving_a_run_this_server_does_not_own_only_records_it() -> None:
                "approved_by": None, "started": None, "finished": None, "exit_code": None}
     starter = FakeRunStarter([trigger_spec()], preload=[cli_run])
     with served(starter=starter) as s:
-        r = s.client.post("/runs/r-cli-1/approve", json={"plan_digest": DIGEST}, headers=AUTH)
+        r = s.client.post("/runs/r-cli-1/approve", json={"plan_digest": DIGEST}, headers=APPROVE)
         assert (r.status_code, r.json()["queued"]) == (200, False)
         assert starter.executed == []
 
@@ -231,12 +241,13 @@ def test_notification_failures_are_logged_not_raised(caplog: pytest.LogCaptureFi
     def broken(request: httpx.Request) -> httpx.Response:
         raise httpx.ConnectError("receiver down")
 
-    config = load_config(None, env={})
+    config = load_config(None, env={"RUNBOOK_WEBHOOK_TOKEN": TOKEN},
+                         overrides={"auth": {"allowed_hosts": ["testserver"]}})
     starter = FakeRunStarter([trigger_spec(mode="auto")])
     notifier = Notifier("http://127.0.0.1:9/x", transport=httpx.MockTransport(broken))
     app = create_app(config, starter, cluster=StaticClusterView(NODES), notifier=notifier, sweep_interval=0)
     with TestClient(app) as client:
-        r = client.post("/hooks/alertmanager", json=webhook(alert("omen2")))
+        r = client.post("/hooks/alertmanager", json=webhook(alert("omen2")), headers=AUTH)
         assert r.status_code == 202
         assert app.state.dispatcher.worker.wait_idle(5)
         assert notifier.flush(5)
@@ -246,8 +257,9 @@ def test_notification_failures_are_logged_not_raised(caplog: pytest.LogCaptureFi
 
 def test_reads_can_be_protected_by_the_token_too() -> None:
     with served(protect_reads=True) as s:
-        for path in ("/runs", "/runs/r-x", "/breaker", "/triggers"):
+        for path in ("/runs", "/runs/r-x", "/breaker", "/triggers", "/metrics"):
             assert s.client.get(path).status_code == 401
-            assert s.client.get(path, headers=AUTH).status_code in (200, 404)
+            assert s.client.get(path, headers=AUTH).status_code == 403  # a sender is no reader
+            assert s.client.get(path, headers=READ).status_code in (200, 404)
+            assert s.client.get(path, headers=APPROVE).status_code in (200, 404)
         assert s.client.get("/healthz").status_code == 200
-        assert s.client.get("/metrics").status_code == 200

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 import time
-import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,26 +14,26 @@ from click.testing import CliRunner
 
 from engine.errors import UsageError
 from engine.lab.ports import free_port
+from engine.serve import cli as serve_cli
 from engine.serve.app import create_app
-from engine.serve.cli import build_app, load_run_starter, serve_command
+from engine.serve.cli import build_app, load_run_starter, serve_command, start_banner
 from engine.serve.config import ServeConfig, load_config
 from engine.serve.notify import Notifier
 from engine.serve.testing import INCIDENT_NODES, FakeRunStarter, StaticClusterView, trigger_spec
+from engine.serve_starter import JournalRunStarter
 from engine.settings import Settings
 
 
 @pytest.fixture
 def fake_engine_app(monkeypatch: pytest.MonkeyPatch) -> list[ServeConfig]:
-    """Stand in for ``engine.app.create_run_starter`` (written by the engine, not by serve)."""
+    """Stand in for the engine's starter (``load_run_starter``: the run service's adapter)."""
     seen: list[ServeConfig] = []
 
     def create_run_starter(settings: Settings, config: ServeConfig) -> FakeRunStarter:
         seen.append(config)
         return FakeRunStarter([trigger_spec()])
 
-    module = types.ModuleType("engine.app")
-    module.create_run_starter = create_run_starter  # type: ignore[attr-defined]
-    monkeypatch.setitem(__import__("sys").modules, "engine.app", module)
+    monkeypatch.setattr(serve_cli, "load_run_starter", create_run_starter)
     return seen
 
 
@@ -59,21 +58,42 @@ def test_build_app_uses_the_engines_starter_and_keeps_breakers_beside_the_journa
     assert app.state.dispatcher.index.describe()[0]["runbook"] == "gpu-node-recovery"
 
 
-def test_listening_beyond_loopback_needs_a_token(tmp_path: Path, fake_engine_app: list[ServeConfig],
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("RUNBOOK_WEBHOOK_TOKEN", raising=False)
+def test_listening_on_every_address_needs_the_allowed_host_names(
+        tmp_path: Path, fake_engine_app: list[ServeConfig], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RUNBOOK_WEBHOOK_TOKEN", "a-sender-token-0123456789")
     settings = Settings(journal=tmp_path / "j.sqlite")
-    with pytest.raises(UsageError, match="without RUNBOOK_WEBHOOK_TOKEN"):
+    with pytest.raises(UsageError, match=r"auth\.allowed_hosts"):
         build_app(settings, None, "0.0.0.0:8080")
     assert fake_engine_app == []  # refused before anything was built
-    monkeypatch.setenv("RUNBOOK_WEBHOOK_TOKEN", "x")
-    build_app(settings, None, "0.0.0.0:8080")  # built, not listening
+    conf = tmp_path / "serve.yaml"
+    conf.write_text("auth: {allowed_hosts: [runbook.example.org]}\n")
+    build_app(settings, conf, "0.0.0.0:8080")  # built, not listening
 
 
-def test_a_build_without_the_engines_starter_is_a_usage_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(__import__("sys").modules, "engine.app", types.ModuleType("engine.app"))
-    with pytest.raises(UsageError, match="create_run_starter"):
-        load_run_starter(Settings(), ServeConfig())
+def test_insecure_no_auth_is_refused_beyond_loopback_and_announced_loudly(
+        tmp_path: Path, fake_engine_app: list[ServeConfig], monkeypatch: pytest.MonkeyPatch) -> None:
+    settings = Settings(journal=tmp_path / "j.sqlite")
+    conf = tmp_path / "serve.yaml"
+    conf.write_text("auth: {allowed_hosts: [runbook.example.org]}\n")
+    for listen in ("0.0.0.0:8080", "10.1.2.3:8080"):
+        with pytest.raises(UsageError, match="--insecure-no-auth is refused"):
+            build_app(settings, conf, listen, insecure_no_auth=True)
+    conf.write_text("auth: {insecure_no_auth: true}\n")
+    with pytest.raises(UsageError, match="only be set by the --insecure-no-auth option"):
+        build_app(settings, conf, "127.0.0.1:8080")
+    app, config = build_app(settings, None, "127.0.0.1:8080", insecure_no_auth=True)
+    assert config.auth.insecure_no_auth
+    banner = start_banner(config)
+    assert banner is not None and "NO CREDENTIALS ARE CHECKED" in banner and "127.0.0.1:8080" in banner
+    assert app.state.handlers.access.identify(None).name == "insecure-no-auth"
+
+
+def test_the_servers_starter_is_the_run_service_and_its_runs_are_automatic(tmp_path: Path) -> None:
+    starter = load_run_starter(Settings(journal=tmp_path / "j.sqlite"), ServeConfig())
+    assert isinstance(starter, JournalRunStarter)
+    assert starter.service.automatic  # no guard override can reach a paged run
+    with pytest.raises(UsageError, match="for people"):
+        starter.service.check_overrides({"exclusion": "the server tried"})
 
 
 def test_a_bad_config_file_exits_2_with_the_file_named(tmp_path: Path, fake_engine_app: list[ServeConfig]) -> None:
@@ -87,7 +107,8 @@ def test_a_bad_config_file_exits_2_with_the_file_named(tmp_path: Path, fake_engi
 @pytest.fixture
 def live_server() -> Iterator[tuple[str, Any]]:
     port = free_port("127.0.0.1")
-    config = load_config(None, env={"RUNBOOK_WEBHOOK_TOKEN": "cli-token"})
+    config = load_config(None, env={"RUNBOOK_WEBHOOK_TOKEN": "cli-sender-token-0123",
+                                    "RUNBOOK_APPROVER_TOKEN_OPS": "cli-approver-token-0123"})
     app = create_app(config, FakeRunStarter([trigger_spec()]), cluster=StaticClusterView(INCIDENT_NODES),
                      notifier=Notifier(None), sweep_interval=0)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
@@ -109,10 +130,13 @@ def test_breaker_reset_closes_a_node_breaker_on_the_running_server(live_server: 
     dispatcher.guards.finished("omen2", "r-1", state="failed", automatic=True)
     runner = CliRunner()
     refused = runner.invoke(serve_command, ["--listen", listen, "breaker-reset", "--node", "omen2"], env={
-        "RUNBOOK_WEBHOOK_TOKEN": ""})
+        "RUNBOOK_TOKEN": ""})
     assert refused.exit_code == 1 and "401" in refused.output
+    sender = runner.invoke(serve_command, ["--listen", listen, "breaker-reset", "--node", "omen2"],
+                           env={"RUNBOOK_TOKEN": "cli-sender-token-0123"})
+    assert sender.exit_code == 1 and "403" in sender.output
     ok = runner.invoke(serve_command, ["--listen", listen, "breaker-reset", "--node", "omen2"],
-                       env={"RUNBOOK_WEBHOOK_TOKEN": "cli-token"})
+                       env={"RUNBOOK_TOKEN": "cli-approver-token-0123"})
     assert ok.exit_code == 0, ok.output
     assert "reset: node:omen2" in ok.output
     assert list(dispatcher.guards.open_nodes()) == []

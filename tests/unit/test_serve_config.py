@@ -31,24 +31,26 @@ def test_file_then_environment(tmp_path: Path) -> None:
     f = tmp_path / "serve.yaml"
     f.write_text("""
 listen: 127.0.0.1:9090
-webhook_token: from-file
+webhook_token: from-file-0123456789
 breaker: {max_auto_runs: 1, window: 30m, max_unhealthy_nodes: 4}
 dedup: {node_cooldown: 2m}
 mode_overrides: {gpu-node-recovery: auto}
 pagerduty:
-  secrets: [old]
+  secrets: [old-secret-0123456789]
   mappings:
     - service: PF9KMXH
       title_pattern: 'Node (?P<node>[a-z0-9.-]+) is NotReady'
       runbook: gpu-node-recovery
 """)
-    c = load_config(f, env={"RUNBOOK_WEBHOOK_TOKEN": "from-env", "RUNBOOK_PAGERDUTY_SECRET": "new",
+    c = load_config(f, env={"RUNBOOK_WEBHOOK_TOKEN": "from-env-0123456789",
+                            "RUNBOOK_PAGERDUTY_SECRET": "new-secret-0123456789",
                             "RUNBOOK_NOTIFY_URL": "http://127.0.0.1:9/hook"})
     assert c.listen == "127.0.0.1:9090"
-    assert c.webhook_token == "from-env"
+    assert c.webhook_token == "from-env-0123456789"
+    assert c.auth.senders == {"alertmanager": "from-env-0123456789"}
     assert c.breaker.max_auto_runs == 1 and c.breaker.window == 1800 and c.breaker.max_unhealthy_nodes == 4
     assert c.dedup.node_cooldown == 120
-    assert c.pagerduty.secrets == ("new", "old")
+    assert c.pagerduty.secrets == ("new-secret-0123456789", "old-secret-0123456789")
     assert c.notify.url == "http://127.0.0.1:9/hook"
     assert c.mode_for("gpu-node-recovery", "approve") == "auto"
     assert c.pagerduty.mappings[0].runbook == "gpu-node-recovery"

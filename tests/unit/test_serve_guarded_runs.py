@@ -6,6 +6,8 @@ import threading
 from typing import Any
 
 from engine.serve.testing import (
+    APPROVE,
+    AUTH,
     DIGEST,
     FakeRunStarter,
     alert,
@@ -51,8 +53,7 @@ def test_same_node_with_another_fingerprint_is_a_duplicate_while_active_and_in_c
         (d,) = r.json()["decisions"]
         assert (r.status_code, d["outcome"]) == (200, "duplicate") and "in progress" in d["reason"]
         (run_id,) = [x["id"] for x in s.client.get("/runs").json()]
-        s.client.post(f"/runs/{run_id}/approve", json={"plan_digest": DIGEST}, headers={
-            "Authorization": "Bearer t0k3n-for-tests"})
+        s.client.post(f"/runs/{run_id}/approve", json={"plan_digest": DIGEST}, headers=APPROVE)
         s.idle()
         r = s.post_alerts(alert("omen2", alertname="KubeNodeUnreachable", fingerprint="new"))
         assert "cooldown" in r.json()["decisions"][0]["reason"]
@@ -124,9 +125,9 @@ def test_a_failed_automatic_run_opens_the_breaker_for_that_node_until_reset() ->
         s.idle()
 
         assert s.client.post("/breaker/reset", json={"node": "omen2"}).status_code == 401
-        reset = s.client.post("/breaker/reset", json={"node": "omen2"},
-                              headers={"Authorization": "Bearer t0k3n-for-tests"})
-        assert reset.json() == {"reset": ["node:omen2"]}
+        assert s.client.post("/breaker/reset", json={"node": "omen2"}, headers=AUTH).status_code == 403
+        reset = s.client.post("/breaker/reset", json={"node": "omen2"}, headers=APPROVE)
+        assert reset.json() == {"reset": ["node:omen2"], "by": "alice"}
         assert 'runbook_serve_breaker_open{key="omen2",kind="node"} 0.0' in s.client.get("/metrics").text
         starter.set_state(s.client.get("/runs").json()[1]["id"], "cancelled")  # the waiting one
         s.dispatcher.reconcile()
@@ -194,8 +195,7 @@ def test_runs_and_approvals_survive_a_restart() -> None:
         assert s.client.get("/runs/r-old-pending").json()["state"] == "succeeded"
         dup = s.post_alerts(alert("omen6"))  # the waiting run still holds its node
         assert dup.json()["decisions"][0]["outcome"] == "duplicate"
-        ok = s.client.post("/runs/r-old-waiting/approve", json={"plan_digest": DIGEST, "approved_by": "bob"},
-                           headers={"Authorization": "Bearer t0k3n-for-tests"})
+        ok = s.client.post("/runs/r-old-waiting/approve", json={"plan_digest": DIGEST}, headers=APPROVE)
         assert (ok.status_code, ok.json()["queued"]) == (202, True)
         s.idle()
         assert s.client.get("/runs/r-old-waiting").json()["state"] == "succeeded"

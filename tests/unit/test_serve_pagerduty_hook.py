@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import pytest
@@ -15,11 +16,15 @@ MAPPING = {"service": "GPU nodes", "title_pattern": r"Node (?P<node>[a-z0-9.-]+)
            "runbook": "gpu-node-recovery", "mode": "approve"}
 
 
+def _now_iso(offset: float = 0.0) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S.000Z", time.gmtime(time.time() + offset))
+
+
 def _delivery(title: str = "[FIRING:1] Node omen2 is NotReady", event_type: str = "incident.triggered",
-              service: str = "GPU nodes") -> bytes:
+              service: str = "GPU nodes", occurred_at: str | None = None) -> bytes:
     return json.dumps({"event": {
         "id": "01DEN0BJ1X4MDVUFTS1B0NJTIB", "event_type": event_type, "resource_type": "incident",
-        "occurred_at": "2026-07-10T15:55:00.000Z", "agent": None, "client": None,
+        "occurred_at": occurred_at or _now_iso(), "agent": None, "client": None,
         "data": {"id": "Q2R3S4", "type": "incident", "title": title, "status": "triggered", "urgency": "high",
                  "number": 42, "service": {"id": "PSVC123", "summary": service, "type": "service_reference"},
                  "html_url": "https://example.pagerduty.com/incidents/Q2R3S4"}}}).encode()

@@ -41,10 +41,10 @@ def test_resolved_alerts_never_match() -> None:
 
 def test_label_values_are_data_never_rendered() -> None:
     idx = TriggerIndex([trigger_spec()])
-    (c,) = idx.for_alert(_alert("{{ 7*7 }}")).candidates
-    assert c.params["node"] == "{{ 7*7 }}"  # later refused by param validation
-    (c,) = idx.for_alert(_alert("{{ cycler.__init__.__globals__.os.popen('id').read() }}")).candidates
-    assert "cycler" in str(c.params["node"])
+    (r,) = idx.for_alert(_alert("{{ 7*7 }}")).refusals  # refused by node-name validation, unrendered
+    assert "'{{ 7*7 }}' is not a valid node name" in r.reason
+    (r,) = idx.for_alert(_alert("{{ cycler.__init__.__globals__.os.popen('id').read() }}")).refusals
+    assert "cycler" in r.reason and "not a valid node name" in r.reason
 
 
 def test_a_template_that_fails_is_a_refusal_not_a_crash() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import httpx
 
@@ -72,21 +73,28 @@ def test_notifications_are_slack_compatible_and_filtered_by_event() -> None:
     assert msg["runbook_event"] == {
         "event": "waiting-approval", "run_id": "r-2", "runbook": "gpu-node-recovery", "node": "omen2",
         "mode": "approve", "reason": "", "warnings": ["breaker: 4 of 8 nodes are unhealthy"],
-        "plan_digest": "d" * 64}
+        "plan_digest": "d" * 64, "state": None, "report": "", "link": None}
     n.close()
 
 
 def test_a_slow_or_failing_receiver_never_blocks_the_caller() -> None:
-    release = threading.Event()
+    entered, release = threading.Event(), threading.Event()
 
     def slow(request: httpx.Request) -> httpx.Response:
-        release.wait(5)
+        entered.set()
+        release.wait(15)  # a receiver that hangs far longer than the caller may wait
         return httpx.Response(500)
 
     n = Notifier("http://127.0.0.1:9/hook", transport=httpx.MockTransport(slow), max_queue=2)
-    for i in range(10):
+    n.notify(Notification("failed", "rb", run_id="r-0"))
+    assert entered.wait(5)  # the sender is now stuck in the receiver
+    started = time.monotonic()
+    for i in range(1, 10):
         n.notify(Notification("failed", "rb", run_id=f"r-{i}"))  # returns at once; overflow is dropped
+    elapsed = time.monotonic() - started
+    assert not release.is_set() and elapsed < 1.0, f"9 notify() calls took {elapsed:.2f} s"
+    assert (n.sent, n.failed) == (0, 7)  # 2 queued behind the stuck one, 7 dropped
     release.set()
     assert n.flush(5)
-    assert n.sent == 0 and n.failed >= 8
+    assert (n.sent, n.failed) == (0, 10)  # and the 3 attempted ones failed (HTTP 500), none lost silently
     n.close()

@@ -172,6 +172,36 @@ def test_a_containerd_fault_clears_once_containerd_is_started(tmp_path: Path) ->
     assert hs.read()["kubelet"]["healthy"] is True
 
 
+def gpu_3090_2(tmp_path: Path) -> HostState:
+    sc = load_scenario()
+    state, journal = host_state(sc.node("gpu-3090-2"), sc, NOW)
+    hs = HostState(tmp_path / "state")
+    hs.initialise(state, journal)
+    return hs
+
+
+def test_crictl_answers_only_while_containerd_is_active(tmp_path: Path) -> None:
+    hs = gpu_3090_2(tmp_path)
+    down = run(hs, "crictl", "--runtime-endpoint", "unix:///run/containerd/containerd.sock", "info")
+    assert down.returncode == 1 and "connect: no such file or directory" in down.stderr
+    hs.update(lambda s: s["units"]["containerd"].update(active="active", sub="running"))
+    up = run(hs, "crictl", "--runtime-endpoint", "unix:///run/containerd/containerd.sock", "info")
+    assert up.returncode == 0 and "RuntimeReady" in up.stdout
+
+
+@needs_root
+def test_a_unit_whose_start_fails_is_left_failed_with_its_journal(tmp_path: Path) -> None:
+    hs = gpu_3090_2(tmp_path)
+    hs.update(lambda s: s["units"]["containerd"].update(
+        start_error={"status": 1, "lines": ['level=fatal msg="failed to load TOML"']}))
+    r = run(hs, "systemctl", "start", "containerd")
+    assert r.returncode == 1 and "Job for containerd.service failed" in r.stderr
+    assert run(hs, "systemctl", "is-active", "containerd").stdout == "failed\n"
+    journal = run(hs, "journalctl", "-u", "containerd", "-n", "5").stdout
+    assert "failed to load TOML" in journal and "Failed to start containerd.service" in journal
+    assert [c["rc"] for c in hs.calls("systemctl")] == [1]
+
+
 def test_lspci_shows_the_gpu_and_its_driver_binding(host: HostState) -> None:
     assert run(host, "lspci", "-nnk", "-d", "10de:").stdout == (
         "01:00.0 VGA compatible controller [0300]: NVIDIA Corporation GB202 [GeForce RTX 5090] [10de:2b85] (rev a1)\n"

@@ -1,8 +1,9 @@
 """Helpers for the end-to-end tests of ``runbook serve`` on the lab (imported as ``serve_helpers``).
 
-* ``serving(...)``: ``runbook serve`` as a real subprocess (its own journal, config file, token and
-  port on 127.0.0.1), ready once ``/healthz`` answers; on exit it is stopped with SIGTERM, then
-  SIGKILL, and so is every process it started (ansible-playbook and ssh of a run).
+* ``serving(...)``: ``runbook serve`` as a real subprocess (its own journal, config file, sender
+  token, approver tokens for ``alice`` and ``bob``, and port on 127.0.0.1), ready once
+  ``/healthz`` answers; on exit it is stopped with SIGTERM, then SIGKILL, and so is every process
+  it started (ansible-playbook and ssh of a run).
 * ``alertmanager(...)``: Debian's ``prometheus-alertmanager`` on loopback, gossip off, with a webhook
   receiver that sends ``Authorization: Bearer <token>`` to the server.
 * small probes: a run's state, omen2 as the API shows it, ``runbook lab status -o json``.
@@ -33,14 +34,17 @@ from engine.lab.ports import free_port
 from engine.lab.procs import ProcessRef, die_with_parent, reap_child, stop_processes
 
 REPO = Path(__file__).resolve().parents[3]
-TOKEN = "lab-serve-token-7f3a"
+TOKEN = "lab-serve-token-7f3a"  # the Alertmanager sender's credential
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
+# Approvers: the identity bound to the token is what the journal records as approved_by.
+APPROVERS = {"alice": "lab-approver-alice-5d1e", "bob": "lab-approver-bob-0c47"}
 PD_SECRET = "lab-pagerduty-secret-91c2"
 FINAL = ("succeeded", "failed", "blocked", "cancelled")
 # Test servers give running runs little time on SIGTERM (nothing should be running when they stop).
 BASE_CONFIG: dict[str, Any] = {"shutdown_grace": "5s"}
 _ENV_DROPPED = ("RUNBOOK_SERVE_CONFIG", "RUNBOOK_SERVE_FORCE_MODE", "RUNBOOK_NOTIFY_URL",
-                "RUNBOOK_WEBHOOK_TOKEN", "RUNBOOK_PAGERDUTY_SECRET", "RUNBOOK_JOURNAL")
+                "RUNBOOK_WEBHOOK_TOKEN", "RUNBOOK_PAGERDUTY_SECRET", "RUNBOOK_JOURNAL", "RUNBOOK_TOKEN")
+_ENV_DROPPED_PREFIXES = ("RUNBOOK_SENDER_TOKEN_", "RUNBOOK_APPROVER_TOKEN_", "RUNBOOK_READER_TOKEN_")
 
 
 def runbook_command() -> list[str]:
@@ -114,7 +118,9 @@ class Server:
         return run
 
     def approve(self, run_id: str, digest: str, by: str = "alice") -> httpx.Response:
-        return self.post(f"/runs/{run_id}/approve", json={"plan_digest": digest, "approved_by": by}, headers=AUTH)
+        """Approve as ``by``: with that approver's credential (its identity is what gets recorded)."""
+        return self.post(f"/runs/{run_id}/approve", json={"plan_digest": digest},
+                         headers={"Authorization": f"Bearer {APPROVERS[by]}"})
 
     def wait_state(self, run_id: str, states: tuple[str, ...], timeout: float) -> dict[str, Any]:
         """Poll ``GET /runs/{id}`` until its state is one of ``states``; fail early on another final state."""
@@ -183,10 +189,13 @@ def serving(env: Mapping[str, str], workdir: Path, config: Mapping[str, Any] | N
     cfg = write_config(workdir / f"{name}.yaml", config or {})
     journal = journal or workdir / "journal.sqlite"
     port = free_port("127.0.0.1")
-    child_env = {k: v for k, v in env.items() if k not in _ENV_DROPPED}
+    child_env = {k: v for k, v in env.items()
+                 if k not in _ENV_DROPPED and not k.startswith(_ENV_DROPPED_PREFIXES)}
     child_env["RUNBOOK_JOURNAL"] = str(journal)
     if token:
         child_env["RUNBOOK_WEBHOOK_TOKEN"] = token
+    for name, secret in APPROVERS.items():
+        child_env[f"RUNBOOK_APPROVER_TOKEN_{name.upper()}"] = secret
     if pd_secret:
         child_env["RUNBOOK_PAGERDUTY_SECRET"] = pd_secret
     log_path = workdir / f"{name}.log"

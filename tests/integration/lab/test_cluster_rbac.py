@@ -40,8 +40,7 @@ UNEXERCISED: dict[tuple[str, str, str, str], str] = {
     ("", "pods/eviction", "create", ""): "drain: evict_pod (the workload switch evicts GPU pods)",
     ("kubevirt.io", "virtualmachineinstances", "list", ""): "gpu-workload-switch's probes (engine/probes.py)",
     ("remediation.medik8s.io", "nodehealthchecks", "list", ""):
-        "the nhc-pause run guard (runbook serve, engine/run_guards.py); the lab serves no NHC API",
-    ("apps", "daemonsets", "list", "kube-system"): "the kured-lock run guard (runbook serve)",
+        "the nhc-pause run guard (engine/run_guards.py) lists them only where the API serves NHC; the lab does not",
     ("coordination.k8s.io", "leases", "update", "kube-system"):
         "taking over an expired node Lease (engine/locks.py); a fresh run creates it",
     ("", "nodes", "watch", ""): "verification waits on a node watch; a recovery whose checks already "

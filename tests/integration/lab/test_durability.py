@@ -7,7 +7,10 @@ The flagship runs as its own process (the real CLI) against the lab. The test ho
 one label PATCH (the API server's audit log), one ``swapoff`` and one ``systemctl restart kubelet``
 (the host's call log). Kubelet is stopped first so the runbook's restart is the only way back.
 
-CI runs one boundary per phase (3 cases); the other six are marked ``slow`` (``pytest -m slow``).
+CI runs one boundary per phase plus the Ansible step killed after its action (4 cases: resume must
+verify the kubelet restart instead of redoing it); the other five are marked ``slow`` (``pytest -m
+slow``). Every case also asserts that the host's CUDA job survived (the lab's count of killed jobs).
+A non-idempotent step left half-way (killed after its intent) is not rerun without confirmation (CI).
 SIGTERM and a double SIGINT are tested here too: the outcome is recorded, the Lease released, and no
 process of the run (ansible-playbook, its workers, ssh) is left.
 """
@@ -35,7 +38,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.lab]
 
 RUN = ("run", FLAGSHIP, "--node", NODE, "--yes")
 CI_POINTS = [("relabel-container", "after-action"), ("swap-off", "before-action"),
-             ("restart-kubelet", "after-verify")]
+             ("restart-kubelet", "after-action"), ("restart-kubelet", "after-verify")]
 ALL_POINTS = [(s, p) for s in ("relabel-container", "swap-off", "restart-kubelet")
               for p in ("before-action", "after-action", "after-verify")]
 LAST_EVENT = {"before-action": "action.intent", "after-action": "action.result", "after-verify": "verify.result"}
@@ -58,6 +61,7 @@ def test_killed_at_a_step_boundary_the_run_resumes_and_does_every_change_exactly
         engine: Engine, step: str, phase: str) -> None:
     stop_kubelet(engine.lab)
     effects = Effects(engine.lab)
+    assert effects.cuda_jobs() == (1, 0)  # the job the run must not kill is there
     killed = engine.run(*RUN, env={"RUNBOOK_TEST_KILL_AT": f"{step}:{phase}"})
     assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
     run = engine.last_run()
@@ -79,7 +83,8 @@ def test_killed_at_a_step_boundary_the_run_resumes_and_does_every_change_exactly
     resumed = engine.run("resume", run.id, "--yes")
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert effects.counts() == {"label": 1, "swapoff": 1, "restart": 1}
-    assert effects.label_patches() == ["container"]
+    assert effects.timeline() == ["label=container", "swapoff", "systemctl restart kubelet"]
+    assert effects.cuda_jobs() == (1, 0)  # relabelled before kubelet came back: vfio-manager killed nothing
     final = engine.journal.get_run(run.id)
     assert (final.state, final.exit_code) == ("succeeded", 0)
     resume_event = next(e.data for e in engine.events(run.id) if e.kind == "run.resume")
@@ -132,7 +137,6 @@ def test_a_second_sigint_stops_the_playbook_now_records_it_and_leaves_nothing_be
     assert "stopping the current action now" in engine.output()
 
 
-@pytest.mark.slow
 def test_a_non_idempotent_step_left_half_way_is_not_rerun_without_confirmation(engine: Engine) -> None:
     (engine.root / "runbooks").mkdir()
     text = (REPO / "runbooks" / f"{FLAGSHIP}.yaml").read_text()
@@ -144,6 +148,9 @@ def test_a_non_idempotent_step_left_half_way_is_not_rerun_without_confirmation(e
     killed = engine.run(*RUN, env={**own, "RUNBOOK_TEST_KILL_AT": "restart-kubelet:before-action"})
     assert killed.returncode == -signal.SIGKILL
     run_id = engine.last_run().id
+    last = engine.events(run_id)[-1]
+    assert (last.kind, last.step) == ("action.intent", "restart-kubelet")  # left half-way: intent, no result
+    assert effects.counts() == {"label": 1, "swapoff": 1, "restart": 0}  # the steps before it did run
     resumed = engine.run("resume", run_id, "--yes", env=own)  # no terminal: nobody can confirm
     assert resumed.returncode == 3, resumed.stdout + resumed.stderr
     assert "not idempotent" in resumed.stdout + resumed.stderr

@@ -26,6 +26,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -178,9 +179,9 @@ class Effects:
         self._audit_mark = self.plane.audit_mark()
         self._calls_mark = len(self.host.calls())
 
-    def label_patches(self) -> list[str]:
-        """The workload label values the engine PATCHed onto omen2, in order (audit log)."""
-        values = []
+    def _label_patch_events(self) -> list[tuple[float, str]]:
+        """(when the API server completed it, value) of each workload label PATCH onto omen2 (audit log)."""
+        found = []
         for e in self.plane.mutations(since=self._audit_mark):
             ref = e.get("objectRef", {})
             if e.get("verb") != "patch" or ref.get("resource") != "nodes" or ref.get("name") != NODE \
@@ -188,8 +189,27 @@ class Effects:
                 continue
             labels = ((e.get("requestObject") or {}).get("metadata") or {}).get("labels") or {}
             if LABEL in labels:
-                values.append(str(labels[LABEL]))
-        return values
+                when = datetime.fromisoformat(str(e["stageTimestamp"]).replace("Z", "+00:00")).timestamp()
+                found.append((when, str(labels[LABEL])))
+        return found
+
+    def label_patches(self) -> list[str]:
+        """The workload label values the engine PATCHed onto omen2, in order (audit log)."""
+        return [value for _, value in self._label_patch_events()]
+
+    def timeline(self) -> list[str]:
+        """The effects on omen2 in time order, from outside the engine: ``label=<value>`` for each label
+        PATCH (the audit log's ResponseComplete time), ``swapoff`` and ``systemctl <verb> kubelet``
+        (start, stop, restart) for each shim call (the call log's time, written when the command ended).
+        Both clocks are this machine's: a node host is a namespace on it, not another machine."""
+        items = [(when, f"label={value}") for when, value in self._label_patch_events()]
+        for c in self._calls():
+            if c["cmd"] == "swapoff":
+                items.append((float(c["ts"]), "swapoff"))
+            elif c["cmd"] == "systemctl" and c["argv"][:1] in (["start"], ["stop"], ["restart"]) \
+                    and any(a in ("kubelet", "kubelet.service") for a in c["argv"]):
+                items.append((float(c["ts"]), f"systemctl {c['argv'][0]} kubelet"))
+        return [what for _, what in sorted(items)]
 
     def _calls(self) -> list[dict[str, Any]]:
         return self.host.calls()[self._calls_mark:]
@@ -200,6 +220,11 @@ class Effects:
     def kubelet_restarts(self) -> int:
         return sum(1 for c in self._calls() if c["cmd"] == "systemctl" and c["argv"][:1] == ["restart"]
                    and any(a in ("kubelet", "kubelet.service") for a in c["argv"]))
+
+    def cuda_jobs(self) -> tuple[int, int]:
+        """(host CUDA jobs running, host CUDA jobs killed since the lab's reset) on omen2, from its state."""
+        state = self.host.read()
+        return len(state.get("cuda_jobs") or []), int(state.get("cuda_jobs_killed", 0))
 
     def counts(self) -> dict[str, int]:
         return {"label": len(self.label_patches()), "swapoff": self.swapoffs(), "restart": self.kubelet_restarts()}

@@ -104,6 +104,7 @@ def test_an_unreachable_node_host_blocks_the_run_before_anything_changes(refused
 
 @pytest.mark.slow
 def test_a_node_host_lost_mid_run_interrupts_it_and_resume_completes_once_it_is_back(engine: Engine) -> None:
+    stop_kubelet(engine.lab)  # only the runbook's restart brings kubelet back: the resumed run must do it
     effects = Effects(engine.lab)
     inventory = engine.root / "inventory.yml"
     reachable = inventory_without_become_passwords(engine.lab, inventory)
@@ -121,8 +122,10 @@ def test_a_node_host_lost_mid_run_interrupts_it_and_resume_completes_once_it_is_
     inventory.write_text(good)  # the host is back
     resumed = engine.run("resume", run_id, "--yes", env={"RUNBOOK_INVENTORY": str(inventory)})
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    assert effects.label_patches() == ["container"] and effects.swapoffs() == 1
-    assert effects.kubelet_restarts() <= 1  # kubelet may come back by itself once swap is off (skipped)
+    assert effects.counts() == ONCE
+    assert effects.timeline() == ["label=container", "swapoff", "systemctl restart kubelet"]
+    assert _outcomes(engine, run_id)["restart-kubelet"]["status"] == "succeeded"
+    assert effects.cuda_jobs() == (1, 0)  # (running, killed)
     assert engine.journal.get_run(run_id).state == "succeeded"
 
 

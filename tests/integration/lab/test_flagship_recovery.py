@@ -1,6 +1,14 @@
 """The flagship on the lab: `runbook run gpu-node-recovery --node omen2 --yes` recovers the incident in
 the safe order, verifies it (no host CUDA job killed), reports what changed and what remains; a second
-run is all no-ops with reasons; a GPU node down for another cause is refused and left untouched."""
+run is all no-ops with reasons; a GPU node down for another cause is refused and left untouched.
+
+Two recoveries: as the incident is (the lab's systemd brings kubelet back by itself once swap is off,
+as a real node's would, and ``restart-kubelet`` may be skipped as already done), and with kubelet
+stopped first (``systemctl stop kubelet`` through the host's shim: no automatic restart), where the
+runbook's restart is the only way back. The second asserts the order from outside the engine: the
+label PATCH in the API server's audit log, then ``swapoff`` in the host's call log, then ``systemctl
+restart kubelet`` (docs/reliability.md, "Tests that prove what they claim").
+"""
 
 from __future__ import annotations
 
@@ -9,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from flagship_cli import LABEL, cuda_pids, fstab, kube_node, node_status, ready, runbook, vm_statuses
+from flagship_cli import LABEL, cuda_pids, fstab, host_lines, kube_node, node_status, ready, runbook, vm_statuses
+from test_durability_helpers import Effects
 
 from engine.lab.hoststate import HostState
 
@@ -39,6 +48,7 @@ def test_a_gpu_node_down_for_another_cause_is_refused_with_the_evidence_and_noth
 def test_the_recovery_brings_omen2_back_with_its_gpu_the_cuda_job_alive_and_fstab_edited_minimally(
         fresh_lab: Any, sh: Any, tmp_path: Path) -> None:
     journal = tmp_path / "journal.sqlite"
+    effects = Effects(fresh_lab)
     fstab_before = fstab(sh, "omen2")
     pids_before = cuda_pids(sh, "omen2")
     assert len(pids_before) == 1
@@ -69,15 +79,19 @@ def test_the_recovery_brings_omen2_back_with_its_gpu_the_cuda_job_alive_and_fsta
     assert "runbook run gpu-workload-switch --node omen2 -p workload=vm-passthrough" in report
     assert vm_statuses(sh)["gpu-vms/gpu-fedora"] == "ErrorUnschedulable"
 
-    # the restart step verified "no host CUDA job killed" (or was skipped because it already held)
+    # the restart step verified "no host CUDA job killed" (or was skipped because it already held);
+    # either way the host's call log agrees with what the journal says the step did
     last = json.loads(runbook(sh, "runs -o json", journal=journal).stdout)[0]
     shown = json.loads(runbook(sh, f"runs show {last['id']} -o json", journal=journal).stdout)
     restart = next(e for e in shown["events"] if e.get("step") == "restart-kubelet" and e["kind"] == "step.outcome")
     checks = [v["check"] for v in restart["evidence"].get("verify", [])]
     if restart["status"] == "succeeded":
         assert "no host CUDA process killed since the plan" in checks
+        assert effects.kubelet_restarts() == 1
     else:
         assert restart["status"] == "skipped" and "all 1 from the plan still run" in restart["reason"]
+        assert effects.kubelet_restarts() == 0
+    assert (effects.label_patches(), effects.swapoffs()) == (["container"], 1)
 
     # a second run: nothing to do, each step says why
     again = runbook(sh, "run gpu-node-recovery --node omen2 --yes -o json", journal=journal)
@@ -97,3 +111,38 @@ def test_the_recovery_brings_omen2_back_with_its_gpu_the_cuda_job_alive_and_fsta
     doc = json.loads(d.stdout)
     assert doc["cause"] == "healthy"
     assert any("gpu-workload-switch --node omen2 -p workload=vm-passthrough" in n for n in doc["notes"])
+
+
+@pytest.mark.timeout(900)
+def test_with_kubelet_stopped_the_runbook_restarts_it_after_the_relabel_and_the_swap_off_as_the_logs_show(
+        fresh_lab: Any, sh: Any, tmp_path: Path) -> None:
+    journal = tmp_path / "journal.sqlite"
+    effects = Effects(fresh_lab)
+    host_lines(sh, "omen2", "systemctl stop kubelet")  # through the host's shim, as an operator would
+    assert node_status(sh, "omen2")["kubelet"] == "inactive"
+    pids_before = cuda_pids(sh, "omen2")
+    assert len(pids_before) == 1
+
+    r = runbook(sh, "run gpu-node-recovery --node omen2 --yes -o json", journal=journal)
+    assert r.returncode == 0, r.stdout + r.stderr
+    # the order, from outside the engine: the API server's audit log and the host's call log
+    assert effects.timeline() == ["systemctl stop kubelet", "label=container", "swapoff",
+                                  "systemctl restart kubelet"]
+    assert effects.counts() == {"label": 1, "swapoff": 1, "restart": 1}
+
+    # and what the engine says it did
+    result = json.loads(r.stdout)
+    assert result["state"] == "succeeded"
+    assert [(o["step"], o["status"]) for o in result["outcomes"]] == [
+        ("relabel-container", "succeeded"), ("swap-off", "succeeded"), ("restart-kubelet", "succeeded")]
+    restart = result["outcomes"][2]
+    verified = {v["check"]: v["holds"] for v in restart["evidence"]["verify"]}
+    assert verified["no host CUDA process killed since the plan"] is True and verified["node is Ready"] is True
+
+    node = kube_node(sh, "omen2")
+    assert ready(node) and node["metadata"]["labels"][LABEL] == "container"
+    assert node["status"]["allocatable"]["nvidia.com/gpu"] == "1"
+    status = node_status(sh, "omen2")
+    assert (status["swap_active"], status["kubelet"], status["gpu_driver"]) == (False, "active", "nvidia")
+    assert (status["cuda_jobs_running"], status["cuda_jobs_killed"]) == (1, 0)
+    assert cuda_pids(sh, "omen2") == pids_before

@@ -156,7 +156,8 @@ def test_forged_and_unsigned_pagerduty_webhooks_start_nothing(unchanged_lab: Any
         "service": "PF9KMXH", "title_pattern": r"Node (?P<node>[a-z0-9.-]+) is NotReady", "runbook": RUNBOOK}]}}
     body = json.dumps({"event": {
         "id": "01DFA8ZJ3AZQ9TAQ9BJ7DR6ZS2", "event_type": "incident.triggered", "resource_type": "incident",
-        "occurred_at": "2026-12-02T03:04:05.123Z", "agent": None, "client": None,
+        "occurred_at": time.strftime("%Y-%m-%dT%H:%M:%S.000Z", time.gmtime()),  # older ones are refused
+        "agent": None, "client": None,
         "data": {"id": "Q2XAMPLE1", "type": "incident", "number": 42, "status": "triggered", "urgency": "high",
                  "title": "Node omen2 is NotReady",
                  "service": {"id": "PF9KMXH", "summary": "GPU nodes", "type": "service_reference"}}}}).encode()
@@ -326,6 +327,9 @@ def test_approve_mode_waits_refuses_a_wrong_digest_survives_a_restart_and_comple
         time.sleep(1.0)  # nothing may run after a refused approval
         run = first.run(run_id)
         assert (run["state"], run["approved_by"]) == ("waiting-approval", None)
+        kinds = [e["kind"] for e in run["events"]]
+        assert "plan" in kinds and "approval.waiting" in kinds, kinds  # the run's events, read
+        assert "lock.acquired" not in kinds and "action.intent" not in kinds, kinds  # nothing started to act
         assert first.get("/healthz").json()["workers"]["running"] == 0
         omen2_untouched(fresh_lab, sh)
 

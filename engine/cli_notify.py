@@ -1,0 +1,79 @@
+"""Notifications for CLI runs (``--notify-config FILE``): the server's targets, sent when a run ends.
+
+``FILE`` is a serve configuration (``runbook serve --config``): its ``notify:`` section (generic or
+Slack-compatible webhook, signing ``secret``, ``pagerduty:``) and ``public_url`` are used, with the
+same environment overrides (``RUNBOOK_NOTIFY_URL``, ``RUNBOOK_NOTIFY_SECRET``,
+``RUNBOOK_PAGERDUTY_ROUTING_KEY``); the rest of the file is validated and otherwise ignored. After
+the command, every CLI run that ended (or parked for approval) while it ran is notified: one
+``step`` notification per step outcome (PagerDuty only, unless ``notify.events`` lists ``step``),
+then ``finished`` / ``failed`` / ``blocked`` / ``waiting-approval`` with the run's report. A CLI run
+answers no alert, so PagerDuty is only told with ``--pagerduty-dedup-key KEY`` (the incident's
+alert you are working on); without it only the webhook is used.
+
+Must not: change a run or the command's exit code (failures to send are logged warnings), or send
+anything when no ``--notify-config`` was given.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from engine.journal import Journal
+from engine.serve.config import ServeConfig, load_config
+from engine.serve.notify import Notification, Notifier, run_report, step_outcomes
+
+log = logging.getLogger(__name__)
+SOURCE = "cli"
+_EVENTS = {"succeeded": "finished", "failed": "failed", "blocked": "blocked", "cancelled": "failed",
+           "interrupted": "failed", "waiting-approval": "waiting-approval"}
+
+
+def load_notify_config(path: str | Path) -> ServeConfig:
+    """The serve configuration at ``path`` (UsageError, located, when unreadable or invalid)."""
+    return load_config(Path(path))
+
+
+def notifications_since(journal_path: Path | None, since: float, *, pagerduty_key: str = "",
+                        public_url: str | None = None) -> list[Notification]:
+    """What to send for the CLI runs that ended or parked at or after ``since`` (epoch seconds)."""
+    journal = Journal(journal_path)
+    out: list[Notification] = []
+    try:
+        for r in reversed(journal.list_runs(limit=1000)):
+            event = _EVENTS.get(r.state)
+            changed = max(r.created, r.finished or 0.0)
+            if r.source != SOURCE or event is None or changed < since:
+                continue
+            events = [e.as_dict() for e in journal.events(r.id)]
+            node = r.nodes[0] if r.nodes else None
+            reasons = [str(e.get("reason") or "") for e in events
+                       if e.get("kind") in ("run.blocked", "run.failed", "run.cancelled", "run.interrupted")]
+            reason = reasons[-1] if reasons else r.state
+            link = f"{public_url.rstrip('/')}/runs/{r.id}" if public_url else None
+            common = {"node": node, "run_id": r.id, "mode": "cli", "pagerduty_key": pagerduty_key, "link": link}
+            for s in step_outcomes(events):
+                out.append(Notification("step", r.runbook, state="running", reason=s["reason"],
+                                        extra={"step": s["step"], "status": s["status"]}, **common))  # type: ignore[arg-type]
+            extra: dict[str, object] = {"exit_code": r.exit_code}
+            if r.state == "waiting-approval" and r.plan_digest:
+                extra["plan_digest"] = r.plan_digest
+            out.append(Notification(event, r.runbook, state=r.state, reason=reason,
+                                    report=run_report(events, r.state, reason), extra=extra,
+                                    **common))  # type: ignore[arg-type]
+    finally:
+        journal.close()
+    return out
+
+
+def send_cli_notifications(config: ServeConfig, journal_path: Path | None, since: float, *,
+                           pagerduty_key: str = "", timeout: float = 30.0) -> int:
+    """Send (and wait for) the notifications of the CLI runs that ended since ``since``; their count."""
+    notifier = Notifier.from_config(config.notify, public_url=config.public_url)
+    found = notifications_since(journal_path, since, pagerduty_key=pagerduty_key, public_url=config.public_url)
+    for n in found:
+        notifier.notify(n)
+    if not notifier.flush(timeout):
+        log.warning("notifications still unsent after %.0fs: given up", timeout)
+    notifier.close(timeout=1.0)
+    return len(found)
