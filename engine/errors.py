@@ -145,6 +145,15 @@ class Conflict(KubeError):
     """Optimistic concurrency conflict (HTTP 409)."""
 
 
+class Forbidden(KubeError):
+    """RBAC refused the request (HTTP 403): the identity lacks a permission. Blocked (exit 3), not
+    failed: nothing was changed by the refused request, and retrying will not help until someone
+    grants the permission. The message names the verb and the resource (the API server's own words:
+    ``User "..." cannot patch resource "nodes" ...``)."""
+
+    exit_code = ExitCode.BLOCKED
+
+
 class HostError(ConnectorError):
     """Ansible could not run, a host was unreachable, or a playbook task failed."""
 

@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from engine import checks as chk
+from engine import node_events
 from engine.actions import KubeEffect, NoOp, ansible_command, kube_effect, select_pods
 from engine.connectors.base import KubeAPI, NodeAutomation, PlaybookResult
 from engine.errors import ExitCode, HostError, KubeError, LockLost, PlanError, RunbookError
@@ -182,7 +183,7 @@ class Executor:
                  fence: Callable[[], Mapping[str, Any]] | None = None) -> None:
         self.kube = kube
         self.nodes = nodes
-        self.events = events
+        self.events = node_events.wrap(events, kube)  # issue 15: step outcomes as Node Events too
         self.playbooks_dir = Path(playbooks_dir)
         self.clock = clock
         self.sleep = sleep

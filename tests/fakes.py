@@ -26,7 +26,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from engine.connectors.base import LeaseRecord, PlaybookResult, PodRef, TaskEvent
+from engine.connectors.base import LeaseRecord, NodeEvent, PlaybookResult, PodRef, TaskEvent
 from engine.errors import Conflict, HostError, KubeError, NotFound
 from engine.facts import (
     Condition,
@@ -128,6 +128,7 @@ class FakeKube:
         self.evicted: list[PodRef] = []
         self.deleted: list[PodRef] = []
         self.leases: dict[tuple[str, str], LeaseRecord] = {}
+        self.events: list[NodeEvent] = []  # create_node_event; fail["create_node_event"] raises instead
         # api_version -> served plurals; an api_version not named here serves the kinds of ``objects``
         self.served: dict[str, set[str]] = {}
         self.fail: dict[str, Any] = {}
@@ -311,6 +312,11 @@ class FakeKube:
 
     def delete_lease(self, lease: LeaseRecord) -> None:
         self.leases.pop((lease.namespace, lease.name), None)
+
+    # -- events --
+    def create_node_event(self, event: NodeEvent) -> None:
+        _raise_scripted(self.fail, "create_node_event")
+        self.events.append(event)
 
 
 # ------------------------------------------------------------------------------------------------

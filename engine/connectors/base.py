@@ -41,6 +41,20 @@ class LeaseRecord:
     transitions: int = 0  # spec.leaseTransitions: +1 each time another holder takes it (the fencing token)
 
 
+@dataclass(frozen=True)
+class NodeEvent:
+    """A Kubernetes Event about a Node, as runbook reports it (``engine.node_events``)."""
+
+    node: str
+    reason: str  # CamelCase, e.g. RemediationStepSucceeded
+    note: str  # human-readable; the API caps it at 1 kB
+    type: Literal["Normal", "Warning"] = "Normal"
+    action: str = "Remediate"
+    reporting_controller: str = "runbook"
+    reporting_instance: str = "runbook"
+    namespace: str = "default"  # where kubelet records Node events and kubectl looks first
+
+
 class KubeAPI(Protocol):
     """Kubernetes, reduced to what runbooks need. Errors are ``engine.errors.KubeError``."""
 
@@ -87,6 +101,11 @@ class KubeAPI(Protocol):
         ...
 
     def delete_lease(self, lease: LeaseRecord) -> None: ...
+
+    def create_node_event(self, event: NodeEvent) -> None:
+        """Record ``event`` as a Kubernetes Event about its Node (what ``kubectl describe node`` and
+        ``kubectl get events`` show)."""
+        ...
 
 
 TaskEvent = Mapping[str, Any]  # {"host", "task", "status": ok|changed|failed|skipped|unreachable, "msg"}

@@ -37,8 +37,8 @@ from types import MappingProxyType
 from typing import Any
 from urllib.parse import quote
 
-from engine.connectors.base import LeaseRecord, PatchType, PodRef
-from engine.errors import Conflict, KubeError, NotFound
+from engine.connectors.base import LeaseRecord, NodeEvent, PatchType, PodRef
+from engine.errors import Conflict, Forbidden, KubeError, NotFound
 from engine.facts import Condition, NodeFacts, Taint
 
 MICROTIME_FORMAT = "%Y-%m-%dT%H:%M:%S.%fZ"
@@ -207,6 +207,9 @@ class KubeConnector:
                 return NotFound(text, status=404)
             if status == 409:
                 return Conflict(text, status=409)
+            if status == 403:
+                return Forbidden(f"{text} (forbidden: grant this permission to the identity in use, "
+                                 "see deploy/kubernetes/rbac.yaml)", status=403)
             if status == 0:  # the client's own wrapper for TLS/protocol failures
                 return KubeError(f"{what}: cannot talk to the API server at {self.host}: {e.reason}",
                                  retryable=True)
@@ -446,6 +449,31 @@ class KubeConnector:
                       f"delete lease {lease.namespace}/{lease.name}", body=body)
         except NotFound:
             return
+
+    # ------------------------------------------------------------------ events
+
+    def create_node_event(self, event: NodeEvent) -> None:
+        """POST a core/v1 Event about the Node, in ``event.namespace`` (``default``, as kubelet does).
+
+        core/v1 rather than events.k8s.io/v1: the latter requires ``regarding.namespace`` to equal the
+        Event's namespace, and a Node has none, so such an Event would not match the
+        ``involvedObject.namespace`` that ``kubectl describe node`` searches. ``involvedObject.uid`` is
+        the node's name, as kubelet sets it and as ``kubectl describe node`` searches for it.
+        """
+        now = self._clock()
+        stamp = datetime.fromtimestamp(now, tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        body = {
+            "apiVersion": "v1", "kind": "Event",
+            "metadata": {"name": f"{event.node}.{int(now * 1e9):x}", "namespace": event.namespace},
+            "involvedObject": {"apiVersion": "v1", "kind": "Node", "name": event.node, "uid": event.node},
+            "reason": event.reason, "message": event.note[:1000], "type": event.type,
+            "source": {"component": event.reporting_controller},
+            "reportingComponent": event.reporting_controller,
+            "reportingInstance": event.reporting_instance, "action": event.action,
+            "firstTimestamp": stamp, "lastTimestamp": stamp, "count": 1,
+        }
+        self._raw("POST", f"/api/v1/namespaces/{_q(event.namespace)}/events",
+                  f"create event {event.reason} on node {event.node}", body=body)
 
     def close(self) -> None:
         """Release the HTTP connection pool."""

@@ -1,0 +1,176 @@
+"""RBAC tested for real on the lab (issue 15): the base's ServiceAccount `runbook` recovers omen2 with
+nothing but its own TokenRequest token; a ServiceAccount without the role is stopped before any change
+(exit 3, "forbidden" and the missing permission); the ClusterRole/Roles grant nothing the code does not
+use, derived from the API server's audit log of that recovery; the run's step outcomes are Events on
+the Node.
+
+The module turns read auditing on (audit policy rewritten, kube-apiserver restarted) so that gets,
+lists and watches are in the audit log too, and turns it off again at its end.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from flagship_cli import LABEL, kube_node, ready, runbook
+
+from engine.lab import controlplane as cp
+from engine.lab.controlplane import ControlPlane
+from engine.lab.hoststate import HostState
+
+pytestmark = [pytest.mark.integration, pytest.mark.lab]
+
+BASE = Path(__file__).resolve().parents[3] / "deploy" / "kubernetes"
+NS = "runbook-system"
+SA_USER = f"system:serviceaccount:{NS}:runbook"
+NO_ROLE = "runbook-no-role"
+
+# Permissions the base grants that a full recovery of omen2 does not exercise: (apiGroup, resource,
+# verb, namespace or "" for cluster scope) -> the code path that needs it.
+UNEXERCISED: dict[tuple[str, str, str, str], str] = {
+    ("", "pods", "list", ""): "the gpu-budget run guard (runbook serve), drain, runbook diagnose and the "
+                              "workload switch's probes; the recovery reads host CUDA processes, not pods",
+    ("", "pods", "delete", ""): "drain's fallback for a pod no eviction can move (engine/actions.py, gpu pods)",
+    ("", "pods/eviction", "create", ""): "drain: evict_pod (the workload switch evicts GPU pods)",
+    ("kubevirt.io", "virtualmachineinstances", "list", ""): "gpu-workload-switch's probes (engine/probes.py)",
+    ("remediation.medik8s.io", "nodehealthchecks", "list", ""):
+        "the nhc-pause run guard (engine/run_guards.py) lists them only where the API serves NHC; the lab does not",
+    ("coordination.k8s.io", "leases", "update", "kube-system"):
+        "taking over an expired node Lease (engine/locks.py); a fresh run creates it",
+    ("", "nodes", "watch", ""): "verification waits on a node watch; a recovery whose checks already "
+                                "hold after the playbook does not open one",
+}
+# Whole namespaced Roles kept for the store of issue 15 (not built yet): every rule in them.
+FOR_THE_FUTURE_STORE = {NS: "RemediationRun store and the runbook-serve leader Lease (docs/cluster.md)"}
+
+
+def _granted() -> set[tuple[str, str, str, str]]:
+    """Every (apiGroup, resource, verb, namespace) the base's ClusterRole and Roles grant."""
+    out = set()
+    for doc in yaml.safe_load_all((BASE / "rbac.yaml").read_text()):
+        if not doc or doc["kind"] not in ("ClusterRole", "Role"):
+            continue
+        scope = doc["metadata"].get("namespace", "") if doc["kind"] == "Role" else ""
+        for rule in doc["rules"]:
+            for group in rule["apiGroups"]:
+                for resource in rule["resources"]:
+                    for verb in rule["verbs"]:
+                        out.add((group, resource, verb, scope))
+    return out
+
+
+def _used(events: list[dict[str, Any]]) -> set[tuple[str, str, str, str]]:
+    out = set()
+    for e in events:
+        ref = e.get("objectRef")
+        if not ref or e.get("user", {}).get("username") != SA_USER:
+            continue
+        resource = ref["resource"] + (f"/{ref['subresource']}" if ref.get("subresource") else "")
+        out.add((ref.get("apiGroup", ""), resource, e["verb"], ref.get("namespace", "")))
+    return out
+
+
+def _covered(used: tuple[str, str, str, str], granted: set[tuple[str, str, str, str]]) -> bool:
+    group, resource, verb, ns = used
+    return (group, resource, verb, ns) in granted or (group, resource, verb, "") in granted
+
+
+@pytest.fixture(scope="module")
+def rbac(lab: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    plane = ControlPlane.from_state(lab.lab.record()["controlplane_dir"])
+    policy = plane.state_dir / "audit-policy.yaml"
+    original = policy.read_text()
+    policy.write_text(cp._audit_policy(audit_reads=True))
+    plane.restart_apiserver()
+    try:
+        admin = f"kubectl --kubeconfig {plane.kubeconfig}"
+        env = lab.env()
+
+        def kubectl(args: str) -> None:
+            r = subprocess.run(f"{admin} {args}", shell=True, env=env, capture_output=True, text=True, check=False)
+            assert r.returncode == 0, r.stderr
+
+        for name in ("namespace.yaml", "crd-remediationruns.yaml", "serviceaccount.yaml", "rbac.yaml"):
+            kubectl(f"apply -f {BASE / name}")
+        kubectl(f"create serviceaccount {NO_ROLE} -n {NS} --dry-run=client -o yaml | {admin} apply -f -")
+        home = tmp_path_factory.mktemp("rbac")
+        yield {"plane": plane,
+               "runbook": plane.service_account_kubeconfig(NS, "runbook", home / "kubeconfig-runbook"),
+               "no_role": plane.service_account_kubeconfig(NS, NO_ROLE, home / "kubeconfig-no-role"),
+               "recovery_audit": []}
+    finally:
+        policy.write_text(original)
+        plane.restart_apiserver()
+
+
+def test_without_the_role_the_run_stops_before_any_change_with_exit_3_naming_the_forbidden_permission(
+        incident: Any, sh: Any, rbac: dict[str, Any], tmp_path: Path) -> None:
+    state_dir = incident.lab.record()["nodes"]["omen2"]["state_dir"]
+    calls_before = HostState(state_dir).calls()
+    label_before = kube_node(sh, "omen2")["metadata"]["labels"][LABEL]
+    r = runbook(sh, f"run gpu-node-recovery --node omen2 --yes --kubeconfig {rbac['no_role']}",
+                journal=tmp_path / "journal.sqlite")
+    out = " ".join((r.stdout + r.stderr).split())
+    assert r.returncode == 3, out
+    assert "forbidden" in out
+    assert f'User "system:serviceaccount:{NS}:{NO_ROLE}" cannot get resource "nodes"' in out
+    assert "grant this permission to the identity in use, see deploy/kubernetes/rbac.yaml" in out
+    assert kube_node(sh, "omen2")["metadata"]["labels"][LABEL] == label_before == "vm-passthrough"
+    assert HostState(state_dir).calls() == calls_before
+
+
+@pytest.mark.timeout(1200)
+def test_a_full_recovery_with_only_the_runbook_service_account_token_succeeds_and_leaves_node_events(
+        fresh_lab: Any, sh: Any, rbac: dict[str, Any], tmp_path: Path) -> None:
+    plane: ControlPlane = rbac["plane"]
+    mark = plane.audit_mark()
+    r = runbook(sh, f"run gpu-node-recovery --node omen2 --yes --kubeconfig {rbac['runbook']}",
+                journal=tmp_path / "journal.sqlite")
+    audit = plane.audit_events(mark)  # read before this test's own kubectl calls (as admin)
+    assert r.returncode == 0, r.stdout + r.stderr
+    node = kube_node(sh, "omen2")
+    assert ready(node) and node["metadata"]["labels"][LABEL] == "container"
+    rbac["recovery_audit"] = audit
+    mutations = [e for e in audit if e["verb"] in cp.MUTATING_VERBS and e["user"]["username"] == SA_USER]
+    assert any(e["objectRef"]["resource"] == "nodes" and e["verb"] == "patch" for e in mutations)
+    as_admin = [(e["verb"], e["requestURI"]) for e in audit if e["user"]["username"] == cp.ADMIN_USER]
+    assert not as_admin  # the run had only the ServiceAccount's token
+
+    run_id = json.loads(runbook(sh, "runs -o json", journal=tmp_path / "journal.sqlite").stdout)[0]["id"]
+    events = json.loads(sh("kubectl get events --field-selector involvedObject.name=omen2 -o json",
+                           check=True).stdout)["items"]
+    ours = [e for e in events if e.get("reportingComponent") == "runbook" and run_id in e.get("message", "")]
+    assert ours, [e.get("reason") for e in events]
+    assert {e["reason"] for e in ours} <= {"RemediationStepSucceeded", "RemediationStepSkipped"}
+    assert any(e["reason"] == "RemediationStepSucceeded" for e in ours)
+    assert all("runbook gpu-node-recovery, step " in e["message"] for e in ours)
+    described = sh("kubectl describe node omen2", check=True).stdout
+    assert "RemediationStepSucceeded" in described
+
+
+def test_the_roles_grant_nothing_the_code_does_not_use_per_the_audit_log_of_the_recovery(
+        rbac: dict[str, Any]) -> None:
+    audit = rbac["recovery_audit"]
+    assert audit, "needs the recovery test of this module to have run first"
+    used = _used(audit)
+    granted = _granted()
+    not_granted = {u for u in used if not _covered(u, granted)}
+    assert not not_granted, f"the recovery used permissions the base does not grant: {sorted(not_granted)}"
+    used_or_explained = {g for g in granted if g[3] in FOR_THE_FUTURE_STORE}
+    used_or_explained |= set(UNEXERCISED)
+    used_or_explained |= {g for g in granted if g in used or (g[3] == "" and any(
+        (u[0], u[1], u[2]) == (g[0], g[1], g[2]) for u in used))}
+    unexplained = granted - used_or_explained
+    assert not unexplained, (f"granted but neither used by the recovery nor explained: {sorted(unexplained)}; "
+                             f"used: {sorted(used)}")
+    stale = {k for k in UNEXERCISED if k not in granted}
+    assert not stale, f"UNEXERCISED names permissions the base no longer grants: {sorted(stale)}"
+    exercised_anyway = {k for k in UNEXERCISED if k in used or any(
+        (u[0], u[1], u[2]) == k[:3] for u in used if k[3] == "")}
+    assert not exercised_anyway, f"listed as unexercised but the recovery used them: {sorted(exercised_anyway)}"
