@@ -176,6 +176,16 @@ class ServeConfig(_Section):
     pagerduty: PagerDutyConfig = Field(default_factory=PagerDutyConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    # Where people reach this server (e.g. https://runbook.example.org): notifications link to
+    # {public_url}/ui/runs/{id}, and the console's cookies are Secure when it is https.
+    public_url: str | None = None
+
+    @field_validator("public_url")
+    @classmethod
+    def _public_url(cls, v: str | None) -> str | None:
+        if v is not None and not re.match(r"^https?://[^\s/?#]+(/[^\s?#]*)?$", v):
+            raise ValueError("public_url must be an http(s) URL without query or fragment")
+        return v.rstrip("/") if v is not None else None
 
     @field_validator("listen")
     @classmethod
