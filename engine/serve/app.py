@@ -494,7 +494,8 @@ def create_app(config: ServeConfig, starter: RunStarter, *, cluster: ClusterView
     ``app.state.dispatcher`` gives tests and the CLI the dispatcher (worker pool, guards, notifier).
     """
     metrics = metrics or ServeMetrics()
-    notifier = notifier or Notifier(config.notify.url, events=config.notify.events, timeout=config.notify.timeout)
+    notifier = notifier or Notifier(config.notify.url, events=config.notify.events, timeout=config.notify.timeout,
+                                    public_url=config.public_url)
     index = TriggerIndex(starter.trigger_index(), config.pagerduty.mappings)
     dispatcher = Dispatcher(config, starter, cluster, index=index, guards=Guards(config, clock=clock),
                             worker=WorkerPool(config.workers, config.queue_size), notifier=notifier,

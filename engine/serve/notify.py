@@ -14,8 +14,9 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 
@@ -51,6 +52,8 @@ class Notification:
         if self.event == "waiting-approval" and self.extra.get("plan_digest"):
             parts.append(f"approve with: runbook approve {self.run_id} --plan-digest {self.extra['plan_digest']}")
         parts += [f"warning: {w}" for w in self.warnings]
+        if self.extra.get("url"):
+            parts.append(f"open: {self.extra['url']}")  # the run's console page (public_url)
         return "\n".join(parts)
 
     def payload(self) -> dict[str, Any]:
@@ -148,8 +151,10 @@ class Notifier:
     """Posts notifications to ``url`` in a background thread; ``None`` url: only logs them."""
 
     def __init__(self, url: str | None, *, events: Sequence[str] = (), timeout: float = 5.0,
-                 max_queue: int = 1000, transport: httpx.BaseTransport | None = None) -> None:
+                 max_queue: int = 1000, transport: httpx.BaseTransport | None = None,
+                 public_url: str | None = None) -> None:
         self.url = url
+        self.public_url = public_url  # set: each run's notification links to {public_url}/ui/runs/{id}
         self.events = frozenset(events) if events else None
         self.timeout = timeout
         self.sent = 0
@@ -161,6 +166,8 @@ class Notifier:
 
     def notify(self, n: Notification) -> None:
         """Queue ``n``; never blocks and never raises."""
+        if self.public_url and n.run_id and "url" not in n.extra:
+            n = replace(n, extra={**n.extra, "url": f"{self.public_url}/ui/runs/{quote(n.run_id, safe='')}"})
         log.info("%s", n.text().replace("\n", " | "))
         if self.url is None or (self.events is not None and n.event not in self.events):
             return

@@ -1,0 +1,143 @@
+"""The web console's server side (engine.serve.console) through the Starlette TestClient over the fake
+run starter: sessions, CSRF, roles, escaping, the live stream, and notification links. The browser
+itself is driven in tests/integration/test_console_browser.py."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import httpx
+
+from engine.serve.notify import Notification, Notifier
+from engine.serve.testing import APPROVER_TOKEN, READER_TOKEN, TOKEN, FakeRunStarter, alert, served, trigger_spec
+
+
+def _login(client: Any, credential: str) -> httpx.Response:
+    page = client.get("/ui/login")
+    token = re.search(r'name="csrf" value="([^"]+)"', page.text)
+    assert token is not None
+    return client.post("/ui/login", data={"csrf": token.group(1), "credential": credential, "next": "/ui/"},
+                       follow_redirects=False)
+
+
+def _csrf(html: str) -> str:
+    found = re.search(r'name="csrf" value="([^"]+)"', html)
+    assert found is not None
+    return found.group(1)
+
+
+def _waiting(s: Any) -> str:
+    assert s.post_alerts(alert("omen2")).status_code == 202
+    s.idle()
+    run_id: str = s.starter.runs()[0]["id"]
+    assert s.starter.run(run_id)["state"] == "waiting-approval"
+    return run_id
+
+
+def test_the_session_cookie_is_httponly_samesite_strict_and_secure_when_the_public_url_is_https() -> None:
+    with served("approve", public_url="https://runbook.example.org") as s:
+        s.client.base_url = httpx.URL("https://testserver")  # behind a TLS proxy: Secure cookies come back
+        response = _login(s.client, APPROVER_TOKEN)
+        assert response.status_code == 303
+        cookie = response.headers["set-cookie"].lower()
+        assert "runbook_session=" in cookie and "httponly" in cookie and "samesite=strict" in cookie
+        assert "secure" in cookie
+    with served("approve") as s:
+        cookie = _login(s.client, APPROVER_TOKEN).headers["set-cookie"].lower()
+        assert "secure" not in cookie.split("runbook_session=")[1].split(",")[0]
+
+
+def test_a_login_with_a_wrong_credential_a_sender_credential_or_no_form_token_gets_no_session() -> None:
+    with served("approve") as s:
+        assert _login(s.client, "wrong").status_code == 401
+        assert _login(s.client, TOKEN).status_code == 403  # a sender may not read runs
+        s.client.cookies.clear()
+        bare = s.client.post("/ui/login", data={"csrf": "x", "credential": APPROVER_TOKEN}, follow_redirects=False)
+        assert bare.status_code == 403
+        assert "runbook_session" not in s.client.cookies
+
+
+def test_pages_redirect_to_the_login_form_when_reads_need_a_credential() -> None:
+    with served("approve", auth={"reads": "token"}) as s:
+        run_id = _waiting(s)
+        for path in ("/ui/", f"/ui/runs/{run_id}"):
+            response = s.client.get(path, follow_redirects=False)
+            assert response.status_code == 303 and response.headers["location"].startswith("/ui/login?next=")
+        assert s.client.get(f"/ui/runs/{run_id}/live").status_code == 401
+        _login(s.client, READER_TOKEN)
+        assert s.client.get("/ui/").status_code == 200
+
+
+def test_an_approval_form_without_the_sessions_csrf_token_approves_nothing() -> None:
+    with served("approve") as s:
+        run_id = _waiting(s)
+        _login(s.client, APPROVER_TOKEN)
+        digest = s.starter.run(run_id)["plan_digest"]
+        for csrf in ("", "forged"):
+            response = s.client.post(f"/ui/runs/{run_id}/decision",
+                                     data={"csrf": csrf, "action": "approve", "plan_digest": digest})
+            assert response.status_code == 403 and "CSRF" in response.text
+        assert s.starter.run(run_id)["approved_by"] is None
+        page = s.client.get(f"/ui/runs/{run_id}")
+        ok = s.client.post(f"/ui/runs/{run_id}/decision", follow_redirects=False,
+                           data={"csrf": _csrf(page.text), "action": "approve", "plan_digest": digest})
+        assert ok.status_code == 303
+        assert s.starter.run(run_id)["approved_by"] == "alice"
+
+
+def test_a_reader_session_gets_no_approve_button_and_its_approval_post_is_refused() -> None:
+    with served("approve") as s:
+        run_id = _waiting(s)
+        _login(s.client, READER_TOKEN)
+        page = s.client.get(f"/ui/runs/{run_id}")
+        assert 'id="approve"' not in page.text and "may only read" in page.text
+        response = s.client.post(f"/ui/runs/{run_id}/decision", data={
+            "csrf": _csrf(page.text), "action": "approve", "plan_digest": s.starter.run(run_id)["plan_digest"]})
+        assert response.status_code == 403 and "grafana (reader) may not approve" in response.text
+        assert s.starter.run(run_id)["approved_by"] is None
+
+
+def test_a_stale_digest_is_refused_with_the_reason_on_the_page() -> None:
+    with served("approve") as s:
+        run_id = _waiting(s)
+        _login(s.client, APPROVER_TOKEN)
+        page = s.client.get(f"/ui/runs/{run_id}")
+        response = s.client.post(f"/ui/runs/{run_id}/decision",
+                                 data={"csrf": _csrf(page.text), "action": "approve", "plan_digest": "b" * 64})
+        assert response.status_code == 409 and 'id="error"' in response.text and "approval refused" in response.text
+        assert s.starter.run(run_id)["approved_by"] is None
+
+
+def test_label_and_param_values_are_escaped_as_text() -> None:
+    starter = FakeRunStarter([trigger_spec(mode="approve", params={"node": "{{ labels.node }}",
+                                                                   "team": "{{ labels.team }}"})])
+    with served("approve", starter=starter) as s:
+        assert s.post_alerts(alert("omen2", team='<script>alert("x")</script>')).status_code == 202
+        s.idle()
+        run_id = s.starter.runs()[0]["id"]
+        page = s.client.get(f"/ui/runs/{run_id}").text
+        assert "<script>alert" not in page and "&lt;script&gt;alert(&#34;x&#34;)&lt;/script&gt;" in page
+
+
+def test_the_live_stream_sends_the_rendered_run_then_ends_once_the_run_is_final() -> None:
+    with served("auto") as s:
+        assert s.post_alerts(alert("omen2")).status_code == 202
+        s.idle()
+        run_id = s.starter.runs()[0]["id"]
+        assert s.starter.run(run_id)["state"] == "succeeded"
+        body = s.client.get(f"/ui/runs/{run_id}/live").text
+        assert body.startswith("event: update\n") and 'data: <section class="card summary"' in body
+        assert "succeeded" in body and body.rstrip().endswith("event: end\ndata:")
+
+
+def test_a_notification_links_to_the_runs_console_page_when_a_public_url_is_set() -> None:
+    sent: list[httpx.Request] = []
+    notifier = Notifier("http://127.0.0.1:9/hook", public_url="https://runbook.example.org",
+                        transport=httpx.MockTransport(lambda r: sent.append(r) or httpx.Response(200)))
+    notifier.notify(Notification("waiting-approval", "gpu-node-recovery", node="omen2", run_id="r-1 2",
+                                 extra={"plan_digest": "a" * 64}))
+    assert notifier.flush(5)
+    body = httpx.Response(200, content=sent[0].content).json()
+    assert body["runbook_event"]["url"] == "https://runbook.example.org/ui/runs/r-1%202"
+    assert "open: https://runbook.example.org/ui/runs/r-1%202" in body["text"]
