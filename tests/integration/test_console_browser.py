@@ -162,15 +162,29 @@ def shots(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def wait_for(driver: Any, predicate: Any, timeout: float = 30.0, what: str = "") -> Any:
+    from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
     from selenium.webdriver.support.ui import WebDriverWait
 
-    return WebDriverWait(driver, timeout, poll_frequency=0.1).until(lambda d: predicate(d), message=what)
+    # Why stale is ignored: the live region is replaced on each update, under the element just found
+    return WebDriverWait(driver, timeout, poll_frequency=0.1,
+                         ignored_exceptions=(NoSuchElementException, StaleElementReferenceException)
+                         ).until(lambda d: predicate(d), message=what)
 
 
 def by_css(driver: Any, css: str) -> list[Any]:
     from selenium.webdriver.common.by import By
 
     return list(driver.find_elements(By.CSS_SELECTOR, css))
+
+
+def text_of(driver: Any, css: str) -> str:
+    """The text of the first element matching ``css`` (read again if the live region replaced it)."""
+    return str(wait_for(driver, lambda d: [d.find_element("css selector", css).text], what=css)[0])
+
+
+def status_of(driver: Any, step: str) -> str:
+    return str(wait_for(driver, lambda d: [d.find_element("css selector", f"#step-{step}").get_attribute(
+        "data-status")], what=step)[0])
 
 
 def login(driver: Any, base: str, credential: str) -> None:
@@ -211,7 +225,7 @@ def test_a_reader_must_log_in_before_the_runs_list_shows(server: Server, browser
     login(browser, server.base, APPROVER_TOKEN)
     cookie = next(c for c in browser.get_cookies() if c["name"] == "runbook_session")
     assert cookie["httpOnly"] and cookie["sameSite"] == "Strict"
-    assert "alice (approver)" in by_css(browser, "#viewer")[0].text
+    assert "alice (approver)" in text_of(browser, "#viewer")
 
 
 def test_the_runs_list_pins_a_waiting_run_above_newer_runs_and_shows_its_row(
@@ -243,13 +257,13 @@ def test_a_waiting_run_shows_its_fstab_diff_and_digest_and_a_label_script_as_tex
     run_id = next(r["id"] for r in server.starter.runs() if r["state"] == "waiting-approval")
     login(browser, server.base, APPROVER_TOKEN)
     browser.get(f"{server.base}/ui/runs/{run_id}")
-    assert by_css(browser, "#digest")[0].text == server.starter.run(run_id)["plan_digest"]
+    assert text_of(browser, "#digest") == server.starter.run(run_id)["plan_digest"]
     added = [e.text for e in by_css(browser, "#step-disable-swap pre.diff .add")]
     removed = [e.text for e in by_css(browser, "#step-disable-swap pre.diff .del")]
     assert removed == ["-/swap.img none swap sw 0 0"] and added[0].startswith("+#/swap.img")
-    command = by_css(browser, "#step-disable-swap .command")[0].text
+    command = text_of(browser, "#step-disable-swap .command")
     assert "ansible-playbook -l omen2 playbooks/disable-swap.yml" in command
-    assert XSS in by_css(browser, "#params")[0].text
+    assert XSS in text_of(browser, "#params")
     assert browser.execute_script("return window.__xss === undefined")
     screenshot(browser, shots, "run-waiting", 1280)
     screenshot(browser, shots, "run-waiting", 390)
@@ -265,16 +279,15 @@ def test_approving_in_the_page_records_alice_and_the_page_follows_the_run_live_w
     assert server.starter.run(run_id)["approved_by"] == "alice"
     browser.execute_script("window.__sameDocument = 'yes'")
     server.starter.record_event(run_id, "step.start", {"step": "disable-swap"})
-    wait_for(browser, lambda d: d.find_element("css selector", "#step-disable-swap").get_attribute("data-status")
-             == "running", what="step running, live")
+    wait_for(browser, lambda d: status_of(d, "disable-swap") == "running", what="step running, live")
     server.starter.record_event(run_id, "step.outcome", {"step": "disable-swap", "status": "succeeded",
                                                           "started_at": time.time() - 2, "finished_at": time.time()})
     server.wait_state(run_id, "succeeded")
-    wait_for(browser, lambda d: d.find_element("css selector", "#state").text == "succeeded",
+    wait_for(browser, lambda d: text_of(d, "#state") == "succeeded",
              what="state succeeded, live")
     assert browser.execute_script("return window.__sameDocument") == "yes"  # no reload happened
-    assert browser.find_element("css selector", "#step-disable-swap").get_attribute("data-status") == "succeeded"
-    assert by_css(browser, "#approved-by")[0].text == "alice"
+    assert status_of(browser, "disable-swap") == "succeeded"
+    assert text_of(browser, "#approved-by") == "alice"
     assert not by_css(browser, "#approve")
 
 
@@ -283,7 +296,7 @@ def test_a_plan_that_changed_since_the_page_loaded_is_refused_in_the_page(server
     server.wait_state(run_id, "waiting-approval")
     login(browser, server.base, APPROVER_TOKEN)
     browser.get(f"{server.base}/ui/runs/{run_id}")
-    old = by_css(browser, "#digest")[0].text
+    old = text_of(browser, "#digest")
     server.starter.replan(run_id, "c" * 64)
     by_css(browser, "#approve")[0].click()
     error = wait_for(browser, lambda d: by_css(d, "#error"), what="refusal shown")[0].text
@@ -292,7 +305,8 @@ def test_a_plan_that_changed_since_the_page_loaded_is_refused_in_the_page(server
 
 
 def test_a_reader_sees_no_approve_button_and_a_forged_approval_post_is_refused(server: Server, browser: Any) -> None:
-    run_id = next(r["id"] for r in server.starter.runs() if r["state"] == "waiting-approval")
+    run_id = server.page(node="omen5", team="infra")
+    server.wait_state(run_id, "waiting-approval")
     digest = server.starter.run(run_id)["plan_digest"]
     login(browser, server.base, READER_TOKEN)
     browser.get(f"{server.base}/ui/runs/{run_id}")

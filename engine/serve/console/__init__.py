@@ -19,6 +19,7 @@ runs (the ``Dispatcher`` does) and never writes the journal itself.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import secrets
 import time
@@ -160,6 +161,13 @@ def diff_lines(text: str) -> list[tuple[str, str]]:
             cls = "ctx"
         out.append((cls, line))
     return out
+
+
+def live_mark(run: Mapping[str, Any]) -> str:
+    """A short fingerprint of what the live part of a run page shows: the stream sends a new
+    rendering only when it changes (and not the one the page was loaded with)."""
+    mark = (run.get("state"), len(run.get("events") or []), run.get("plan_digest"), run.get("approved_by"))
+    return hashlib.sha256(repr(mark).encode()).hexdigest()[:16]
 
 
 def _environment() -> Environment:
@@ -323,7 +331,7 @@ class Console:
         events = [e for e in run.get("events") or [] if isinstance(e, Mapping)]
         report = next((e for e in reversed(events) if e.get("kind") == "run.finish"), None)
         return {"run": run, "plan": run.get("plan") or {}, "steps": steps_view(run), "events": events,
-                "report": report, "node": node_of(run)}
+                "report": report, "node": node_of(run), "mark": live_mark(run)}
 
     async def _load(self, run_id: str) -> Mapping[str, Any] | None:
         try:
@@ -381,7 +389,7 @@ class Console:
         template = self.env.get_template("_live.html")
 
         async def stream() -> AsyncIterator[str]:
-            seen: tuple[Any, ...] | None = None
+            seen = request.query_params.get("since", "")[:16]
             deadline = time.monotonic() + 3600
             beat = time.monotonic()
             while time.monotonic() < deadline:
@@ -390,18 +398,17 @@ class Console:
                 run = await self._load(run_id)
                 if run is None:
                     return
-                mark = (run.get("state"), len(run.get("events") or []), run.get("plan_digest"),
-                        run.get("approved_by"))
+                mark = live_mark(run)
                 if mark != seen:
                     seen = mark
                     html = template.render(viewer=sess.identity if sess else None, csrf=sess.csrf if sess else "",
                                            **self._run_context(run))
                     yield "event: update\n" + "".join(f"data: {line}\n" for line in html.splitlines()) + "\n"
                     beat = time.monotonic()
-                    if run.get("state") in FINAL:
-                        yield "event: end\ndata: \n\n"
-                        return
-                elif time.monotonic() - beat > 15:
+                if run.get("state") in FINAL:
+                    yield "event: end\ndata: \n\n"
+                    return
+                if time.monotonic() - beat > 15:
                     yield ": keep-alive\n\n"
                     beat = time.monotonic()
                 await asyncio.sleep(self.poll)
