@@ -10,6 +10,7 @@ Screenshots of the runs list and a waiting run at 1280 px and 390 px go to a tem
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import os
 import shutil
@@ -201,7 +202,8 @@ def screenshot(driver: Any, folder: Path, name: str, width: int) -> Path:
                             "deviceScaleFactor": 1, "mobile": width < 600})
     try:
         path = folder / f"{name}-{width}.png"
-        assert driver.save_screenshot(str(path)), f"no screenshot {path}"
+        shot = driver.execute_cdp_cmd("Page.captureScreenshot", {"format": "png", "captureBeyondViewport": True})
+        path.write_bytes(base64.b64decode(shot["data"]))  # the whole page, not only the first screen
         keep = os.environ.get("RUNBOOK_SCREENSHOTS")
         if keep:
             shutil.copy(path, Path(keep) / path.name)
