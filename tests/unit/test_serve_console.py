@@ -141,3 +141,44 @@ def test_a_notification_links_to_the_runs_console_page_when_a_public_url_is_set(
     body = httpx.Response(200, content=sent[0].content).json()
     assert body["runbook_event"]["url"] == "https://runbook.example.org/ui/runs/r-1%202"
     assert "open: https://runbook.example.org/ui/runs/r-1%202" in body["text"]
+
+
+def _engine_plan(run: Any) -> dict[str, Any]:
+    """A plan built from the engine's own model (``engine.model.Plan``), as the journal stores it."""
+    from engine.model import (
+        Change,
+        CheckEvaluation,
+        Plan,
+        PlannedStep,
+        PlannedVerify,
+        PlanState,
+        PreconditionResult,
+    )
+
+    node = run["params"]["node"]
+    plan = Plan(runbook=run["runbook"], version="1", runbook_digest="d" * 64, params=dict(run["params"]), node=node,
+                created_at="2026-12-03T08:00:00Z", expires_at="2026-12-03T08:15:00Z", state=PlanState.READY,
+                preconditions=(PreconditionResult(id="gpu-present", applies=True, holds=True,
+                                                  observed="1 GPU", evidence={"gpus": 1}),),
+                steps=(PlannedStep(id="relabel", why="keep the GPU on the container driver", kind="change",
+                                   action="kube", summary="label workload -> container",
+                                   command=f"kubectl label node {node} nvidia.com/gpu.workload.config=container",
+                                   changes=(Change(path="node.labels[nvidia.com/gpu.workload.config]",
+                                                   before="vm-passthrough", after="container"),),
+                                   guards=(CheckEvaluation(check="node.gpus >= 1", holds=True, observed="1"),),
+                                   verify=(PlannedVerify(check="node.labels.workload == 'container'",
+                                                         timeout_seconds=30),),
+                                   preview="--- a\n+++ b\n-swap\n+#swap"),))
+    return plan.sealed().model_dump(mode="json")
+
+
+def test_the_run_page_shows_a_plan_of_the_engines_own_shape_with_its_command_changes_guards_and_diff() -> None:
+    starter = FakeRunStarter([trigger_spec(mode="approve")], plan=_engine_plan)
+    with served("approve", starter=starter) as s:
+        run_id = _waiting(s)
+        page = s.client.get(f"/ui/runs/{run_id}").text
+        assert s.starter.run(run_id)["plan_digest"] in page
+        assert "kubectl label node omen2 nvidia.com/gpu.workload.config=container" in page
+        assert "vm-passthrough → container" in page and "node.gpus &gt;= 1" in page
+        assert '<span class="del">-swap</span>' in page and '<span class="add">+#swap</span>' in page
+        assert "within 30.0s" in page and "gpu-present" in page
