@@ -39,8 +39,10 @@ def test_a_paged_run_is_approved_in_the_browser_and_followed_live_until_omen2_is
         wait_for(browser, lambda d: text_of(d, "#state") == "succeeded", timeout=RUN_TIMEOUT,
                  what="run succeeded, live")
         assert browser.execute_script("return window.__sameDocument") == "yes"  # followed without a reload
-        assert [status_of(browser, s) for s in ("relabel-container", "swap-off", "restart-kubelet")] == \
-            ["succeeded"] * 3
+        assert [status_of(browser, s) for s in ("relabel-container", "swap-off")] == ["succeeded"] * 2
+        # restart-kubelet's skip_if: skipped when all it would verify already holds (kubelet came back)
+        assert status_of(browser, "restart-kubelet") in ("succeeded", "skipped")
+        assert "step.outcome" in text_of(browser, "#timeline")
         assert text_of(browser, "#approved-by") == "alice"
         assert server.run(run_id)["approved_by"] == "alice"
     omen2_recovered(fresh_lab, sh)
