@@ -116,6 +116,12 @@ class RunStarter(Protocol):
         """Record an approval of exactly ``plan_digest``; the run's summary. StalePlan / UsageError."""
         ...
 
+    def reject(self, run_id: str, reason: str, rejected_by: str) -> Mapping[str, Any]:
+        """A person declined the plan of a run waiting for approval: record who and why
+        (``approval.rejected``) and end the run ``cancelled`` (exit 4); the run's summary.
+        StalePlan when it is not waiting for approval, UsageError for an unknown id."""
+        ...
+
     def runs(self, limit: int = 100) -> Sequence[Mapping[str, Any]]:
         """Newest first, ``RunRecord.summary()`` dicts."""
         ...

@@ -133,6 +133,19 @@ class FakeRunStarter:
             run["approved_by"] = approved_by
             return dict(run)
 
+    def reject(self, run_id: str, reason: str, rejected_by: str) -> Mapping[str, Any]:
+        with self._cond:
+            run = self._runs.get(run_id)
+            if run is None:
+                raise UsageError(f"unknown run id {run_id!r}")
+            if run["state"] != "waiting-approval":
+                raise StalePlan(f"run {run_id} is {run['state']}, not waiting for approval")
+            run.update(state="cancelled", exit_code=4, rejected_by=rejected_by, rejected_reason=reason,
+                       finished=time.strftime("%Y-%m-%dT%H:%M:%S.000Z", time.gmtime()))
+            run.setdefault("events", []).append({"kind": "approval.rejected", "by": rejected_by, "reason": reason})
+            self._cond.notify_all()
+            return dict(run)
+
     def runs(self, limit: int = 100) -> Sequence[Mapping[str, Any]]:
         with self._cond:
             return [dict(r) for r in reversed(list(self._runs.values()))][:limit]

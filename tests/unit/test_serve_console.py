@@ -14,6 +14,7 @@ from engine.serve.testing import APPROVER_TOKEN, READER_TOKEN, TOKEN, FakeRunSta
 
 
 def _login(client: Any, credential: str) -> httpx.Response:
+    client.cookies.clear()  # a fresh visitor (httpx's jar keeps an expired cookie beside the new one)
     page = client.get("/ui/login")
     token = re.search(r'name="csrf" value="([^"]+)"', page.text)
     assert token is not None
@@ -182,3 +183,31 @@ def test_the_run_page_shows_a_plan_of_the_engines_own_shape_with_its_command_cha
         assert "vm-passthrough → container" in page and "node.gpus &gt;= 1" in page
         assert '<span class="del">-swap</span>' in page and '<span class="add">+#swap</span>' in page
         assert "within 30.0s" in page and "gpu-present" in page
+
+
+def test_rejecting_with_a_reason_cancels_the_run_records_who_and_why_and_a_reader_cannot_reject() -> None:
+    with served("approve") as s:
+        run_id = _waiting(s)
+        _login(s.client, READER_TOKEN)
+        page = s.client.get(f"/ui/runs/{run_id}")
+        refused = s.client.post(f"/ui/runs/{run_id}/decision",
+                                data={"csrf": _csrf(page.text), "action": "reject", "reason": "no"})
+        assert refused.status_code == 403 and s.starter.run(run_id)["state"] == "waiting-approval"
+        _login(s.client, APPROVER_TOKEN)
+        csrf = _csrf(s.client.get(f"/ui/runs/{run_id}").text)
+        empty = s.client.post(f"/ui/runs/{run_id}/decision", data={"csrf": csrf, "action": "reject", "reason": " "})
+        assert empty.status_code == 400 and s.starter.run(run_id)["state"] == "waiting-approval"
+        done = s.client.post(f"/ui/runs/{run_id}/decision", follow_redirects=False,
+                             data={"csrf": csrf, "action": "reject", "reason": "omen2 is being drained by hand"})
+        assert done.status_code == 303
+        run = s.starter.run(run_id)
+        assert (run["state"], run["rejected_by"], run["rejected_reason"]) == (
+            "cancelled", "alice", "omen2 is being drained by hand")
+        page = s.client.get(done.headers["location"]).text
+        assert "alice: omen2 is being drained by hand" in page and 'id="approve"' not in page
+        s.idle()
+        assert "waiting_approval" in s.dispatcher.status()["breaker"] and \
+            run_id not in s.dispatcher.status()["breaker"]["waiting_approval"]
+        again = s.client.post(f"/ui/runs/{run_id}/decision",
+                              data={"csrf": csrf, "action": "approve", "plan_digest": run["plan_digest"]})
+        assert again.status_code == 409 and s.starter.run(run_id)["approved_by"] is None

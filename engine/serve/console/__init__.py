@@ -5,7 +5,8 @@ Routes (mounted by ``engine.serve.app``)::
     GET  /ui/                      runs, newest first, waiting-approval pinned; ?state= ?node= ?runbook=
     GET  /ui/runs/{id}             one run: params, preconditions, steps, diffs, timeline, report
     GET  /ui/runs/{id}/live        server-sent events: the run's live part, re-rendered on each change
-    POST /ui/runs/{id}/decision    approve (the digest the page showed) - form, CSRF token, approver session
+    POST /ui/runs/{id}/decision    approve (the digest the page showed) or reject (a reason) - form, CSRF
+                                   token, approver session
     GET  /ui/login, POST /ui/login a credential -> a session cookie; POST /ui/logout ends it
     GET  /ui/static/{name}         the stylesheet and script (package data; nothing from a CDN)
 
@@ -46,10 +47,14 @@ LOGIN_COOKIE = "runbook_login"
 SESSION_SECONDS = 8 * 3600
 MAX_SESSIONS = 1000
 MAX_FORM_BYTES = 16 * 1024
+MAX_REASON = 500
 FINAL = frozenset({"succeeded", "failed", "blocked", "cancelled", "rolled-back"})
 STATES = ("waiting-approval", "pending", "approved", "running", "succeeded", "failed", "blocked",
           "cancelled", "rolled-back", "interrupted")
 _STATIC = {"console.css": "text/css; charset=utf-8", "console.js": "text/javascript; charset=utf-8"}
+
+
+_NOTICES = {"approved": "approval recorded", "rejected": "rejection recorded: the run is cancelled"}
 
 
 class FormError(Exception):
@@ -346,7 +351,7 @@ class Console:
         run = await self._load(request.path_params["run_id"])
         if run is None:
             return self._page("error.html", request, status=404, message="no such run")
-        notice = notice or {"approved": "approval recorded"}.get(request.query_params.get("notice", ""), "")
+        notice = notice or _NOTICES.get(request.query_params.get("notice", ""), "")
         return self._page("run.html", request, status=status, error=error, notice=notice, **self._run_context(run))
 
     async def decision(self, request: Request) -> Response:
@@ -364,6 +369,8 @@ class Console:
             return self._page("error.html", request, status=403,
                               message=f"{sess.identity.name} ({sess.identity.role}) may not approve runs")
         run_id = request.path_params["run_id"]
+        if form.get("action") == "reject":
+            return await self._reject(request, run_id, sess.identity, form.get("reason", "").strip())
         digest = form.get("plan_digest", "")
         if form.get("action") != "approve" or not 0 < len(digest) <= 200:
             return await self.run(request, error="expected action=approve and the plan digest", status=400)
@@ -378,6 +385,18 @@ class Console:
         except UsageError as e:
             return await self.run(request, error=f"approval refused: {e}", status=422)
         return RedirectResponse(f"/ui/runs/{quote(run_id, safe='')}?notice=approved", status_code=303)
+
+    async def _reject(self, request: Request, run_id: str, who: Identity, reason: str) -> Response:
+        if not 0 < len(reason) <= MAX_REASON:
+            return await self.run(request, error=f"say why you reject the plan (1 to {MAX_REASON} characters)",
+                                  status=400)
+        try:
+            await run_in_threadpool(self.dispatcher.reject, run_id, reason, who)
+        except NotFound:
+            return self._page("error.html", request, status=404, message="no such run")
+        except (StalePlan, UsageError) as e:
+            return await self.run(request, error=f"rejection refused: {e}", status=409)
+        return RedirectResponse(f"/ui/runs/{quote(run_id, safe='')}?notice=rejected", status_code=303)
 
     async def live(self, request: Request) -> Response:
         sess, redirect = self._viewer(request)
