@@ -14,6 +14,7 @@ Lifecycle of a paged run, and which side calls what::
                                                           ``waiting-approval``, return; in ``auto`` mode
                                                           take the node Lease, run, verify, return
     POST /runs/{id}/approve -> approve(id, digest, by)    fast: record the approval (journal), or raise
+    POST /ui/runs/{id}/decision -> reject(id, why, by)    fast: record the rejection, end the run cancelled
             -> worker pool -> execute(run_id)             continue the approved run to its end
     server start -> recover()                             claim what a previous server left; returns the
                                                           run ids to queue for ``execute``

@@ -211,3 +211,31 @@ def test_rejecting_with_a_reason_cancels_the_run_records_who_and_why_and_a_reade
         again = s.client.post(f"/ui/runs/{run_id}/decision",
                               data={"csrf": csrf, "action": "approve", "plan_digest": run["plan_digest"]})
         assert again.status_code == 409 and s.starter.run(run_id)["approved_by"] is None
+
+
+def test_the_journal_starter_records_a_rejection_and_cancels_only_a_waiting_run(tmp_path: Any) -> None:
+    from pathlib import Path
+
+    import pytest
+
+    from engine.errors import StalePlan
+    from engine.serve_starter import JournalRunStarter
+    from engine.settings import Settings
+
+    repo = Path(__file__).resolve().parents[2]
+    starter = JournalRunStarter(Settings(journal=tmp_path / "j.sqlite", runbooks_dir=repo / "runbooks"))
+    journal = starter.journal
+    waiting = journal.create_run("gpu-node-recovery", {"node": "omen2"}, ["omen2"], source="alertmanager",
+                                 approval_required=True, state="waiting-approval")
+    running = journal.create_run("gpu-node-recovery", {"node": "omen3"}, ["omen3"], source="alertmanager",
+                                 state="running")
+    summary = starter.reject(waiting, "drained by hand", "alice")
+    assert (summary["state"], summary["exit_code"]) == ("cancelled", 4)
+    events = starter.run(waiting)["events"]
+    rejected = [e for e in events if e["kind"] == "approval.rejected"]
+    assert [(e["by"], e["reason"]) for e in rejected] == [("alice", "drained by hand")]
+    assert events[-1]["kind"] == "run.cancelled" and "rejected by alice" in events[-1]["reason"]
+    for run_id in (waiting, running):
+        with pytest.raises(StalePlan, match="not waiting for approval"):
+            starter.reject(run_id, "again", "alice")
+    assert journal.get_run(running).state == "running"
