@@ -323,3 +323,32 @@ def test_a_reader_sees_no_approve_button_and_a_forged_approval_post_is_refused(s
     """, digest)
     assert forged[0] == 403 and "grafana (reader) may not approve" in forged[1]
     assert server.starter.run(run_id)["approved_by"] is None
+
+
+def test_a_run_is_rejected_with_a_reason_using_only_the_keyboard(server: Server, browser: Any) -> None:
+    from selenium.webdriver.common.keys import Keys
+
+    run_id = server.page(node="omen6", team="infra")
+    server.wait_state(run_id, "waiting-approval")
+    login(browser, server.base, APPROVER_TOKEN)
+    browser.get(f"{server.base}/ui/runs/{run_id}")
+    body = browser.find_element("css selector", "body")
+    body.send_keys(Keys.TAB)  # the first stop is the skip link, then the header, ... the reason field
+    for _ in range(30):
+        active = browser.switch_to.active_element
+        if active.get_attribute("id") == "reject-reason":
+            break
+        active.send_keys(Keys.TAB)
+    else:
+        raise AssertionError("the reject reason field is not reachable with Tab")
+    label = browser.find_element("css selector", "label[for='reject-reason']").text
+    assert "reject" in label.lower()
+    active.send_keys("omen6 is being drained by hand")
+    active.send_keys(Keys.TAB)
+    assert browser.switch_to.active_element.get_attribute("id") == "reject"
+    browser.switch_to.active_element.send_keys(Keys.ENTER)
+    wait_for(browser, lambda d: d.find_elements("css selector", "#notice"), what="rejection notice")
+    assert text_of(browser, "#state") == "cancelled"
+    assert text_of(browser, "#rejected-by") == "alice: omen6 is being drained by hand"
+    run = server.starter.run(run_id)
+    assert (run["state"], run["rejected_by"]) == ("cancelled", "alice")
