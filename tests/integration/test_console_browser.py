@@ -37,6 +37,8 @@ from engine.serve.testing import (
 )
 from tests.conftest import require
 
+pytestmark = pytest.mark.integration
+
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 XSS = "<script>window.__xss=1</script>"
 FSTAB_DIFF = """--- before: /etc/fstab
