@@ -239,3 +239,27 @@ def test_the_journal_starter_records_a_rejection_and_cancels_only_a_waiting_run(
         with pytest.raises(StalePlan, match="not waiting for approval"):
             starter.reject(run_id, "again", "alice")
     assert journal.get_run(running).state == "running"
+
+
+def test_the_page_of_a_finished_three_step_run_weighs_under_150_kb_with_its_stylesheet_and_script() -> None:
+    def plan(run: Any) -> dict[str, Any]:
+        one = _engine_plan(run)
+        one["steps"] = [dict(one["steps"][0], id=f"step-{i}") for i in range(3)]
+        return one
+
+    starter = FakeRunStarter([trigger_spec(mode="approve")], plan=plan)
+    with served("approve", starter=starter) as s:
+        run_id = _waiting(s)
+        for i in range(3):
+            s.starter.record_event(run_id, "step.start", {"step": f"step-{i}"})
+            s.starter.record_event(run_id, "verify.result", {"step": f"step-{i}", "check": "x", "holds": True,
+                                                             "attempts": 2, "elapsed": 1.5})
+            s.starter.record_event(run_id, "step.outcome", {"step": f"step-{i}", "status": "succeeded",
+                                                            "evidence": {"observed": "ok" * 50}})
+        s.starter.set_state(run_id, "succeeded")
+        page = s.client.get(f"/ui/runs/{run_id}")
+        assert page.status_code == 200 and page.text.count('data-status="succeeded"') == 3
+        total = sum(len(s.client.get(p).content) for p in ("/ui/static/console.css", "/ui/static/console.js"))
+        total += len(page.content)
+        assert total < 150 * 1024, f"{total} bytes"
+        assert "http://" not in page.text.split("</head>")[0] and "https://" not in page.text.split("</head>")[0]
