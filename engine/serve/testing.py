@@ -160,8 +160,7 @@ class FakeRunStarter:
         with self._cond:
             if run_id not in self._runs:
                 raise UsageError(f"unknown run id {run_id!r}")
-            self._runs[run_id].setdefault("events", []).append(
-                {"kind": kind, "time": time.strftime("%Y-%m-%dT%H:%M:%S.000Z", time.gmtime()), **dict(data)})
+            self._runs[run_id].setdefault("events", []).append({"kind": kind, **dict(data)})
             self._cond.notify_all()
 
     def recover(self) -> Sequence[str]:
