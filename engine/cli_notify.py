@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from urllib.parse import quote
 
 from engine.journal import Journal
 from engine.serve.config import ServeConfig, load_config
@@ -50,7 +51,7 @@ def notifications_since(journal_path: Path | None, since: float, *, pagerduty_ke
             reasons = [str(e.get("reason") or "") for e in events
                        if e.get("kind") in ("run.blocked", "run.failed", "run.cancelled", "run.interrupted")]
             reason = reasons[-1] if reasons else r.state
-            link = f"{public_url.rstrip('/')}/runs/{r.id}" if public_url else None
+            link = f"{public_url.rstrip('/')}/ui/runs/{quote(r.id, safe='')}" if public_url else None
             common = {"node": node, "run_id": r.id, "mode": "cli", "pagerduty_key": pagerduty_key, "link": link}
             for s in step_outcomes(events):
                 out.append(Notification("step", r.runbook, state="running", reason=s["reason"],

@@ -16,7 +16,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from engine.errors import RunbookError, UsageError
+from engine.errors import RunbookError, StalePlan, UsageError
 from engine.journal import ACTIVE_STATES, FINAL_STATES
 from engine.loader import list_runbooks
 from engine.model import PlanState, RunState
@@ -108,6 +108,16 @@ class JournalRunStarter:
 
     def approve(self, run_id: str, plan_digest: str, approved_by: str) -> Mapping[str, Any]:
         return self.service.approve(run_id, plan_digest, approved_by)
+
+    def reject(self, run_id: str, reason: str, rejected_by: str) -> Mapping[str, Any]:
+        rec = self.journal.get_run(run_id)
+        if rec.state != RunState.WAITING_APPROVAL.value:
+            raise StalePlan(f"run {run_id} is {rec.state}, not waiting for approval")
+        self.journal.append(run_id, "approval.rejected", by=rejected_by, reason=reason)
+        # Why cancelled wins over a racing approval: execute() returns at once for a final state
+        self.journal.set_state(run_id, RunState.CANCELLED.value, exit_code=4)
+        self.journal.append(run_id, "run.cancelled", reason=f"rejected by {rejected_by}: {reason}")
+        return self.journal.get_run(run_id).summary()
 
     def runs(self, limit: int = 100) -> Sequence[Mapping[str, Any]]:
         return [r.summary() for r in self.journal.list_runs(limit=limit)]

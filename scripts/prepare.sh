@@ -13,7 +13,7 @@ export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
 command -v apt-get >/dev/null || { say "needs apt (Debian or Ubuntu)"; exit 2; }
 
 PACKAGES="openssh-server openssh-client sudo rsync curl openssl ca-certificates prometheus-alertmanager
-  prometheus python3 make util-linux debian-archive-keyring wrk tmux"
+  prometheus python3 make util-linux debian-archive-keyring wrk tmux chromium chromium-driver"
 . scripts/env.sh
 [ -n "$PY" ] || PACKAGES="$PACKAGES python3-venv python3-pip"
 missing=$(for p in $PACKAGES; do

@@ -12,6 +12,7 @@ Routes (roles from ``engine.serve.access``)::
     GET  /breaker              breaker state                                reads
     POST /breaker/reset        {"node": N} | {"runbook": R} | {} = everything   approver
     GET  /triggers             the trigger index                            reads
+    GET  /, /ui/...            the web console (engine.serve.console)       session (login form)
 
 ("reads": open, or a reader/approver credential, per ``auth.reads``.) Every request but
 ``/healthz`` must carry an allowed ``Host`` (and ``Origin``, when a browser sends one); every POST
@@ -44,6 +45,7 @@ from engine.serve.access import Access, Identity
 from engine.serve.alertmanager import PayloadError, WebhookPayload, load_json, parse_alertmanager
 from engine.serve.cluster import ClusterView
 from engine.serve.config import ServeConfig
+from engine.serve.console import console_routes
 from engine.serve.dispatcher import Decision, Dispatcher, NotFound, SelfApproval, summarize
 from engine.serve.guards import Guards, ReplayGuard
 from engine.serve.metrics import ServeMetrics
@@ -523,6 +525,7 @@ def create_app(config: ServeConfig, starter: RunStarter, *, cluster: ClusterView
         Route("/breaker", handlers.breaker, methods=["GET"]),
         Route("/breaker/reset", handlers.breaker_reset, methods=["POST"]),
         Route("/triggers", handlers.triggers, methods=["GET"]),
+        *console_routes(config, dispatcher, handlers.access),  # the web console: /, /ui/...
     ]
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.dispatcher = dispatcher

@@ -181,7 +181,9 @@ class LimitsConfig(_Section):
 
 class ServeConfig(_Section):
     listen: str = "127.0.0.1:8080"
-    public_url: str | None = None  # e.g. https://runbook.example.org: notifications link <public_url>/runs/<id>
+    # Where people reach this server (e.g. https://runbook.example.org): notifications link the run's
+    # console page, {public_url}/ui/runs/{id}, and the console's cookies are Secure when it is https.
+    public_url: str | None = None
     webhook_token: str | None = Field(default=None, repr=False)  # = auth.senders.alertmanager
     protect_reads: bool = False  # true: = auth.reads: token
     force_mode: Literal["approve"] | None = None  # "approve": no automatic run at all
@@ -199,7 +201,6 @@ class ServeConfig(_Section):
     pagerduty: PagerDutyConfig = Field(default_factory=PagerDutyConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
-
     @field_validator("public_url")
     @classmethod
     def _public_url(cls, v: str | None) -> str | None:

@@ -531,6 +531,18 @@ class Dispatcher:
                                        warnings=meta.warnings, state="approved"))
         return {"run": summary, "queued": True}
 
+    def reject(self, run_id: str, reason: str, who: Identity) -> dict[str, Any]:
+        """``who`` declines the plan of a waiting run: recorded with the reason, the run ends cancelled
+        (StalePlan if it is not waiting, NotFound if unknown)."""
+        self.run(run_id)
+        summary = dict(self.starter.reject(run_id, reason, who.name))
+        with self._lock:
+            meta = self._runs.get(run_id)
+        if meta is not None:
+            self._finish(run_id, meta, RunOutcome(run_id, "cancelled", summary.get("plan_digest"), 4,
+                                                  f"rejected by {who.name}: {reason}"))
+        return {"run": summary}
+
     def reset_breaker(self, node: str | None = None, runbook: str | None = None) -> list[str]:
         done = self.guards.reset(node=node, runbook=runbook)
         self.refresh_gauges()

@@ -3,7 +3,8 @@
 Events: ``started``, ``waiting-approval``, ``step`` (one per step outcome), ``finished``, ``failed``,
 ``blocked``. Each webhook POST carries ``{"text": "<one readable line>", "runbook_event": {event,
 run_id, runbook, node, state, mode, reason, warnings, report, link, ...}}``; Slack shows ``text`` and
-ignores the rest. ``link`` is ``<public_url>/runs/<run id>`` when ``public_url`` is configured. With
+ignores the rest. ``link`` is the run's console page, ``<public_url>/ui/runs/<run id>``, when
+``public_url`` is configured. With
 ``notify.secret`` every webhook POST is signed: ``X-Runbook-Signature: t=<unix seconds>,v1=<hex of
 HMAC-SHA256(secret, "<t>.<body>")>`` (``verify_webhook`` is what a receiver does). PagerDuty events
 are built by ``engine.serve.pagerduty_events``. Delivery happens in one background thread through a
@@ -23,6 +24,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
+from urllib.parse import quote
 
 import httpx
 
@@ -49,7 +51,7 @@ class Notification:
     extra: Mapping[str, Any] = field(default_factory=dict)
     state: str | None = None  # the run's state when this was sent
     report: str = ""  # the run's report (final notifications)
-    link: str | None = None  # <public_url>/runs/<id>, when public_url is configured
+    link: str | None = None  # <public_url>/ui/runs/<id> (the console), when public_url is configured
     alert_key: str = ""  # the alert fingerprint or PagerDuty incident id that paged
     group_key: str = ""  # Alertmanager's groupKey of that page (PagerDuty dedup_key)
     pagerduty_key: str = ""  # an explicit PagerDuty dedup_key (CLI: --pagerduty-dedup-key)
@@ -71,7 +73,7 @@ class Notification:
             parts.append(f"approve with: runbook approve {self.run_id} --plan-digest {self.extra['plan_digest']}")
         parts += [f"warning: {w}" for w in self.warnings]
         if self.link:
-            parts.append(self.link)
+            parts.append(f"open: {self.link}")  # the run's console page
         return "\n".join(parts)
 
     def payload(self) -> dict[str, Any]:
@@ -215,6 +217,7 @@ class Notifier:
         self.timeout = timeout
         self.secret = secret
         self.pagerduty = pagerduty
+        # set: each run's notification links to its console page, {public_url}/ui/runs/{id}
         self.public_url = public_url.rstrip("/") if public_url else None
         self.sent = 0
         self.failed = 0
@@ -248,7 +251,7 @@ class Notifier:
         if not self._wants_webhook(n.event) and self.pagerduty is None:
             return
         if self.public_url and n.run_id and not n.link:
-            n = replace(n, link=f"{self.public_url}/runs/{n.run_id}")
+            n = replace(n, link=f"{self.public_url}/ui/runs/{quote(n.run_id, safe='')}")
         self._ensure_thread()
         try:
             self._queue.put_nowait(n)

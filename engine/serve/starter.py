@@ -15,6 +15,7 @@ Lifecycle of a paged run, and which side calls what::
                                                           ``waiting-approval``, return; in ``auto`` mode
                                                           take the node Lease, run, verify, return
     POST /runs/{id}/approve -> approve(id, digest, by)    fast: record the approval (journal), or raise
+    POST /ui/runs/{id}/decision -> reject(id, why, by)    fast: record the rejection, end the run cancelled
             -> worker pool -> execute(run_id)             continue the approved run to its end
     server start -> recover()                             claim what a previous server left; returns the
                                                           run ids to queue for ``execute``
@@ -115,6 +116,12 @@ class RunStarter(Protocol):
 
     def approve(self, run_id: str, plan_digest: str, approved_by: str) -> Mapping[str, Any]:
         """Record an approval of exactly ``plan_digest``; the run's summary. StalePlan / UsageError."""
+        ...
+
+    def reject(self, run_id: str, reason: str, rejected_by: str) -> Mapping[str, Any]:
+        """A person declined the plan of a run waiting for approval: record who and why
+        (``approval.rejected``) and end the run ``cancelled`` (exit 4); the run's summary.
+        StalePlan when it is not waiting for approval, UsageError for an unknown id."""
         ...
 
     def runs(self, limit: int = 100) -> Sequence[Mapping[str, Any]]:

@@ -54,8 +54,10 @@ class FakeRunStarter:
     def __init__(self, triggers: Sequence[TriggerSpec] = (), *,
                  outcome: Callable[[Mapping[str, Any]], str] | None = None,
                  execute_delay: float = 0.0, submit_delay: float = 0.0, recover_ids: Iterable[str] = (),
-                 preload: Iterable[Mapping[str, Any]] = ()) -> None:
+                 preload: Iterable[Mapping[str, Any]] = (),
+                 plan: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None) -> None:
         self.triggers = list(triggers)
+        self.plan = plan  # the plan (a Plan's JSON shape) a run waiting for approval shows; digest from it
         self.outcome = outcome or (lambda run: "succeeded")
         self.execute_delay = execute_delay
         self.submit_delay = submit_delay
@@ -104,6 +106,9 @@ class FakeRunStarter:
                 return RunOutcome(run_id, run["state"], run["plan_digest"], run["exit_code"])
             if run["approval_required"] and not run["approved_by"]:
                 run["state"], run["plan_digest"] = "waiting-approval", DIGEST
+                if self.plan is not None:
+                    run["plan"] = dict(self.plan(run))
+                    run["plan_digest"] = run["plan"].get("digest") or DIGEST
                 self._cond.notify_all()
                 return RunOutcome(run_id, "waiting-approval", DIGEST)
         state = self.outcome(run)
@@ -126,6 +131,19 @@ class FakeRunStarter:
             if run["state"] != "waiting-approval":
                 raise StalePlan(f"run {run_id} is {run['state']}, not waiting for approval")
             run["approved_by"] = approved_by
+            return dict(run)
+
+    def reject(self, run_id: str, reason: str, rejected_by: str) -> Mapping[str, Any]:
+        with self._cond:
+            run = self._runs.get(run_id)
+            if run is None:
+                raise UsageError(f"unknown run id {run_id!r}")
+            if run["state"] != "waiting-approval":
+                raise StalePlan(f"run {run_id} is {run['state']}, not waiting for approval")
+            run.update(state="cancelled", exit_code=4, rejected_by=rejected_by, rejected_reason=reason,
+                       finished=time.strftime("%Y-%m-%dT%H:%M:%S.000Z", time.gmtime()))
+            run.setdefault("events", []).append({"kind": "approval.rejected", "by": rejected_by, "reason": reason})
+            self._cond.notify_all()
             return dict(run)
 
     def runs(self, limit: int = 100) -> Sequence[Mapping[str, Any]]:
@@ -153,6 +171,14 @@ class FakeRunStarter:
     def wait_until(self, predicate: Callable[[FakeRunStarter], bool], timeout: float = 5.0) -> bool:
         with self._cond:
             return self._cond.wait_for(lambda: predicate(self), timeout)
+
+    def replan(self, run_id: str, digest: str) -> None:
+        """The run's plan changed (as when facts moved): approvals naming the old digest are stale."""
+        with self._cond:
+            self._runs[run_id]["plan_digest"] = digest
+            if isinstance(self._runs[run_id].get("plan"), dict):
+                self._runs[run_id]["plan"]["digest"] = digest
+            self._cond.notify_all()
 
     def set_state(self, run_id: str, state: str) -> None:
         with self._cond:

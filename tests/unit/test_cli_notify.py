@@ -61,13 +61,13 @@ def test_cli_runs_that_ended_during_the_command_are_told_to_the_webhook_and_page
     assert [(h["event"], h["node"], h["state"]) for h in hooks] == [
         ("finished", "omen2", "succeeded"), ("blocked", "gpu-3090-2", "blocked")]
     assert hooks[1]["report"].endswith("run blocked: precondition down-only-because-of-swap: containerd.sock")
-    assert hooks[0]["link"] == f"https://runbook.example.org/runs/{ok}"
+    assert hooks[0]["link"] == f"https://runbook.example.org/ui/runs/{ok}"
     assert all(verify_webhook(b, h, SECRET, now=time.time()) for b, h in receiver.hooks)
     assert receiver.refused == []
     assert [(e["event_action"], e.get("payload", {}).get("class")) for e in receiver.events] == [
         ("trigger", "step"), ("trigger", "finished"), ("resolve", None), ("trigger", "step"), ("trigger", "blocked")]
     assert {e["dedup_key"] for e in receiver.events} == {"incident-42"}
-    assert receiver.events[-1]["links"][0]["href"].endswith(f"/runs/{blocked}")
+    assert receiver.events[-1]["links"][0]["href"].endswith(f"/ui/runs/{blocked}")
 
 
 def test_without_a_pagerduty_key_a_cli_run_never_opens_an_incident(tmp_path: Path, receiver: Receiver) -> None:

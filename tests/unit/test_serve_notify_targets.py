@@ -72,7 +72,8 @@ def test_a_run_that_succeeds_acknowledges_notes_each_step_and_resolves_the_incid
     final = receiver.events[3]["payload"]
     assert final["source"] == "omen2" and final["custom_details"]["state"] == "succeeded"
     assert "step restart-kubelet: succeeded" in final["custom_details"]["report"]
-    assert all(e["links"] == [{"href": f"https://runbook.example.org/runs/{run_id}", "text": f"runbook run {run_id}"}]
+    link = f"https://runbook.example.org/ui/runs/{run_id}"
+    assert all(e["links"] == [{"href": link, "text": f"runbook run {run_id}"}]
                for e in receiver.events)
 
 
@@ -118,7 +119,7 @@ def test_webhooks_are_signed_and_a_receiver_rejects_a_tampered_or_replayed_body(
                     if json.loads(b)["runbook_event"]["event"] == "finished")
     assert finished["state"] == "succeeded" and finished["node"] == "omen2"
     assert finished["runbook"] == "gpu-node-recovery" and "step drain: succeeded" in finished["report"]
-    assert finished["link"] == f"https://runbook.example.org/runs/{run_id}"
+    assert finished["link"] == f"https://runbook.example.org/ui/runs/{run_id}"
     assert "step" not in [json.loads(b)["runbook_event"]["event"] for b, _ in receiver.hooks]
 
 

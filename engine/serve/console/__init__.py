@@ -1,0 +1,452 @@
+"""The web console of ``runbook serve``: server-rendered pages for runs, their plans and approvals.
+
+Routes (mounted by ``engine.serve.app``)::
+
+    GET  /ui/                      runs, newest first, waiting-approval pinned; ?state= ?node= ?runbook=
+    GET  /ui/runs/{id}             one run: params, preconditions, steps, diffs, timeline, report
+    GET  /ui/runs/{id}/live        server-sent events: the run's live part, re-rendered on each change
+    POST /ui/runs/{id}/decision    approve (the digest the page showed) or reject (a reason) - form, CSRF
+                                   token, approver session
+    GET  /ui/login, POST /ui/login a credential -> a session cookie; POST /ui/logout ends it
+    GET  /ui/static/{name}         the stylesheet and script (package data; nothing from a CDN)
+
+Pages are Jinja2 templates with autoescape on: labels, params and journal text are data, never
+markup. A session holds the identity its credential is bound to (``engine.serve.access``); the
+approver recorded is that identity. Every form carries a CSRF token bound to the session (the login
+form: to a short-lived cookie). This module renders and authenticates; it decides nothing about
+runs (the ``Dispatcher`` does) and never writes the journal itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import secrets
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from importlib import resources
+from typing import Any
+from urllib.parse import parse_qs, quote
+
+from jinja2 import Environment, PackageLoader, select_autoescape
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, RedirectResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from engine.errors import StalePlan, UsageError
+from engine.serve.access import Access, Identity
+from engine.serve.config import ServeConfig
+from engine.serve.dispatcher import Dispatcher, NotFound, SelfApproval
+
+SESSION_COOKIE = "runbook_session"
+LOGIN_COOKIE = "runbook_login"
+SESSION_SECONDS = 8 * 3600
+MAX_SESSIONS = 1000
+MAX_FORM_BYTES = 16 * 1024
+MAX_REASON = 500
+FINAL = frozenset({"succeeded", "failed", "blocked", "cancelled", "rolled-back"})
+STATES = ("waiting-approval", "pending", "approved", "running", "succeeded", "failed", "blocked",
+          "cancelled", "rolled-back", "interrupted")
+_STATIC = {"console.css": "text/css; charset=utf-8", "console.js": "text/javascript; charset=utf-8"}
+
+
+_NOTICES = {"approved": "approval recorded", "rejected": "rejection recorded: the run is cancelled"}
+
+
+class FormError(Exception):
+    """A form body that is too large, late or not a form."""
+
+
+@dataclass
+class Session:
+    identity: Identity
+    csrf: str
+    expires: float
+    created: float = field(default_factory=time.time)
+
+
+def _parse_time(iso: Any) -> datetime | None:
+    if not isinstance(iso, str) or not iso:
+        return None
+    try:
+        return datetime.fromisoformat(iso.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+
+
+def duration(started: Any, finished: Any, now: float | None = None) -> str:
+    """``"1m 05s"`` from two ISO times (to now while running); ``""`` when unknown."""
+    start = _parse_time(started)
+    if start is None:
+        return ""
+    end = _parse_time(finished)
+    seconds = (end.timestamp() if end else (now or time.time())) - start.timestamp()
+    seconds = max(0, int(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m {seconds % 60:02d}s"
+    return f"{seconds // 3600}h {seconds % 3600 // 60:02d}m"
+
+
+def _epoch_iso(value: Any) -> str:
+    if isinstance(value, int | float) and value > 0:
+        return datetime.fromtimestamp(value, UTC).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
+    return str(value or "")
+
+
+def node_of(run: Mapping[str, Any]) -> str:
+    nodes = run.get("nodes") or []
+    if nodes:
+        return str(nodes[0])
+    params = run.get("params") or {}
+    return str(params.get("node", "")) if isinstance(params, Mapping) else ""
+
+
+def trigger_text(run: Mapping[str, Any]) -> str:
+    source = str(run.get("source") or "")
+    label = {"cli": "CLI", "alertmanager": "Alertmanager", "pagerduty": "PagerDuty"}.get(source, source)
+    # paged runs' reasons read "alertmanager: KubeNodeNotReady{node=...} ..." (engine.serve.triggers)
+    reason = str(run.get("reason") or "")
+    alert = ""
+    if source and reason.startswith(f"{source}: "):
+        rest = reason[len(source) + 2:]
+        words = 2 if source == "pagerduty" else 1  # "incident PXXXX"
+        alert = " ".join(rest.split("{", 1)[0].split(" ")[:words])[:80]
+    return f"{label} ({alert})" if alert and alert != label else label
+
+
+def order_runs(runs: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """Waiting-for-approval runs first, then the rest; each group keeps its newest-first order."""
+    waiting = [r for r in runs if r.get("state") == "waiting-approval"]
+    return waiting + [r for r in runs if r.get("state") != "waiting-approval"]
+
+
+def filter_runs(runs: Sequence[Mapping[str, Any]], *, state: str = "", node: str = "",
+                runbook: str = "") -> list[Mapping[str, Any]]:
+    return [r for r in runs if (not state or r.get("state") == state) and (not node or node_of(r) == node)
+            and (not runbook or r.get("runbook") == runbook)]
+
+
+def steps_view(run: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The plan's steps joined with what the journal says happened to each (start, outcome, checks)."""
+    plan = run.get("plan") or {}
+    events = [e for e in run.get("events") or [] if isinstance(e, Mapping)]
+    out = []
+    for step in plan.get("steps") or []:
+        sid = step.get("id")
+        mine = [e for e in events if e.get("step") == sid]
+        outcome = next((e for e in reversed(mine) if e.get("kind") == "step.outcome"), None)
+        started = next((e for e in mine if e.get("kind") == "step.start"), None)
+        verifies = [e for e in mine if e.get("kind") == "verify.result"]
+        status = outcome.get("status") if outcome else ("running" if started else "planned")
+        out.append({"plan": step, "status": status, "outcome": outcome, "verifies": verifies,
+                    "started_at": _epoch_iso(outcome.get("started_at")) if outcome else "",
+                    "finished_at": _epoch_iso(outcome.get("finished_at")) if outcome else ""})
+    return out
+
+
+def diff_lines(text: str) -> list[tuple[str, str]]:
+    """Each line of a unified diff with its class: ``add``, ``del``, ``hunk``, ``meta`` or ``ctx``."""
+    out = []
+    for line in text.splitlines():
+        if line.startswith(("+++", "---")):
+            cls = "meta"
+        elif line.startswith("+"):
+            cls = "add"
+        elif line.startswith("-"):
+            cls = "del"
+        elif line.startswith("@@"):
+            cls = "hunk"
+        else:
+            cls = "ctx"
+        out.append((cls, line))
+    return out
+
+
+def live_mark(run: Mapping[str, Any]) -> str:
+    """A short fingerprint of what the live part of a run page shows: the stream sends a new
+    rendering only when it changes (and not the one the page was loaded with)."""
+    mark = (run.get("state"), len(run.get("events") or []), run.get("plan_digest"), run.get("approved_by"))
+    return hashlib.sha256(repr(mark).encode()).hexdigest()[:16]
+
+
+def _environment() -> Environment:
+    env = Environment(loader=PackageLoader("engine.serve.console", "templates"),
+                      autoescape=select_autoescape(default=True, default_for_string=True),
+                      trim_blocks=True, lstrip_blocks=True)
+    env.globals.update(node_of=node_of, trigger_text=trigger_text, duration=duration, states=STATES,
+                       diff_lines=diff_lines, final_states=FINAL)
+    return env
+
+
+class Console:
+    """The console's handlers over one dispatcher and one set of credentials."""
+
+    def __init__(self, config: ServeConfig, dispatcher: Dispatcher, access: Access) -> None:
+        self.config = config
+        self.dispatcher = dispatcher
+        self.access = access
+        self.env = _environment()
+        self.sessions: dict[str, Session] = {}
+        self.poll = 0.25  # seconds between looks at a live run
+        self.static = {name: resources.files(__package__).joinpath("static", name).read_bytes()
+                       for name in _STATIC}
+
+    # -- sessions -----------------------------------------------------------------------------
+
+    def _session(self, request: Request) -> Session | None:
+        key = request.cookies.get(SESSION_COOKIE, "")
+        sess = self.sessions.get(key) if key else None
+        if sess is None:
+            return None
+        if sess.expires < time.time():
+            self.sessions.pop(key, None)
+            return None
+        return sess
+
+    def _new_session(self, identity: Identity) -> tuple[str, Session]:
+        now = time.time()
+        for key in [k for k, s in self.sessions.items() if s.expires < now]:
+            del self.sessions[key]
+        while len(self.sessions) >= MAX_SESSIONS:
+            del self.sessions[min(self.sessions, key=lambda k: self.sessions[k].created)]
+        key = secrets.token_urlsafe(32)
+        sess = Session(identity, secrets.token_urlsafe(32), now + SESSION_SECONDS)
+        self.sessions[key] = sess
+        return key, sess
+
+    def _secure(self, request: Request) -> bool:
+        public = self.config.public_url or ""
+        return request.url.scheme == "https" or str(public or "").startswith("https://")
+
+    def _viewer(self, request: Request) -> tuple[Session | None, Response | None]:
+        """The session, or a redirect to the login page when reads need a credential."""
+        sess = self._session(request)
+        if sess is None and not self.access.open_reads:
+            target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+            return None, RedirectResponse(f"/ui/login?next={quote(target, safe='')}", status_code=303)
+        return sess, None
+
+    async def _form(self, request: Request) -> dict[str, str]:
+        media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+        if media != "application/x-www-form-urlencoded":
+            raise FormError("expected a form (application/x-www-form-urlencoded)")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > MAX_FORM_BYTES:
+            raise FormError("form too large")
+        chunks, size = [], 0
+        try:
+            async with asyncio.timeout(self.config.limits.body_timeout):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > MAX_FORM_BYTES:
+                        raise FormError("form too large")
+                    chunks.append(chunk)
+        except TimeoutError as e:
+            raise FormError("the form did not arrive in time") from e
+        try:
+            parsed = parse_qs(b"".join(chunks).decode("utf-8"), keep_blank_values=True, max_num_fields=20)
+        except (UnicodeDecodeError, ValueError) as e:
+            raise FormError(f"unreadable form: {e}") from e
+        return {k: v[0] for k, v in parsed.items()}
+
+    def _page(self, template: str, request: Request, status: int = 200, **context: Any) -> HTMLResponse:
+        sess = self._session(request)
+        html = self.env.get_template(template).render(
+            viewer=sess.identity if sess else None, csrf=sess.csrf if sess else "",
+            open_reads=self.access.open_reads, **context)
+        return HTMLResponse(html, status_code=status, headers={
+            "Cache-Control": "no-store", "X-Frame-Options": "DENY", "Referrer-Policy": "same-origin",
+            "Content-Security-Policy": "default-src 'self'; script-src 'self'; style-src 'self'; "
+                                       "img-src 'self' data:; frame-ancestors 'none'; form-action 'self'"})
+
+    # -- pages --------------------------------------------------------------------------------
+
+    async def static_file(self, request: Request) -> Response:
+        name = request.path_params["name"]
+        if name not in _STATIC:
+            return Response("not found", status_code=404, media_type="text/plain")
+        return Response(self.static[name], media_type=_STATIC[name], headers={"Cache-Control": "max-age=300"})
+
+    async def root(self, request: Request) -> Response:
+        return RedirectResponse("/ui/", status_code=303)
+
+    async def login_form(self, request: Request, *, error: str = "", status: int = 200) -> Response:
+        token = secrets.token_urlsafe(32)
+        nxt = request.query_params.get("next", "/ui/")
+        response = self._page("login.html", request, status=status, login_csrf=token, error=error,
+                              next=nxt if nxt.startswith("/ui/") else "/ui/")
+        response.set_cookie(LOGIN_COOKIE, token, max_age=600, path="/ui/", httponly=True, samesite="strict",
+                            secure=self._secure(request))
+        return response
+
+    async def login(self, request: Request) -> Response:
+        try:
+            form = await self._form(request)
+        except FormError as e:
+            return await self.login_form(request, error=str(e), status=400)
+        cookie = request.cookies.get(LOGIN_COOKIE, "")
+        if not cookie or not hmac.compare_digest(cookie, form.get("csrf", "")):
+            return await self.login_form(request, error="the login form expired; try again", status=403)
+        credential = form.get("credential", "").strip()
+        who = self.access.identify(f"Bearer {credential}") if credential and len(credential) <= 4096 else None
+        if who is None:
+            return await self.login_form(request, error="unknown credential", status=401)
+        if not who.may("reader", "approver"):
+            return await self.login_form(request, error=f"the credential of {who.name} ({who.role}) may not "
+                                                        "read runs", status=403)
+        key, _ = self._new_session(who)
+        nxt = form.get("next", "/ui/")
+        response = RedirectResponse(nxt if nxt.startswith("/ui/") and "//" not in nxt else "/ui/", status_code=303)
+        response.set_cookie(SESSION_COOKIE, key, max_age=SESSION_SECONDS, path="/", httponly=True,
+                            samesite="strict", secure=self._secure(request))
+        response.delete_cookie(LOGIN_COOKIE, path="/ui/", httponly=True, samesite="strict")
+        return response
+
+    async def logout(self, request: Request) -> Response:
+        sess = self._session(request)
+        try:
+            form = await self._form(request)
+        except FormError:
+            form = {}
+        if sess is not None and hmac.compare_digest(sess.csrf, form.get("csrf", "")):
+            self.sessions.pop(request.cookies.get(SESSION_COOKIE, ""), None)
+        response = RedirectResponse("/ui/login", status_code=303)
+        response.delete_cookie(SESSION_COOKIE, path="/", httponly=True, samesite="strict")
+        return response
+
+    async def runs(self, request: Request) -> Response:
+        _, redirect = self._viewer(request)
+        if redirect is not None:
+            return redirect
+        q = request.query_params
+        wanted = {k: q.get(k, "")[:253] for k in ("state", "node", "runbook")}
+        runs = await run_in_threadpool(self.dispatcher.runs, 500)
+        shown = order_runs(filter_runs(runs, **wanted))
+        return self._page("runs.html", request, runs=shown[:200], wanted=wanted,
+                          runbooks=sorted({str(r.get("runbook")) for r in runs}),
+                          nodes=sorted({node_of(r) for r in runs} - {""}))
+
+    def _run_context(self, run: Mapping[str, Any]) -> dict[str, Any]:
+        events = [e for e in run.get("events") or [] if isinstance(e, Mapping)]
+        report = next((e for e in reversed(events) if e.get("kind") == "run.finish"), None)
+        return {"run": run, "plan": run.get("plan") or {}, "steps": steps_view(run), "events": events,
+                "report": report, "node": node_of(run), "mark": live_mark(run)}
+
+    async def _load(self, run_id: str) -> Mapping[str, Any] | None:
+        try:
+            return await run_in_threadpool(self.dispatcher.run, run_id)
+        except NotFound:
+            return None
+
+    async def run(self, request: Request, *, error: str = "", notice: str = "", status: int = 200) -> Response:
+        _, redirect = self._viewer(request)
+        if redirect is not None:
+            return redirect
+        run = await self._load(request.path_params["run_id"])
+        if run is None:
+            return self._page("error.html", request, status=404, message="no such run")
+        notice = notice or _NOTICES.get(request.query_params.get("notice", ""), "")
+        return self._page("run.html", request, status=status, error=error, notice=notice, **self._run_context(run))
+
+    async def decision(self, request: Request) -> Response:
+        sess = self._session(request)
+        try:
+            form = await self._form(request)
+        except FormError as e:
+            return self._page("error.html", request, status=400, message=str(e))
+        if sess is None:
+            return self._page("error.html", request, status=401, message="log in first")
+        if not hmac.compare_digest(sess.csrf, form.get("csrf", "")):
+            return self._page("error.html", request, status=403, message="the form's CSRF token is missing or "
+                              "wrong; reload the page")
+        if not sess.identity.may("approver"):
+            return self._page("error.html", request, status=403,
+                              message=f"{sess.identity.name} ({sess.identity.role}) may not approve runs")
+        run_id = request.path_params["run_id"]
+        if form.get("action") == "reject":
+            return await self._reject(request, run_id, sess.identity, form.get("reason", "").strip())
+        digest = form.get("plan_digest", "")
+        if form.get("action") != "approve" or not 0 < len(digest) <= 200:
+            return await self.run(request, error="expected action=approve and the plan digest", status=400)
+        try:
+            await run_in_threadpool(self.dispatcher.approve, run_id, digest, sess.identity)
+        except NotFound:
+            return self._page("error.html", request, status=404, message="no such run")
+        except SelfApproval as e:
+            return await self.run(request, error=str(e), status=403)
+        except StalePlan as e:
+            return await self.run(request, error=f"approval refused: {e}", status=409)
+        except UsageError as e:
+            return await self.run(request, error=f"approval refused: {e}", status=422)
+        return RedirectResponse(f"/ui/runs/{quote(run_id, safe='')}?notice=approved", status_code=303)
+
+    async def _reject(self, request: Request, run_id: str, who: Identity, reason: str) -> Response:
+        if not 0 < len(reason) <= MAX_REASON:
+            return await self.run(request, error=f"say why you reject the plan (1 to {MAX_REASON} characters)",
+                                  status=400)
+        try:
+            await run_in_threadpool(self.dispatcher.reject, run_id, reason, who)
+        except NotFound:
+            return self._page("error.html", request, status=404, message="no such run")
+        except (StalePlan, UsageError) as e:
+            return await self.run(request, error=f"rejection refused: {e}", status=409)
+        return RedirectResponse(f"/ui/runs/{quote(run_id, safe='')}?notice=rejected", status_code=303)
+
+    async def live(self, request: Request) -> Response:
+        sess, redirect = self._viewer(request)
+        if redirect is not None:
+            return Response("log in first", status_code=401, media_type="text/plain")
+        run_id = request.path_params["run_id"]
+        if await self._load(run_id) is None:
+            return Response("no such run", status_code=404, media_type="text/plain")
+        template = self.env.get_template("_live.html")
+
+        async def stream() -> AsyncIterator[str]:
+            seen = request.query_params.get("since", "")[:16]
+            deadline = time.monotonic() + 3600
+            beat = time.monotonic()
+            while time.monotonic() < deadline:
+                if await request.is_disconnected():
+                    return
+                run = await self._load(run_id)
+                if run is None:
+                    return
+                mark = live_mark(run)
+                if mark != seen:
+                    seen = mark
+                    html = template.render(viewer=sess.identity if sess else None, csrf=sess.csrf if sess else "",
+                                           **self._run_context(run))
+                    yield "event: update\n" + "".join(f"data: {line}\n" for line in html.splitlines()) + "\n"
+                    beat = time.monotonic()
+                if run.get("state") in FINAL:
+                    yield "event: end\ndata: \n\n"
+                    return
+                if time.monotonic() - beat > 15:
+                    yield ": keep-alive\n\n"
+                    beat = time.monotonic()
+                await asyncio.sleep(self.poll)
+
+        return StreamingResponse(stream(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
+
+
+def console_routes(config: ServeConfig, dispatcher: Dispatcher, access: Access) -> list[Route]:
+    console = Console(config, dispatcher, access)
+    return [
+        Route("/", console.root, methods=["GET"]),
+        Route("/ui", console.root, methods=["GET"]),
+        Route("/ui/", console.runs, methods=["GET"]),
+        Route("/ui/login", console.login_form, methods=["GET"]),
+        Route("/ui/login", console.login, methods=["POST"]),
+        Route("/ui/logout", console.logout, methods=["POST"]),
+        Route("/ui/static/{name}", console.static_file, methods=["GET"]),
+        Route("/ui/runs/{run_id}", console.run, methods=["GET"]),
+        Route("/ui/runs/{run_id}/live", console.live, methods=["GET"]),
+        Route("/ui/runs/{run_id}/decision", console.decision, methods=["POST"]),
+    ]
