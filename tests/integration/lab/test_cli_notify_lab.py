@@ -35,7 +35,7 @@ def test_a_refused_cli_run_is_told_to_the_webhook_and_pagerduty_with_its_evidenc
     assert (event["event"], event["node"], event["state"], event["runbook"]) == (
         "blocked", "gpu-3090-2", "blocked", "gpu-node-recovery")
     assert "down-only-because-of-swap" in event["report"] and "containerd.sock" in event["report"]
-    assert event["link"] == f"https://runbook.example.org/runs/{event['run_id']}"
+    assert event["link"] == f"https://runbook.example.org/ui/runs/{event['run_id']}"  # its console page
     assert receiver.refused == []
     assert [e["event_action"] for e in receiver.events] == ["trigger"]  # left open, with the evidence
     (pd,) = receiver.events
