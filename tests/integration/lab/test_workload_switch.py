@@ -56,6 +56,16 @@ def test_switch_to_passthrough_and_back_on_omen2_after_recovery(fresh_lab: Any, 
 
         # the job stopped: pods evicted, relabelled, vfio-pci, the 5090 advertised, one VM scheduled
         assert runbook(sh, "lab job stop omen2").returncode == 0
+        # the GPU budget: the incident's three other GPU nodes are down, so taking omen2's GPU out of
+        # the container pool would leave 4 of the cluster's 4 GPUs out of service (default at most 50%)
+        budget = runbook(sh, switch, journal=journal)
+        assert budget.returncode == 3, budget.stdout + budget.stderr
+        assert "guard gpu-budget: GPU budget exceeded" in " ".join(budget.stdout.split())
+        assert kube_node(sh, "omen2")["metadata"]["labels"][LABEL] == "container"
+        assert pod_phase(sh, "cuda-burn") == "Running"
+        # an operator passes it deliberately (journaled with who and why)
+        override = " --override-guard gpu-budget --reason 'lab: the other GPU nodes are down for other causes'"
+        switch += override
         done = runbook(sh, switch + " -o json", journal=journal)
         assert done.returncode == 0, done.stdout + done.stderr
         result = json.loads(done.stdout)
@@ -81,7 +91,7 @@ def test_switch_to_passthrough_and_back_on_omen2_after_recovery(fresh_lab: Any, 
         assert f"{waiting}: ErrorUnschedulable: still waits" in report and f"Insufficient {RTX}" in report
 
         # back to container: refused while the VM holds the GPU
-        back = "run gpu-workload-switch --node omen2 -p workload=container --yes"
+        back = "run gpu-workload-switch --node omen2 -p workload=container --yes" + override
         held = runbook(sh, back, journal=journal)
         assert held.returncode == 3, held.stdout + held.stderr
         assert f"a VM holds the GPU of omen2: {running}" in " ".join(held.stdout.split())
