@@ -6,7 +6,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 . scripts/env.sh
 [ -n "$PY" ] || { echo "test.sh: no Python >= 3.11 with the project installed: run scripts/prepare.sh" >&2; exit 2; }
-"$PY" -m pytest -p no:cacheprovider -v -m "not slow" "$@"
+"$PY" -m pytest -p no:cacheprovider -v --durations=30 -m "not slow" "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then echo "test.sh: pytest collected no tests: failing" >&2; exit 1; fi
 exit "$rc"
