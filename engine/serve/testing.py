@@ -293,12 +293,13 @@ class Served:
 def served(mode: str = "auto", *, token: str | None = TOKEN, nodes: Iterable[NodeFacts] | None = None,
            starter: FakeRunStarter | None = None, env: Mapping[str, str] | None = None,
            clock: Callable[[], float] = time.time, notify_from_config: bool = False,
-           **cfg: Any) -> Iterator[Served]:
+           identity: Any = None, **cfg: Any) -> Iterator[Served]:
     """The app over fakes: trigger KubeNodeNotReady/Unreachable on ``node=~"omen.*"`` in ``mode``;
     eight healthy nodes omen1..omen8 unless ``nodes``; ``cfg`` overrides the configuration. The
     sender's token is ``token`` (``AUTH``), approver ``alice`` has ``APPROVE``, reader ``grafana``
     has ``READ``; the TestClient's Host ``testserver`` is allowed. ``notify_from_config``: the
-    configuration's ``notify:`` section sends the notifications (real HTTP), not the capture."""
+    configuration's ``notify:`` section sends the notifications (real HTTP), not the capture.
+    ``identity``: a ``KubeIdentity``: ``auth.mode: kubernetes``, no approver or reader credential."""
     import httpx
     from starlette.testclient import TestClient
 
@@ -312,15 +313,17 @@ def served(mode: str = "auto", *, token: str | None = TOKEN, nodes: Iterable[Nod
         sent.append(json.loads(request.content))
         return httpx.Response(200)
 
-    environ = {**({"RUNBOOK_WEBHOOK_TOKEN": token} if token else {}),
-               "RUNBOOK_APPROVER_TOKEN_ALICE": APPROVER_TOKEN, "RUNBOOK_READER_TOKEN_GRAFANA": READER_TOKEN,
-               **dict(env or {})}
-    auth = {"allowed_hosts": ["testserver"], **dict(cfg.pop("auth", None) or {})}
+    roles = {} if identity is not None else {"RUNBOOK_APPROVER_TOKEN_ALICE": APPROVER_TOKEN,
+                                             "RUNBOOK_READER_TOKEN_GRAFANA": READER_TOKEN}
+    environ = {**({"RUNBOOK_WEBHOOK_TOKEN": token} if token else {}), **roles, **dict(env or {})}
+    auth = {"allowed_hosts": ["testserver"], **({"mode": "kubernetes"} if identity is not None else {}),
+            **dict(cfg.pop("auth", None) or {})}
     config = load_config(None, env=environ, overrides={**cfg, "auth": auth})
     starter = starter or FakeRunStarter([trigger_spec(mode=mode, matchers=('node=~"omen.*"',))])
     cluster = StaticClusterView(INCIDENT_NODES if nodes is None else nodes)
     notifier = None if notify_from_config else Notifier("http://127.0.0.1:9/notify",
                                                         transport=httpx.MockTransport(receive))
-    app = create_app(config, starter, cluster=cluster, notifier=notifier, sweep_interval=0, clock=clock)
+    app = create_app(config, starter, cluster=cluster, notifier=notifier, sweep_interval=0, clock=clock,
+                     identity=identity)
     with TestClient(app) as client:
         yield Served(client, starter, cluster, sent)

@@ -41,6 +41,7 @@ from engine.errors import StalePlan, UsageError
 from engine.serve.access import Access, Identity
 from engine.serve.config import ServeConfig
 from engine.serve.dispatcher import Dispatcher, NotFound, SelfApproval
+from engine.serve.kube_identity import IdentityUnavailable
 
 SESSION_COOKIE = "runbook_session"
 LOGIN_COOKIE = "runbook_login"
@@ -67,6 +68,9 @@ class Session:
     csrf: str
     expires: float
     created: float = field(default_factory=time.time)
+    # a Kubernetes token (auth.mode kubernetes), kept in memory only: asked about again before each
+    # approval or rejection, so a revoked RoleBinding or an expired token stops the session from acting
+    kube_token: str = field(default="", repr=False)
 
 
 def _parse_time(iso: Any) -> datetime | None:
@@ -209,14 +213,14 @@ class Console:
             return None
         return sess
 
-    def _new_session(self, identity: Identity) -> tuple[str, Session]:
+    def _new_session(self, identity: Identity, kube_token: str = "") -> tuple[str, Session]:
         now = time.time()
         for key in [k for k, s in self.sessions.items() if s.expires < now]:
             del self.sessions[key]
         while len(self.sessions) >= MAX_SESSIONS:
             del self.sessions[min(self.sessions, key=lambda k: self.sessions[k].created)]
         key = secrets.token_urlsafe(32)
-        sess = Session(identity, secrets.token_urlsafe(32), now + SESSION_SECONDS)
+        sess = Session(identity, secrets.token_urlsafe(32), now + SESSION_SECONDS, kube_token=kube_token)
         self.sessions[key] = sess
         return key, sess
 
@@ -294,13 +298,19 @@ class Console:
         if not cookie or not hmac.compare_digest(cookie, form.get("csrf", "")):
             return await self.login_form(request, error="the login form expired; try again", status=403)
         credential = form.get("credential", "").strip()
-        who = self.access.identify(f"Bearer {credential}") if credential and len(credential) <= 4096 else None
+        try:
+            who = await self.access.resolve(f"Bearer {credential}") if credential and len(credential) <= 8192 \
+                else None
+        except IdentityUnavailable as e:
+            return await self.login_form(request, error=str(e), status=503)
         if who is None:
             return await self.login_form(request, error="unknown credential", status=401)
         if not who.may("reader", "approver"):
             return await self.login_form(request, error=f"the credential of {who.name} ({who.role}) may not "
                                                         "read runs", status=403)
-        key, _ = self._new_session(who)
+        kube = self.access.kube is not None and not self.access.insecure and \
+            self.access.identify_configured(f"Bearer {credential}") is None
+        key, _ = self._new_session(who, kube_token=credential if kube else "")
         nxt = form.get("next", "/ui/")
         response = RedirectResponse(nxt if nxt.startswith("/ui/") and "//" not in nxt else "/ui/", status_code=303)
         response.set_cookie(SESSION_COOKIE, key, max_age=SESSION_SECONDS, path="/", httponly=True,
@@ -365,17 +375,28 @@ class Console:
         if not hmac.compare_digest(sess.csrf, form.get("csrf", "")):
             return self._page("error.html", request, status=403, message="the form's CSRF token is missing or "
                               "wrong; reload the page")
-        if not sess.identity.may("approver"):
+        identity = sess.identity
+        if sess.kube_token:
+            try:
+                now = await self.access.resolve(f"Bearer {sess.kube_token}")
+            except IdentityUnavailable as e:
+                return self._page("error.html", request, status=503, message=str(e))
+            if now is None or now.name != identity.name:
+                self.sessions.pop(request.cookies.get(SESSION_COOKIE, ""), None)
+                return self._page("error.html", request, status=401,
+                                  message="your Kubernetes token is no longer valid; log in again")
+            identity = now
+        if not identity.may("approver"):
             return self._page("error.html", request, status=403,
-                              message=f"{sess.identity.name} ({sess.identity.role}) may not approve runs")
+                              message=f"{identity.name} ({identity.role}) may not approve runs")
         run_id = request.path_params["run_id"]
         if form.get("action") == "reject":
-            return await self._reject(request, run_id, sess.identity, form.get("reason", "").strip())
+            return await self._reject(request, run_id, identity, form.get("reason", "").strip())
         digest = form.get("plan_digest", "")
         if form.get("action") != "approve" or not 0 < len(digest) <= 200:
             return await self.run(request, error="expected action=approve and the plan digest", status=400)
         try:
-            await run_in_threadpool(self.dispatcher.approve, run_id, digest, sess.identity)
+            await run_in_threadpool(self.dispatcher.approve, run_id, digest, identity)
         except NotFound:
             return self._page("error.html", request, status=404, message="no such run")
         except SelfApproval as e:
