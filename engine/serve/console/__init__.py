@@ -263,7 +263,7 @@ class Console:
         sess = self._session(request)
         html = self.env.get_template(template).render(
             viewer=sess.identity if sess else None, csrf=sess.csrf if sess else "",
-            open_reads=self.access.open_reads, **context)
+            open_reads=self.access.open_reads, kube_auth=self.access.kube is not None, **context)
         return HTMLResponse(html, status_code=status, headers={
             "Cache-Control": "no-store", "X-Frame-Options": "DENY", "Referrer-Policy": "same-origin",
             "Content-Security-Policy": "default-src 'self'; script-src 'self'; style-src 'self'; "
