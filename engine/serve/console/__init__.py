@@ -7,14 +7,19 @@ Routes (mounted by ``engine.serve.app``)::
     GET  /ui/runs/{id}/live        server-sent events: the run's live part, re-rendered on each change
     POST /ui/runs/{id}/decision    approve (the digest the page showed) or reject (a reason) - form, CSRF
                                    token, approver session
+    GET  /ui/plans                 the plans page: request a plan, or upload a saved plan file
+    POST /ui/plans/request         runbook + node (+ params) -> its plan now (read-only), shown - form, CSRF
+    POST /ui/plans/upload          a plan file (``runbook plan --out``) -> checked and shown - multipart, CSRF
     GET  /ui/login, POST /ui/login a credential -> a session cookie; POST /ui/logout ends it
     GET  /ui/static/{name}         the stylesheet and script (package data; nothing from a CDN)
 
 Pages are Jinja2 templates with autoescape on: labels, params and journal text are data, never
 markup. A session holds the identity its credential is bound to (``engine.serve.access``); the
 approver recorded is that identity. Every form carries a CSRF token bound to the session (the login
-form: to a short-lived cookie). This module renders and authenticates; it decides nothing about
-runs (the ``Dispatcher`` does) and never writes the journal itself.
+form: to a short-lived cookie). The plans page plans through ``RunStarter.preview`` (recorded
+nowhere, changing nothing) and parses uploads in ``engine.serve.console.plans``. This module renders
+and authenticates; it decides nothing about runs (the ``Dispatcher`` does) and never writes the
+journal itself.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -32,16 +38,28 @@ from typing import Any
 from urllib.parse import parse_qs, quote
 
 from jinja2 import Environment, PackageLoader, select_autoescape
+from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from engine.errors import StalePlan, UsageError
+from engine.errors import ConnectorError, LoadError, RunbookError, StalePlan, UsageError
+from engine.model import Plan
 from engine.serve.access import Access, Identity
 from engine.serve.config import ServeConfig
+from engine.serve.console.plans import (
+    MAX_PLAN_BYTES,
+    UploadError,
+    multipart_fields,
+    parse_params,
+    parse_plan_file,
+    plan_view,
+)
 from engine.serve.dispatcher import Dispatcher, NotFound, SelfApproval
 from engine.serve.kube_identity import IdentityUnavailable
+
+log = logging.getLogger(__name__)
 
 SESSION_COOKIE = "runbook_session"
 LOGIN_COOKIE = "runbook_login"
@@ -49,6 +67,9 @@ SESSION_SECONDS = 8 * 3600
 MAX_SESSIONS = 1000
 MAX_FORM_BYTES = 16 * 1024
 MAX_REASON = 500
+MAX_UPLOAD_BYTES = MAX_PLAN_BYTES + 64 * 1024  # the plan file and the form around it
+MAX_DRAIN_BYTES = 8 * 1024 * 1024  # a larger upload is read to its end (so the browser shows our answer)
+MAX_PLANNING = 2  # plans being made at once from the page (each gathers facts over SSH)
 FINAL = frozenset({"succeeded", "failed", "blocked", "cancelled", "rolled-back"})
 STATES = ("waiting-approval", "pending", "approved", "running", "succeeded", "failed", "blocked",
           "cancelled", "rolled-back", "interrupted")
@@ -60,6 +81,10 @@ _NOTICES = {"approved": "approval recorded", "rejected": "rejection recorded: th
 
 class FormError(Exception):
     """A form body that is too large, late or not a form."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass
@@ -198,6 +223,7 @@ class Console:
         self.env = _environment()
         self.sessions: dict[str, Session] = {}
         self.poll = 0.25  # seconds between looks at a live run
+        self.planning = asyncio.Semaphore(MAX_PLANNING)
         self.static = {name: resources.files(__package__).joinpath("static", name).read_bytes()
                        for name in _STATIC}
 
@@ -236,25 +262,34 @@ class Console:
             return None, RedirectResponse(f"/ui/login?next={quote(target, safe='')}", status_code=303)
         return sess, None
 
-    async def _form(self, request: Request) -> dict[str, str]:
-        media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
-        if media != "application/x-www-form-urlencoded":
-            raise FormError("expected a form (application/x-www-form-urlencoded)")
+    async def _body(self, request: Request, limit: int, *, drain: int = 0, what: str = "form") -> bytes:
+        """The body, at most ``limit`` bytes; a larger one (up to ``drain``) is read to its end and
+        dropped before ``FormError`` (413), so that a browser gets the page that says why."""
         declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > MAX_FORM_BYTES:
-            raise FormError("form too large")
+        if declared.isdigit() and int(declared) > max(limit, drain):
+            raise FormError(f"{what} too large ({int(declared)} bytes; at most {limit})", 413)
         chunks, size = [], 0
         try:
             async with asyncio.timeout(self.config.limits.body_timeout):
                 async for chunk in request.stream():
                     size += len(chunk)
-                    if size > MAX_FORM_BYTES:
-                        raise FormError("form too large")
-                    chunks.append(chunk)
+                    if size > max(limit, drain):
+                        raise FormError(f"{what} too large (more than {limit} bytes)", 413)
+                    if size <= limit:
+                        chunks.append(chunk)
         except TimeoutError as e:
-            raise FormError("the form did not arrive in time") from e
+            raise FormError(f"the {what} did not arrive in time") from e
+        if size > limit:
+            raise FormError(f"{what} too large ({size} bytes; at most {limit})", 413)
+        return b"".join(chunks)
+
+    async def _form(self, request: Request) -> dict[str, str]:
+        media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+        if media != "application/x-www-form-urlencoded":
+            raise FormError("expected a form (application/x-www-form-urlencoded)")
+        body = await self._body(request, MAX_FORM_BYTES)
         try:
-            parsed = parse_qs(b"".join(chunks).decode("utf-8"), keep_blank_values=True, max_num_fields=20)
+            parsed = parse_qs(body.decode("utf-8"), keep_blank_values=True, max_num_fields=20)
         except (UnicodeDecodeError, ValueError) as e:
             raise FormError(f"unreadable form: {e}") from e
         return {k: v[0] for k, v in parsed.items()}
@@ -419,6 +454,95 @@ class Console:
             return await self.run(request, error=f"rejection refused: {e}", status=409)
         return RedirectResponse(f"/ui/runs/{quote(run_id, safe='')}?notice=rejected", status_code=303)
 
+    # -- plans --------------------------------------------------------------------------------
+
+    async def plans(self, request: Request, *, plan: Plan | Mapping[str, Any] | None = None, source: str = "",
+                    error: str = "", status: int = 200, form: Mapping[str, str] | None = None) -> Response:
+        _, redirect = self._viewer(request)
+        if redirect is not None:
+            return redirect
+        names = await run_in_threadpool(self.dispatcher.starter.runbook_names)
+        view = plan_view(plan) if plan is not None else None
+        blocked: list[str] = []
+        expired = False
+        if view is not None:
+            try:
+                typed = plan if isinstance(plan, Plan) else Plan.model_validate(view)
+                blocked = typed.blocked_reasons
+            except ValidationError:
+                steps: Any = view.get("steps") or []
+                blocked = [f"step {s.get('id')}: {s.get('reason')}" for s in steps
+                           if isinstance(s, Mapping) and s.get("kind") == "blocked"]
+            ends = _parse_time(view.get("expires_at"))
+            expired = ends is not None and ends.timestamp() < time.time()
+        shown = {"runbook": "", "node": "", "params": "", **dict(form or {})}
+        return self._page("plans.html", request, status=status, runbooks=names, plan=view, source=source,
+                          error=error, form=shown, steps=steps_view({"plan": view}) if view else [],
+                          blocked=blocked, expired=expired)
+
+    def _poster(self, request: Request, csrf: str) -> tuple[Session | None, str, int]:
+        """The session that may post this form, or why not (message, status)."""
+        sess = self._session(request)
+        if sess is None:
+            return None, "log in first", 401
+        if not hmac.compare_digest(sess.csrf, csrf):
+            return None, "the form's CSRF token is missing or wrong; reload the page", 403
+        if not sess.identity.may("reader", "approver"):
+            return None, f"{sess.identity.name} ({sess.identity.role}) may not read plans", 403
+        return sess, "", 200
+
+    async def upload_plan(self, request: Request) -> Response:
+        try:
+            body = await self._body(request, MAX_UPLOAD_BYTES, drain=MAX_DRAIN_BYTES, what="the upload")
+            fields = multipart_fields(request.headers.get("content-type", ""), body)
+        except FormError as e:
+            msg = f"{e}: a plan file is at most {MAX_PLAN_BYTES} bytes" if e.status == 413 else str(e)
+            return await self.plans(request, error=msg, status=e.status)
+        except UploadError as e:
+            return await self.plans(request, error=str(e), status=e.status)
+        csrf = fields.get("csrf", (None, b""))[1].decode("utf-8", "replace")
+        sess, why, status = self._poster(request, csrf)
+        if sess is None:
+            return self._page("error.html", request, status=status, message=why)
+        filename, data = fields.get("plan", (None, b""))
+        name = (filename or "the uploaded file").replace("\\", "/").rsplit("/", 1)[-1]
+        try:
+            plan = parse_plan_file(name, data)
+        except UploadError as e:
+            return await self.plans(request, error=str(e), status=e.status)
+        return await self.plans(request, plan=plan, source=f"the file {name[:120]}, uploaded by {sess.identity.name}")
+
+    async def request_plan(self, request: Request) -> Response:
+        try:
+            form = await self._form(request)
+        except FormError as e:
+            return await self.plans(request, error=str(e), status=e.status)
+        sess, why, status = self._poster(request, form.get("csrf", ""))
+        if sess is None:
+            return self._page("error.html", request, status=status, message=why)
+        runbook, node = form.get("runbook", "").strip()[:253], form.get("node", "").strip()[:253]
+        kept = {"runbook": runbook, "node": node, "params": form.get("params", "")[:4000]}
+        if not runbook or not node:
+            return await self.plans(request, error="choose a runbook and name a node", status=400, form=kept)
+        try:
+            params = parse_params(form.get("params", ""))
+        except UploadError as e:
+            return await self.plans(request, error=str(e), status=e.status, form=kept)
+        if self.planning.locked():
+            return await self.plans(request, error=f"{MAX_PLANNING} plans are being made already; try again in a "
+                                    "moment", status=503, form=kept)
+        log.info("plan of %s for node %s requested in the console by %s", runbook, node, sess.identity.name)
+        async with self.planning:
+            try:
+                plan = await run_in_threadpool(self.dispatcher.starter.preview, runbook, params, node)
+            except (UsageError, LoadError) as e:
+                return await self.plans(request, error=f"cannot plan: {e}", status=422, form=kept)
+            except ConnectorError as e:
+                return await self.plans(request, error=f"cannot plan: {e}", status=503, form=kept)
+            except RunbookError as e:
+                return await self.plans(request, error=f"planning failed: {e}", status=500, form=kept)
+        return await self.plans(request, plan=plan, source=f"planned just now for {sess.identity.name}", form=kept)
+
     async def live(self, request: Request) -> Response:
         sess, redirect = self._viewer(request)
         if redirect is not None:
@@ -467,6 +591,9 @@ def console_routes(config: ServeConfig, dispatcher: Dispatcher, access: Access) 
         Route("/ui/login", console.login, methods=["POST"]),
         Route("/ui/logout", console.logout, methods=["POST"]),
         Route("/ui/static/{name}", console.static_file, methods=["GET"]),
+        Route("/ui/plans", console.plans, methods=["GET"]),
+        Route("/ui/plans/request", console.request_plan, methods=["POST"]),
+        Route("/ui/plans/upload", console.upload_plan, methods=["POST"]),
         Route("/ui/runs/{run_id}", console.run, methods=["GET"]),
         Route("/ui/runs/{run_id}/live", console.live, methods=["GET"]),
         Route("/ui/runs/{run_id}/decision", console.decision, methods=["POST"]),
