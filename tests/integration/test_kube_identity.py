@@ -232,3 +232,26 @@ def test_the_console_logs_in_with_a_service_account_token_and_a_revoked_binding_
             "csrf": _csrf(page.text), "action": "approve", "plan_digest": s.starter.run(second)["plan_digest"]})
         assert refused.status_code == 403 and f"{sa_user('oncall-2')} (none) may not approve" in refused.text
         assert s.starter.run(second)["approved_by"] is None
+
+
+def test_when_kubernetes_cannot_be_asked_the_api_and_the_login_answer_503_and_nothing_is_approved(
+        bed: Bed) -> None:
+    bare = KubeConnector(kubeconfig=str(bed.plane.service_account_kubeconfig(NS, "serve-noreview",
+                                                                             bed.tmp / "noreview-http")))
+    starter = FakeRunStarter([trigger_spec(mode="approve", matchers=('node=~"omen.*"',))])
+    try:
+        with served("approve", starter=starter, identity=bed.identity(conn=bare), auth={"reads": "token"}) as s:
+            run_id = _waiting(s)
+            oncall = {"Authorization": f"Bearer {bed.token('oncall')}"}
+            reads = s.client.get("/runs", headers=oncall)
+            assert reads.status_code == 503 and "system:auth-delegator" in reads.json()["error"]
+            approve = s.client.post(f"/runs/{run_id}/approve", headers=oncall,
+                                    json={"plan_digest": s.starter.run(run_id)["plan_digest"]})
+            assert approve.status_code == 503 and s.starter.run(run_id)["approved_by"] is None
+            s.client.cookies.clear()
+            form = s.client.get("/ui/login")
+            login = s.client.post("/ui/login", data={"csrf": _csrf(form.text), "credential": bed.token("oncall")},
+                                  follow_redirects=False)
+            assert login.status_code == 503 and "runbook_session" not in s.client.cookies
+    finally:
+        bare.close()
