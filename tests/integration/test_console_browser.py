@@ -306,6 +306,10 @@ def test_a_plan_that_changed_since_the_page_loaded_is_refused_in_the_page(server
     browser.get(f"{server.base}/ui/runs/{run_id}")
     old = text_of(browser, "#digest")
     server.starter.replan(run_id, "c" * 64)
+    # the live update shows the new digest but keeps the approve button on the plan that was loaded
+    changed = wait_for(browser, lambda d: by_css(d, "#plan-changed"), what="the page says the plan changed")
+    assert old in changed[0].text and "c" * 64 in changed[0].text
+    assert by_css(browser, "#approve-form input[name=plan_digest]")[0].get_attribute("value") == old
     by_css(browser, "#approve")[0].click()
     error = wait_for(browser, lambda d: by_css(d, "#error"), what="refusal shown")[0].text
     assert "approval refused" in error and old in error

@@ -25,6 +25,7 @@ journal itself.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
 import logging
@@ -33,6 +34,7 @@ import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from functools import partial
 from importlib import resources
 from typing import Any
 from urllib.parse import parse_qs, quote
@@ -85,6 +87,22 @@ class FormError(Exception):
     def __init__(self, message: str, status: int = 400) -> None:
         super().__init__(message)
         self.status = status
+
+
+@dataclass
+class RunWatch:
+    """One run followed for the live pages: the latest rendering input, shared by every viewer."""
+
+    run: Mapping[str, Any] | None = None
+    mark: str = ""
+    version: int = 0
+    done: bool = False
+    viewers: int = 0
+    changed: asyncio.Condition = field(default_factory=asyncio.Condition)
+    task: asyncio.Task[None] | None = None
+
+    def moved(self, since: int) -> bool:
+        return self.version != since or self.done
 
 
 @dataclass
@@ -222,7 +240,10 @@ class Console:
         self.access = access
         self.env = _environment()
         self.sessions: dict[str, Session] = {}
-        self.poll = 0.25  # seconds between looks at a live run
+        # seconds between looks at a followed run: one journal read per tick per run being watched,
+        # however many pages follow it (RunWatch)
+        self.poll = 0.1
+        self.watches: dict[str, RunWatch] = {}
         self.planning = asyncio.Semaphore(MAX_PLANNING)
         self.static = {name: resources.files(__package__).joinpath("static", name).read_bytes()
                        for name in _STATIC}
@@ -543,6 +564,38 @@ class Console:
                 return await self.plans(request, error=f"planning failed: {e}", status=500, form=kept)
         return await self.plans(request, plan=plan, source=f"planned just now for {sess.identity.name}", form=kept)
 
+    def _watch(self, run_id: str) -> RunWatch:
+        """The shared watcher of ``run_id`` (started for the first viewer; one journal read per tick
+        whatever the number of pages following the run)."""
+        watch = self.watches.get(run_id)
+        if watch is None or watch.done:
+            watch = RunWatch()
+            self.watches[run_id] = watch
+            watch.task = asyncio.create_task(self._follow(run_id, watch))
+        watch.viewers += 1
+        return watch
+
+    async def _follow(self, run_id: str, watch: RunWatch) -> None:
+        try:
+            while watch.viewers > 0:
+                run = await self._load(run_id)
+                final = run is None or run.get("state") in FINAL
+                mark = live_mark(run) if run is not None else ""
+                if (run is not None and mark != watch.mark) or final:
+                    async with watch.changed:
+                        watch.run, watch.mark, watch.version = run, mark, watch.version + 1
+                        watch.done = final
+                        watch.changed.notify_all()
+                if final:
+                    return
+                await asyncio.sleep(self.poll)
+        finally:
+            async with watch.changed:
+                watch.done = True
+                watch.changed.notify_all()
+            if self.watches.get(run_id) is watch:
+                del self.watches[run_id]
+
     async def live(self, request: Request) -> Response:
         sess, redirect = self._viewer(request)
         if redirect is not None:
@@ -554,28 +607,38 @@ class Console:
 
         async def stream() -> AsyncIterator[str]:
             seen = request.query_params.get("since", "")[:16]
+            # the digest the page was loaded with: a live update never rebinds the approve button to
+            # a plan the reviewer has not seen (it says the plan changed; approving is then refused)
+            loaded = request.query_params.get("digest", "")[:200]
+            version = -1
             deadline = time.monotonic() + 3600
             beat = time.monotonic()
-            while time.monotonic() < deadline:
-                if await request.is_disconnected():
-                    return
-                run = await self._load(run_id)
-                if run is None:
-                    return
-                mark = live_mark(run)
-                if mark != seen:
-                    seen = mark
-                    html = template.render(viewer=sess.identity if sess else None, csrf=sess.csrf if sess else "",
-                                           **self._run_context(run))
-                    yield "event: update\n" + "".join(f"data: {line}\n" for line in html.splitlines()) + "\n"
-                    beat = time.monotonic()
-                if run.get("state") in FINAL:
-                    yield "event: end\ndata: \n\n"
-                    return
-                if time.monotonic() - beat > 15:
-                    yield ": keep-alive\n\n"
-                    beat = time.monotonic()
-                await asyncio.sleep(self.poll)
+            watch = self._watch(run_id)
+            try:
+                while time.monotonic() < deadline:
+                    if await request.is_disconnected():
+                        return
+                    async with watch.changed:
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(watch.changed.wait_for(partial(watch.moved, version)),
+                                                   timeout=1.0)
+                        version, run, mark, done = watch.version, watch.run, watch.mark, watch.done
+                    if run is not None and mark != seen:
+                        seen = mark
+                        html = template.render(viewer=sess.identity if sess else None,
+                                               csrf=sess.csrf if sess else "", loaded_digest=loaded,
+                                               **self._run_context(run))
+                        yield "event: update\n" + "".join(f"data: {line}\n" for line in html.splitlines()) + "\n"
+                        beat = time.monotonic()
+                    if done:
+                        if run is not None and run.get("state") in FINAL:
+                            yield "event: end\ndata: \n\n"
+                        return
+                    if time.monotonic() - beat > 15:
+                        yield ": keep-alive\n\n"
+                        beat = time.monotonic()
+            finally:
+                watch.viewers -= 1
 
         return StreamingResponse(stream(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
