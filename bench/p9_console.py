@@ -198,6 +198,11 @@ def run(ctx: Context) -> list[Metric]:
         latencies = live_latencies(events, approved_at, updates)
         steps = [s.get("id") for s in (final.get("plan") or {}).get("steps") or []]
         log(f"P9 run {run_id} {final['state']} ({len(steps)} steps); {len(latencies)} live updates measured")
+        if final["state"] != "succeeded" or len(steps) != 3:
+            raise RuntimeError(f"P9 measures the page of a succeeded 3-step run; run {run_id} is {final['state']} "
+                               f"with steps {steps}: {final.get('outcome_reason')}")
+        if not latencies:
+            raise RuntimeError(f"no live update of run {run_id} reached the page: {updates[-5:]}")
 
         driver.execute_cdp_cmd("Network.enable", {})
         driver.execute_cdp_cmd("Network.setCacheDisabled", {"cacheDisabled": True})
