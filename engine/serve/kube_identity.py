@@ -23,10 +23,13 @@ module never imports ``kubernetes``); it decides identities only, never reads bo
 
 API (stable; ``engine.serve.access.Access`` uses it, cluster mode reuses it)::
 
-    ident = KubeIdentity(settings.kube, namespace="runbook-system", cache_seconds=10)
-    ident.identify(token) -> Identity | None       # None: not a valid token
-    ident.authenticate(token) -> KubeUser | None   # TokenReview only
-    ident.allowed(user, verb) -> bool              # one SubjectAccessReview (cached with identify)
+    ident = KubeIdentity(lambda: connector, "runbook-system", cache_seconds=10)  # built on first use
+    ident.identify(token) -> Identity | None       # role approver | reader | none; None: not a valid token
+    ident.authenticate(token) -> KubeUser | None   # TokenReview only (name, uid, groups, extra)
+    ident.allowed(user, verb) -> bool              # one SubjectAccessReview (not cached)
+    ident.role_of(user) -> Identity                # the SubjectAccessReviews of identify
+    ident.forget()                                 # drop the cache
+    # all raise IdentityUnavailable when the API server cannot answer (fail closed)
 """
 
 from __future__ import annotations
