@@ -51,6 +51,10 @@ TARGETS: dict[str, tuple[str, float, str]] = {
     # issue 13: a fleet of 20 swap-broken GPU nodes, --max-parallel 10
     "p7_fleet_20_vs_script_ratio": ("<=", 1.3, "ratio"),
     "p7_fleet_20_vs_1_ratio": ("<=", 3.0, "ratio"),
+    # issue 16: the web console's run page (a finished 3-step run) and its live updates
+    "p9_run_page_kb": ("<=", 150.0, "KB"),
+    "p9_first_paint_ms": ("<=", 300.0, "ms"),
+    "p9_live_update_ms": ("<=", 250.0, "ms"),
 }
 METRICS = tuple(TARGETS)
 

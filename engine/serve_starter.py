@@ -138,6 +138,17 @@ class JournalRunStarter:
         self.journal.get_run(run_id)  # UsageError for an unknown id
         self.journal.append(run_id, kind, **dict(data))
 
+    def runbook_names(self) -> Sequence[str]:
+        return sorted(self._runbooks)
+
+    def preview(self, runbook: str, params: Mapping[str, str], node: str) -> Mapping[str, Any]:
+        """``runbook plan``'s plan (facts, previews) for the plans page; no journal record, no Lease."""
+        if runbook not in self._runbooks:
+            raise UsageError(f"no runbook named {runbook!r}")
+        targets = self.service.targets(runbook, dict(params), node=node)
+        plan = self.service.plan_targets(targets, preview=True)[0]
+        return plan.model_dump(mode="json")
+
     def recover(self) -> Sequence[str]:
         """Runs a previous server left: the ids to execute (pending, interrupted, or approved while
         waiting). Runs still waiting for a person are left waiting (disowned), never re-planned or

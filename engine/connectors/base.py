@@ -55,6 +55,39 @@ class NodeEvent:
     namespace: str = "default"  # where kubelet records Node events and kubectl looks first
 
 
+@dataclass(frozen=True)
+class TokenReviewResult:
+    """What the API server's TokenReview says of a bearer token (``authentication.k8s.io/v1``)."""
+
+    authenticated: bool
+    username: str = ""
+    uid: str = ""
+    groups: tuple[str, ...] = ()
+    extra: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    error: str = ""  # the server's status.error when not authenticated
+
+
+@dataclass(frozen=True)
+class AccessReviewResult:
+    """What a SubjectAccessReview (``authorization.k8s.io/v1``) decided for one verb and resource."""
+
+    allowed: bool
+    denied: bool = False
+    reason: str = ""
+
+
+class KubeReviews(Protocol):
+    """The API server as an authenticator and authoriser of other callers (TokenReview,
+    SubjectAccessReview). Errors are ``engine.errors.KubeError`` (``Forbidden`` when the identity in
+    use may not create reviews: it needs ClusterRole ``system:auth-delegator``)."""
+
+    def review_token(self, token: str, audiences: Sequence[str] = ()) -> TokenReviewResult: ...
+
+    def review_access(self, *, user: str, groups: Sequence[str], uid: str,
+                      extra: Mapping[str, Sequence[str]], verb: str, resource: str, group: str,
+                      namespace: str) -> AccessReviewResult: ...
+
+
 class KubeAPI(Protocol):
     """Kubernetes, reduced to what runbooks need. Errors are ``engine.errors.KubeError``."""
 

@@ -37,7 +37,14 @@ from types import MappingProxyType
 from typing import Any
 from urllib.parse import quote
 
-from engine.connectors.base import LeaseRecord, NodeEvent, PatchType, PodRef
+from engine.connectors.base import (
+    AccessReviewResult,
+    LeaseRecord,
+    NodeEvent,
+    PatchType,
+    PodRef,
+    TokenReviewResult,
+)
 from engine.errors import Conflict, Forbidden, KubeError, NotFound
 from engine.facts import Condition, NodeFacts, Taint
 
@@ -135,6 +142,17 @@ def lease_record_from_dict(obj: Mapping[str, Any]) -> LeaseRecord:
         resource_version=meta.get("resourceVersion", ""),
         transitions=int(spec.get("leaseTransitions") or 0),
     )
+
+
+def token_review_from_dict(obj: Mapping[str, Any]) -> TokenReviewResult:
+    """A TokenReview's answer (JSON) -> ``TokenReviewResult``."""
+    status = obj.get("status") or {}
+    user = status.get("user") or {}
+    extra = {str(k): tuple(str(x) for x in (v or ())) for k, v in (user.get("extra") or {}).items()}
+    return TokenReviewResult(authenticated=bool(status.get("authenticated")),
+                             username=str(user.get("username") or ""), uid=str(user.get("uid") or ""),
+                             groups=tuple(str(g) for g in user.get("groups") or ()),
+                             extra=MappingProxyType(extra), error=str(status.get("error") or ""))
 
 
 def _status_message(body: str | bytes | None) -> str:
@@ -474,6 +492,35 @@ class KubeConnector:
         }
         self._raw("POST", f"/api/v1/namespaces/{_q(event.namespace)}/events",
                   f"create event {event.reason} on node {event.node}", body=body)
+
+    # ------------------------------------------------------------------ reviews (who is calling us)
+
+    def review_token(self, token: str, audiences: Sequence[str] = ()) -> TokenReviewResult:
+        """POST a TokenReview: who the API server says ``token`` belongs to. Never logs the token."""
+        spec: dict[str, Any] = {"token": token}
+        if audiences:
+            spec["audiences"] = list(audiences)
+        obj = self._raw("POST", "/apis/authentication.k8s.io/v1/tokenreviews", "create tokenreview",
+                        body={"apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview", "spec": spec})
+        return token_review_from_dict(obj)
+
+    def review_access(self, *, user: str, groups: Sequence[str], uid: str,
+                      extra: Mapping[str, Sequence[str]], verb: str, resource: str, group: str,
+                      namespace: str) -> AccessReviewResult:
+        """POST a SubjectAccessReview: may ``user`` (with its groups) ``verb`` ``resource`` in ``namespace``."""
+        spec: dict[str, Any] = {
+            "user": user, "groups": list(groups),
+            "resourceAttributes": {"namespace": namespace, "verb": verb, "group": group, "resource": resource}}
+        if uid:
+            spec["uid"] = uid
+        if extra:
+            spec["extra"] = {k: list(v) for k, v in extra.items()}
+        obj = self._raw("POST", "/apis/authorization.k8s.io/v1/subjectaccessreviews",
+                        f"create subjectaccessreview ({verb} {resource}.{group})",
+                        body={"apiVersion": "authorization.k8s.io/v1", "kind": "SubjectAccessReview", "spec": spec})
+        status = obj.get("status") or {}
+        return AccessReviewResult(allowed=bool(status.get("allowed")), denied=bool(status.get("denied")),
+                                  reason=str(status.get("reason") or status.get("evaluationError") or ""))
 
     def close(self) -> None:
         """Release the HTTP connection pool."""

@@ -3,7 +3,10 @@
 A credential is a bearer token (or the password of basic auth) bound to one identity (``alice``) and
 one role: ``sender`` (posts Alertmanager webhooks), ``approver`` (approves runs, resets breakers,
 reads) or ``reader`` (reads). The identity, never a field of the request body, is what the journal
-records as the approver. ``Host`` must name the bound address or a configured name (DNS rebinding),
+records as the approver. With ``auth.mode: kubernetes`` the approvers and readers are not configured
+here: a bearer token that is not a configured credential is asked about through
+``engine.serve.kube_identity`` (TokenReview + SubjectAccessReview; use ``resolve`` on the event loop,
+it asks in a thread). ``Host`` must name the bound address or a configured name (DNS rebinding),
 and a browser's ``Origin`` must be one of those too (cross-site posts). This module decides access
 only; it never reads bodies or starts anything.
 """
@@ -16,10 +19,15 @@ import hashlib
 import ipaddress
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 from urllib.parse import urlsplit
 
+from starlette.concurrency import run_in_threadpool
+
 from engine.serve.config import ServeConfig, split_listen
+
+if TYPE_CHECKING:
+    from engine.serve.kube_identity import KubeIdentity
 
 Role = Literal["sender", "approver", "reader"]
 INSECURE_IDENTITY = "insecure-no-auth"
@@ -30,7 +38,7 @@ class Identity:
     """The caller a credential is bound to."""
 
     name: str
-    role: Role | Literal["any"]
+    role: Role | Literal["any", "none"]  # none: authenticated (Kubernetes) but granted nothing here
 
     def may(self, *roles: Role) -> bool:
         return self.role == "any" or self.role in roles
@@ -66,9 +74,13 @@ def _host_only(value: str) -> str:
 class Access:
     """Credentials and names of one server configuration."""
 
-    def __init__(self, config: ServeConfig) -> None:
+    def __init__(self, config: ServeConfig, *, kube: KubeIdentity | None = None) -> None:
+        """``kube``: the Kubernetes identity backend, required when ``auth.mode`` is ``kubernetes``."""
         auth = config.auth
         self.insecure = auth.insecure_no_auth
+        if auth.mode == "kubernetes" and kube is None and not self.insecure:
+            raise ValueError("auth.mode kubernetes needs the Kubernetes identity backend (KubeIdentity)")
+        self.kube = kube if auth.mode == "kubernetes" else None
         # Why digests: a dict lookup on SHA-256(token) does not reveal the token through timing, and
         # costs the same for one credential or a hundred.
         self._by_digest: dict[bytes, Identity] = {}
@@ -88,15 +100,39 @@ class Access:
         self.open_reads = auth.reads == "open" or (auth.reads == "auto" and self.loopback)
 
     def roles_configured(self) -> dict[str, int]:
+        """Configured credentials per role (``-1``: decided by Kubernetes RBAC)."""
         out = {"sender": 0, "approver": 0, "reader": 0}
+        if self.kube is not None:
+            out["approver"] = out["reader"] = -1
         for ident in self._by_digest.values():
             out[ident.role] += 1
         return out
 
     def identify(self, authorization: str | None) -> Identity | None:
-        """``Authorization: Bearer <token>`` or basic auth with the token as password (any user name)."""
+        """``Authorization: Bearer <token>`` or basic auth with the token as password (any user name).
+
+        Blocks while Kubernetes is asked (``auth.mode: kubernetes``); on the event loop use ``resolve``.
+        Raises ``kube_identity.IdentityUnavailable`` when Kubernetes cannot answer."""
+        cred, known = self._configured(authorization)
+        if known is not None or self.kube is None or not cred:
+            return known
+        return self.kube.identify(cred)
+
+    async def resolve(self, authorization: str | None) -> Identity | None:
+        """``identify`` for the event loop: a configured credential at once, Kubernetes in a thread."""
+        cred, known = self._configured(authorization)
+        if known is not None or self.kube is None or not cred:
+            return known
+        return await run_in_threadpool(self.kube.identify, cred)
+
+    def identify_configured(self, authorization: str | None) -> Identity | None:
+        """Only the configured credentials (never asks Kubernetes)."""
+        return self._configured(authorization)[1]
+
+    def _configured(self, authorization: str | None) -> tuple[str, Identity | None]:
+        """The credential of the header and the configured identity it is bound to (or None)."""
         if self.insecure:
-            return Identity(INSECURE_IDENTITY, "any")
+            return "", Identity(INSECURE_IDENTITY, "any")
         scheme, _, cred = (authorization or "").partition(" ")
         cred = cred.strip()
         scheme = scheme.lower()
@@ -104,12 +140,12 @@ class Access:
             try:
                 _, _, cred = base64.b64decode(cred, validate=True).decode("utf-8").partition(":")
             except (binascii.Error, UnicodeDecodeError, ValueError):
-                return None
+                return "", None
         elif scheme != "bearer":
-            return None
+            return "", None
         if not cred:
-            return None
-        return self._by_digest.get(_digest(cred))
+            return "", None
+        return cred, self._by_digest.get(_digest(cred))
 
     def host_allowed(self, host_header: str | None) -> bool:
         return bool(host_header) and _host_only(host_header or "") in self.hosts

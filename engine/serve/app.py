@@ -48,6 +48,7 @@ from engine.serve.config import ServeConfig
 from engine.serve.console import console_routes
 from engine.serve.dispatcher import Decision, Dispatcher, NotFound, SelfApproval, summarize
 from engine.serve.guards import Guards, ReplayGuard
+from engine.serve.kube_identity import IdentityUnavailable, KubeIdentity
 from engine.serve.metrics import ServeMetrics
 from engine.serve.notify import Notifier
 from engine.serve.pagerduty import (
@@ -258,6 +259,9 @@ class ServeApp:
             response, outcome = _closing(503, "too many requests in flight; retry later"), "busy"
         except ClientDisconnect:
             response, outcome = _closing(400, "the client went away"), "disconnected"
+        except IdentityUnavailable as e:
+            log.error("%s: %s", endpoint, e)
+            response, outcome = _closing(503, str(e)), "unavailable"
         except Exception:
             log.exception("%s failed", endpoint)
             response, outcome = _error(500, "internal error; see the server log"), "error"
@@ -268,8 +272,9 @@ class ServeApp:
         self.metrics.webhook_seconds.labels(endpoint=endpoint).observe(time.perf_counter() - started)
         return response
 
-    def _caller(self, request: Request) -> Identity | None:
-        return self.access.identify(request.headers.get("authorization"))
+    async def _caller(self, request: Request) -> Identity | None:
+        """The caller's identity (``IdentityUnavailable`` when Kubernetes cannot say: 503)."""
+        return await self.access.resolve(request.headers.get("authorization"))
 
     # -- webhooks -------------------------------------------------------------------------------
 
@@ -280,7 +285,7 @@ class ServeApp:
 
     async def alertmanager(self, request: Request) -> Response:
         async def handle() -> tuple[Response, str]:
-            who = self._caller(request)
+            who = await self._caller(request)
             if who is None:
                 return _unauthorized(), "unauthorized"
             if not who.may("sender"):
@@ -380,10 +385,14 @@ class ServeApp:
     async def healthz(self, request: Request) -> Response:
         return JSONResponse({"status": "ok", **self.dispatcher.status()})
 
-    def _read_refused(self, request: Request) -> Response | None:
+    async def _read_refused(self, request: Request) -> Response | None:
         if self.access.open_reads:
             return None
-        who = self._caller(request)
+        try:
+            who = await self._caller(request)
+        except IdentityUnavailable as e:
+            log.error("%s: %s", request.url.path, e)
+            return _closing(503, str(e))
         if who is None:
             return _unauthorized()
         if not who.may("reader", "approver"):
@@ -391,13 +400,13 @@ class ServeApp:
         return None
 
     async def metrics_endpoint(self, request: Request) -> Response:
-        if (refused := self._read_refused(request)) is not None:
+        if (refused := await self._read_refused(request)) is not None:
             return refused
         self.dispatcher.refresh_gauges()
         return Response(self.metrics.render(), media_type=self.metrics.content_type)
 
     async def runs(self, request: Request) -> Response:
-        if (refused := self._read_refused(request)) is not None:
+        if (refused := await self._read_refused(request)) is not None:
             return refused
         raw = request.query_params.get("limit", "100")
         if not raw.isdigit() or not 1 <= int(raw) <= 1000:
@@ -405,7 +414,7 @@ class ServeApp:
         return JSONResponse(await run_in_threadpool(self.dispatcher.runs, int(raw)))
 
     async def run(self, request: Request) -> Response:
-        if (refused := self._read_refused(request)) is not None:
+        if (refused := await self._read_refused(request)) is not None:
             return refused
         try:
             return JSONResponse(await run_in_threadpool(self.dispatcher.run, request.path_params["run_id"]))
@@ -423,7 +432,7 @@ class ServeApp:
 
     async def approve(self, request: Request) -> Response:
         async def handle() -> tuple[Response, str]:
-            who = self._caller(request)
+            who = await self._caller(request)
             if who is None:
                 return _unauthorized(), "unauthorized"
             if not who.may("approver"):
@@ -455,13 +464,13 @@ class ServeApp:
         return await self._timed("approve", handle, request)
 
     async def breaker(self, request: Request) -> Response:
-        if (refused := self._read_refused(request)) is not None:
+        if (refused := await self._read_refused(request)) is not None:
             return refused
         return JSONResponse(self.dispatcher.guards.state())
 
     async def breaker_reset(self, request: Request) -> Response:
         async def handle() -> tuple[Response, str]:
-            who = self._caller(request)
+            who = await self._caller(request)
             if who is None:
                 return _unauthorized(), "unauthorized"
             if not who.may("approver"):
@@ -481,15 +490,18 @@ class ServeApp:
         return await self._timed("breaker-reset", handle, request)
 
     async def triggers(self, request: Request) -> Response:
-        if (refused := self._read_refused(request)) is not None:
+        if (refused := await self._read_refused(request)) is not None:
             return refused
         return JSONResponse(self.dispatcher.index.describe())
 
 
 def create_app(config: ServeConfig, starter: RunStarter, *, cluster: ClusterView,
                notifier: Notifier | None = None, metrics: ServeMetrics | None = None,
-               clock: Callable[[], float] = time.time, sweep_interval: float = 30.0) -> Starlette:
+               clock: Callable[[], float] = time.time, sweep_interval: float = 30.0,
+               identity: KubeIdentity | None = None) -> Starlette:
     """The ASGI app. Startup (lifespan) recovers runs from the journal; shutdown drains workers.
+
+    ``identity``: the Kubernetes identity backend (required with ``auth.mode: kubernetes``).
 
     ``app.state.dispatcher`` gives tests and the CLI the dispatcher (worker pool, guards, notifier).
     """
@@ -504,7 +516,7 @@ def create_app(config: ServeConfig, starter: RunStarter, *, cluster: ClusterView
     # content keys longer buys nothing; X-Webhook-Id values share the same bounded memory.
     replays = ReplayGuard(max(config.dedup.webhook_id_window, pd.max_age + 2 * pd.clock_skew), clock=clock,
                           max_ids=config.limits.max_dedup_entries)
-    handlers = ServeApp(config, dispatcher, metrics, replays, clock=clock)
+    handlers = ServeApp(config, dispatcher, metrics, replays, clock=clock, access=Access(config, kube=identity))
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

@@ -21,6 +21,7 @@ from engine.cli import settings_from, shared_options
 from engine.errors import ExitCode, RunbookError, UsageError
 from engine.serve.access import Access, is_loopback
 from engine.serve.config import ServeConfig, load_config, split_listen
+from engine.serve.kube_identity import KubeIdentity
 from engine.serve.starter import RunStarter
 from engine.serve_starter import JournalRunStarter
 from engine.settings import Settings
@@ -69,7 +70,26 @@ def build_app(settings: Settings, config_file: Path | None, listen: str | None, 
                              "clients use to reach this server (requests for any other Host are refused)")
     starter = load_run_starter(settings, config)
     cluster = KubeClusterView(settings.kube, config.run_guards(), ttl=config.cluster_cache_ttl)
-    return create_app(config, starter, cluster=cluster), config
+    return create_app(config, starter, cluster=cluster, identity=kube_identity(settings, config)), config
+
+
+def kube_identity(settings: Settings, config: ServeConfig) -> KubeIdentity | None:
+    """The Kubernetes identity backend when ``auth.mode`` is ``kubernetes`` (None otherwise): reviews
+    through the same connector as the cluster view, roles in ``auth.kubernetes.namespace`` (else the
+    store namespace, env ``RUNBOOK_STORE_NAMESPACE``, else ``runbook-system``)."""
+    if config.auth.mode != "kubernetes":
+        return None
+    from engine.connectors.kube import KubeConnector
+
+    def reviews() -> KubeConnector:
+        kube = settings.kube()
+        if not isinstance(kube, KubeConnector):
+            raise UsageError("auth.mode kubernetes needs the Kubernetes API connector")
+        return kube
+
+    k = config.auth.kubernetes
+    namespace = k.namespace or os.environ.get("RUNBOOK_STORE_NAMESPACE", "").strip() or "runbook-system"
+    return KubeIdentity(reviews, namespace, cache_seconds=k.cache_seconds, audiences=k.audiences)
 
 
 def uvicorn_options(config: ServeConfig) -> dict[str, Any]:
@@ -99,7 +119,7 @@ def serve(settings: Settings, config_file: Path | None, listen: str | None, *, i
     if banner is not None:
         click.echo(banner, err=True)
     else:
-        roles = Access(config).roles_configured()
+        roles = Access(config, kube=kube_identity(settings, config)).roles_configured()
         missing = [r for r, n in roles.items() if not n]
         if missing:
             logging.getLogger(__name__).warning(

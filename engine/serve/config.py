@@ -137,6 +137,22 @@ _IDENTITY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@+-]{0,99}$")
 MIN_SECRET_BYTES = 16
 
 
+class KubeAuthConfig(_Section):
+    """``auth.mode: kubernetes``: bearer tokens checked by TokenReview, roles from RBAC on
+    ``remediationruns.runbook.io`` in ``namespace`` (``engine.serve.kube_identity``)."""
+
+    namespace: str | None = None  # default: the store namespace (env RUNBOOK_STORE_NAMESPACE, else runbook-system)
+    cache_seconds: Seconds = 10.0  # answers are reused this long per token (a revoked binding: within this)
+    audiences: tuple[str, ...] = ()  # TokenReview audiences; empty: the API server's own
+
+    @field_validator("namespace")
+    @classmethod
+    def _namespace(cls, v: str | None) -> str | None:
+        if v is not None and not re.match(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$", v):
+            raise ValueError(f"namespace {v!r} is not a Kubernetes namespace name")
+        return v
+
+
 class AuthConfig(_Section):
     """Who may do what. Each credential is a bearer token bound to one identity and one role.
 
@@ -144,7 +160,13 @@ class AuthConfig(_Section):
     * ``approvers``: may approve runs (recorded under their name), reset breakers, and read;
     * ``readers``: may read ``/runs``, ``/runs/{id}``, ``/breaker``, ``/triggers``, ``/metrics``.
 
-    PagerDuty's credential is its signing secret (``pagerduty.secrets``)."""
+    PagerDuty's credential is its signing secret (``pagerduty.secrets``).
+
+    ``mode: kubernetes``: approvers and readers are not listed here; any other bearer token is
+    checked with the Kubernetes API (TokenReview) and its role comes from RBAC (``kubernetes``)."""
+
+    mode: Literal["tokens", "kubernetes"] = "tokens"
+    kubernetes: KubeAuthConfig = Field(default_factory=KubeAuthConfig)
 
     senders: dict[str, str] = Field(default_factory=dict, repr=False)
     approvers: dict[str, str] = Field(default_factory=dict, repr=False)
@@ -161,6 +183,15 @@ class AuthConfig(_Section):
             if not _IDENTITY.match(name):
                 raise ValueError(f"identity {name!r} must be a short name (letters, digits, . _ @ + -)")
         return v
+
+    @model_validator(mode="after")
+    def _one_source_of_roles(self) -> AuthConfig:
+        if self.mode == "kubernetes" and (self.approvers or self.readers):
+            names = ", ".join([f"approvers.{n}" for n in self.approvers] + [f"readers.{n}" for n in self.readers])
+            raise ValueError(f"mode kubernetes takes approvers and readers from Kubernetes RBAC (verb approve, or "
+                             f"get and list, on remediationruns.runbook.io); remove {names} (or their "
+                             "RUNBOOK_APPROVER_TOKEN_* / RUNBOOK_READER_TOKEN_* variables)")
+        return self
 
 
 class LimitsConfig(_Section):

@@ -19,6 +19,8 @@ Lifecycle of a paged run, and which side calls what::
             -> worker pool -> execute(run_id)             continue the approved run to its end
     server start -> recover()                             claim what a previous server left; returns the
                                                           run ids to queue for ``execute``
+    POST /ui/plans/request -> preview(runbook, params, node)   a plan with live facts and dry-run
+                                                          previews, recorded nowhere (the plans page)
 
 Rules every implementation must keep:
 
@@ -39,6 +41,8 @@ Rules every implementation must keep:
   (who asked for the run: the sender identity, or the user of a CLI run).
 * ``approve``'s ``approved_by`` is the identity bound to the approver's credential, never a name the
   caller typed.
+* ``preview`` changes nothing and records nothing: no journal run, no Lease, no mutation (facts are
+  read, previews are Ansible check mode and server-side dry-runs, as ``runbook plan``).
 """
 
 from __future__ import annotations
@@ -135,6 +139,17 @@ class RunStarter(Protocol):
     def record_event(self, run_id: str, kind: str, data: Mapping[str, Any]) -> None:
         """Append an event to the run's record (``alert.resolved``: the page that started it ended).
         Fast (one journal write); ``UsageError`` for an unknown run id."""
+        ...
+
+    def runbook_names(self) -> Sequence[str]:
+        """Every runbook the server may plan or start, by name (sorted)."""
+        ...
+
+    def preview(self, runbook: str, params: Mapping[str, str], node: str) -> Mapping[str, Any]:
+        """The plan of ``runbook`` for ``node`` now (a ``Plan``'s JSON shape, sealed with its digest):
+        live facts and dry-run previews, recorded nowhere, changing nothing (``runbook plan``).
+        Blocking (seconds: it gathers facts over SSH). ``UsageError`` for an unknown runbook or
+        invalid params."""
         ...
 
     def recover(self) -> Sequence[str]:

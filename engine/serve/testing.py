@@ -19,7 +19,7 @@ from typing import Any
 
 from engine.errors import StalePlan, UsageError
 from engine.facts import Condition, NodeFacts
-from engine.model import Trigger
+from engine.model import Plan, Trigger
 from engine.params import is_node_name
 from engine.serve.cluster import ClusterSnapshot, ClusterUnavailable, snapshot_from
 from engine.serve.config import ExclusionConfig
@@ -35,6 +35,44 @@ def make_node(name: str, *, ready: bool = True, gpus: int = 1, labels: Mapping[s
     cond = Condition("Ready", "True" if ready else "Unknown",
                      "KubeletReady" if ready else "NodeStatusUnknown")
     return NodeFacts(name=name, labels=MappingProxyType(all_labels), conditions=(cond,))
+
+
+FSTAB_DIFF = """--- before: /etc/fstab
++++ after: /etc/fstab
+@@ -8,3 +8,3 @@
+ UUID=4f1c-root / ext4 defaults 0 1
+-/swap.img none swap sw 0 0
++#/swap.img none swap sw 0 0  # disabled by runbook (kubelet needs swap off)
+ tmpfs /run/user tmpfs defaults 0 0
+"""
+
+
+def saved_plan(node: str = "omen2", *, expires_in: float = 3600.0) -> Plan:
+    """A sealed gpu-node-recovery plan as ``runbook plan --out`` saves it (two steps, the fstab diff)."""
+    now = time.time()
+
+    def iso(t: float) -> str:
+        return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+
+    return Plan.model_validate({
+        "runbook": "gpu-node-recovery", "version": "3", "runbook_digest": "b" * 64,
+        "params": {"node": node}, "node": node, "inventory_host": node,
+        "created_at": iso(now), "expires_at": iso(now + expires_in), "state": "ready",
+        "preconditions": [{"id": "swap-is-the-cause", "applies": True, "holds": True,
+                           "observed": "kubelet: running with swap on is not supported",
+                           "evidence": {"swap_total_bytes": 2147483648}}],
+        "steps": [
+            {"id": "swap-off", "why": "kubelet refuses to start while swap is on", "kind": "change",
+             "action": "ansible", "summary": "comment the swap line out of /etc/fstab, swapoff -a",
+             "command": f"ansible-playbook -i INVENTORY -l {node} playbooks/disable-swap.yml",
+             "guards": [{"check": "host reachable", "holds": True, "observed": "ssh ok"}],
+             "verify": [{"check": "host swap_total_bytes == 0", "timeout_seconds": 60}],
+             "preview": FSTAB_DIFF, "mutating": True},
+            {"id": "restart-kubelet", "why": "pick up the fixed configuration", "kind": "change",
+             "action": "ansible", "summary": "systemctl restart kubelet",
+             "command": f"ansible-playbook -i INVENTORY -l {node} playbooks/restart-kubelet.yml",
+             "verify": [{"check": "node Ready", "timeout_seconds": 300}], "mutating": True},
+        ]}).sealed()
 
 
 def trigger_spec(runbook: str = "gpu-node-recovery", *, mode: str = "approve",
@@ -62,6 +100,7 @@ class FakeRunStarter:
         self.execute_delay = execute_delay
         self.submit_delay = submit_delay
         self.requests: list[RunRequest] = []
+        self.previews: list[tuple[str, dict[str, str], str]] = []  # preview() calls: nothing recorded
         self.executed: list[str] = []
         self._runs: dict[str, dict[str, Any]] = {dict(r)["id"]: dict(r) for r in preload}
         self._recover = list(recover_ids)
@@ -165,6 +204,22 @@ class FakeRunStarter:
 
     def recover(self) -> Sequence[str]:
         return list(self._recover)
+
+    def runbook_names(self) -> Sequence[str]:
+        return sorted({t.runbook for t in self.triggers})
+
+    def preview(self, runbook: str, params: Mapping[str, str], node: str) -> Mapping[str, Any]:
+        if runbook not in self.runbook_names():
+            raise UsageError(f"no runbook named {runbook!r}")
+        if not is_node_name(node):
+            raise UsageError(f"param node: {node!r} is not a valid node name")
+        with self._cond:
+            self.previews.append((runbook, dict(params), node))
+        if self.plan is None:
+            return {"format": "runbook-plan/v1", "runbook": runbook, "node": node, "state": "ready",
+                    "params": {**params, "node": node}, "digest": DIGEST, "steps": []}
+        return dict(self.plan({"id": f"preview-{len(self.previews)}", "runbook": runbook,
+                               "params": {**params, "node": node}}))
 
     # -- test helpers ---------------------------------------------------------------------------------
 
@@ -293,12 +348,13 @@ class Served:
 def served(mode: str = "auto", *, token: str | None = TOKEN, nodes: Iterable[NodeFacts] | None = None,
            starter: FakeRunStarter | None = None, env: Mapping[str, str] | None = None,
            clock: Callable[[], float] = time.time, notify_from_config: bool = False,
-           **cfg: Any) -> Iterator[Served]:
+           identity: Any = None, **cfg: Any) -> Iterator[Served]:
     """The app over fakes: trigger KubeNodeNotReady/Unreachable on ``node=~"omen.*"`` in ``mode``;
     eight healthy nodes omen1..omen8 unless ``nodes``; ``cfg`` overrides the configuration. The
     sender's token is ``token`` (``AUTH``), approver ``alice`` has ``APPROVE``, reader ``grafana``
     has ``READ``; the TestClient's Host ``testserver`` is allowed. ``notify_from_config``: the
-    configuration's ``notify:`` section sends the notifications (real HTTP), not the capture."""
+    configuration's ``notify:`` section sends the notifications (real HTTP), not the capture.
+    ``identity``: a ``KubeIdentity``: ``auth.mode: kubernetes``, no approver or reader credential."""
     import httpx
     from starlette.testclient import TestClient
 
@@ -312,15 +368,17 @@ def served(mode: str = "auto", *, token: str | None = TOKEN, nodes: Iterable[Nod
         sent.append(json.loads(request.content))
         return httpx.Response(200)
 
-    environ = {**({"RUNBOOK_WEBHOOK_TOKEN": token} if token else {}),
-               "RUNBOOK_APPROVER_TOKEN_ALICE": APPROVER_TOKEN, "RUNBOOK_READER_TOKEN_GRAFANA": READER_TOKEN,
-               **dict(env or {})}
-    auth = {"allowed_hosts": ["testserver"], **dict(cfg.pop("auth", None) or {})}
+    roles = {} if identity is not None else {"RUNBOOK_APPROVER_TOKEN_ALICE": APPROVER_TOKEN,
+                                             "RUNBOOK_READER_TOKEN_GRAFANA": READER_TOKEN}
+    environ = {**({"RUNBOOK_WEBHOOK_TOKEN": token} if token else {}), **roles, **dict(env or {})}
+    auth = {"allowed_hosts": ["testserver"], **({"mode": "kubernetes"} if identity is not None else {}),
+            **dict(cfg.pop("auth", None) or {})}
     config = load_config(None, env=environ, overrides={**cfg, "auth": auth})
     starter = starter or FakeRunStarter([trigger_spec(mode=mode, matchers=('node=~"omen.*"',))])
     cluster = StaticClusterView(INCIDENT_NODES if nodes is None else nodes)
     notifier = None if notify_from_config else Notifier("http://127.0.0.1:9/notify",
                                                         transport=httpx.MockTransport(receive))
-    app = create_app(config, starter, cluster=cluster, notifier=notifier, sweep_interval=0, clock=clock)
+    app = create_app(config, starter, cluster=cluster, notifier=notifier, sweep_interval=0, clock=clock,
+                     identity=identity)
     with TestClient(app) as client:
         yield Served(client, starter, cluster, sent)

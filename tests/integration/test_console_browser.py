@@ -2,9 +2,11 @@
 with the driver path given: no Selenium Manager, no browser download) against a real ``runbook serve``
 (uvicorn on 127.0.0.1) backed by the fake run starter: log in, the runs list, a waiting run's fstab
 diff and digest, approve and watch the page update live, a stale digest refused in the page, a
-reader with no approve button whose forged POST is refused, a ``<script>`` label shown as text.
+reader with no approve button whose forged POST is refused, a ``<script>`` label shown as text; the
+plans page: a saved plan file uploaded and shown with its diff and digest, a changed one refused, and
+a plan requested for a runbook + node, none of which starts a run.
 
-Screenshots of the runs list and a waiting run at 1280 px and 390 px go to a temporary folder (and to
+Screenshots of the runs list, a waiting run and the plans page at 1280 px and 390 px go to a temporary folder (and to
 ``$RUNBOOK_SCREENSHOTS`` when set: ``docs/images/`` keeps the current ones).
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import json
 import os
 import shutil
 import socket
@@ -32,6 +35,7 @@ from engine.serve.testing import (
     FakeRunStarter,
     StaticClusterView,
     alert,
+    saved_plan,
     trigger_spec,
     webhook,
 )
@@ -302,6 +306,10 @@ def test_a_plan_that_changed_since_the_page_loaded_is_refused_in_the_page(server
     browser.get(f"{server.base}/ui/runs/{run_id}")
     old = text_of(browser, "#digest")
     server.starter.replan(run_id, "c" * 64)
+    # the live update shows the new digest but keeps the approve button on the plan that was loaded
+    changed = wait_for(browser, lambda d: by_css(d, "#plan-changed"), what="the page says the plan changed")
+    assert old in changed[0].text and "c" * 64 in changed[0].text
+    assert by_css(browser, "#approve-form input[name=plan_digest]")[0].get_attribute("value") == old
     by_css(browser, "#approve")[0].click()
     error = wait_for(browser, lambda d: by_css(d, "#error"), what="refusal shown")[0].text
     assert "approval refused" in error and old in error
@@ -354,3 +362,50 @@ def test_a_run_is_rejected_with_a_reason_using_only_the_keyboard(server: Server,
     assert text_of(browser, "#rejected-by") == "alice: omen6 is being drained by hand"
     run = server.starter.run(run_id)
     assert (run["state"], run["rejected_by"]) == ("cancelled", "alice")
+
+
+def test_a_saved_plan_file_uploaded_in_the_page_shows_its_diff_and_digest_and_a_changed_one_is_refused(
+        server: Server, browser: Any, shots: Path, tmp_path: Path) -> None:
+    plan = saved_plan("omen2")
+    good = tmp_path / "omen2.plan.json"
+    good.write_text(plan.model_dump_json(indent=2) + "\n")
+    edited = json.loads(good.read_text())
+    edited["steps"][0]["preview"] = edited["steps"][0]["preview"].replace("#/swap.img", "#/swap2.img")
+    bad = tmp_path / "edited.plan.json"
+    bad.write_text(json.dumps(edited))
+    runs_before = server.starter.runs()
+    login(browser, server.base, READER_TOKEN)
+    browser.get(f"{server.base}/ui/plans")
+    by_css(browser, "#p-file")[0].send_keys(str(good))
+    by_css(browser, "#upload")[0].click()
+    assert text_of(browser, "#digest") == plan.digest
+    removed = [e.text for e in by_css(browser, "#step-swap-off pre.diff .del")]
+    added = [e.text for e in by_css(browser, "#step-swap-off pre.diff .add")]
+    assert removed == ["-/swap.img none swap sw 0 0"] and added[0].startswith("+#/swap.img")
+    assert "omen2.plan.json, uploaded by grafana" in text_of(browser, "#plan-source")
+    screenshot(browser, shots, "plans", 1280)
+    screenshot(browser, shots, "plans", 390)
+    browser.get(f"{server.base}/ui/plans")
+    by_css(browser, "#p-file")[0].send_keys(str(bad))
+    by_css(browser, "#upload")[0].click()
+    error = wait_for(browser, lambda d: by_css(d, "#error"), what="refusal shown")[0].text
+    assert error.startswith("edited.plan.json: digest:") and "changed after" in error
+    assert not by_css(browser, "#plan") and not by_css(browser, "pre.diff")
+    assert server.starter.runs() == runs_before  # showing a plan starts nothing
+
+
+def test_a_plan_requested_in_the_page_for_a_runbook_and_node_is_shown_and_starts_no_run(
+        server: Server, browser: Any) -> None:
+    runs_before = server.starter.runs()
+    login(browser, server.base, APPROVER_TOKEN)
+    browser.get(f"{server.base}/ui/plans")
+    by_css(browser, "#p-runbook option[value='gpu-node-recovery']")[0].click()
+    by_css(browser, "#p-node")[0].send_keys("omen7")
+    by_css(browser, "#make-plan")[0].click()
+    digest = text_of(browser, "#digest")
+    assert digest == sample_plan({"id": f"preview-{len(server.starter.previews)}",
+                                  "runbook": "gpu-node-recovery", "params": {"node": "omen7"}})["digest"]
+    assert "ansible-playbook -l omen7 playbooks/disable-swap.yml" in text_of(browser, "#step-disable-swap .command")
+    assert [e.text for e in by_css(browser, "#step-disable-swap pre.diff .del")] == ["-/swap.img none swap sw 0 0"]
+    assert server.starter.previews[-1] == ("gpu-node-recovery", {}, "omen7")
+    assert server.starter.runs() == runs_before and not by_css(browser, "#approve")

@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import common, harness  # noqa: E402
 from bench.p5_webhook import _metric_sum, _ms  # noqa: E402
+from bench.p9_console import live_latencies  # noqa: E402
 
 # ------------------------------------------------------------------------------------------ harness
 
@@ -45,7 +46,7 @@ def test_metric_json_has_exactly_the_contract_keys() -> None:
 def test_every_metric_of_the_issue_is_produced_by_one_benchmark() -> None:
     produced = [m for ms in harness.PRODUCES.values() for m in ms]
     assert sorted(produced) == sorted(common.METRICS)
-    assert len(common.METRICS) == 13
+    assert len(common.METRICS) == 16
 
 
 def test_only_selects_benchmarks_and_p6_runs_p1() -> None:
@@ -53,7 +54,7 @@ def test_only_selects_benchmarks_and_p6_runs_p1() -> None:
     assert harness.parse_args([]).selected == list(harness.ORDER)
     assert harness.parse_args(["--quick"]).runs == 1
     with pytest.raises(SystemExit):
-        harness.parse_args(["--only", "p9"])
+        harness.parse_args(["--only", "p99"])
     with pytest.raises(SystemExit):
         harness.parse_args(["--runs", "3"])  # at least 5 unless --quick
 
@@ -187,3 +188,14 @@ def test_gather_many_gathers_only_the_nodes_without_recent_facts() -> None:
     out = probes.gather_probes_many({HOST}, ["a", "b"], None, nodes, host_max_age=5)
     assert nodes.gathers == [(["b"], [])]
     assert out["a"].host is nodes.recent["a"] and out["b"].host is not None
+
+
+def test_a_live_update_is_timed_from_each_journal_event_to_the_first_dom_update_that_shows_it() -> None:
+    events = [{"time": "2026-12-03T10:00:00.000Z"}, {"time": "2026-12-03T10:00:01.000Z"},
+              {"time": "2026-12-03T10:00:01.100Z"}, {"time": "2026-12-03T10:00:05.000Z"}]
+    t0 = 1796292000000.0  # 2026-12-03T10:00:00Z in epoch ms
+    updates = [[t0 + 10, 1], [t0 + 1180, 2], [t0 + 1300, 3], [t0 + 5240, 4]]
+    # the first event came before the approval (not measured); the third shows in the update that
+    # shows three entries, not the one that showed two
+    assert live_latencies(events, t0 + 500, updates) == pytest.approx([180.0, 200.0, 240.0])
+    assert live_latencies(events, t0 + 500, updates[:2]) == pytest.approx([180.0])

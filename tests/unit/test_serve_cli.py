@@ -140,3 +140,24 @@ def test_breaker_reset_closes_a_node_breaker_on_the_running_server(live_server: 
     assert ok.exit_code == 0, ok.output
     assert "reset: node:omen2" in ok.output
     assert list(dispatcher.guards.open_nodes()) == []
+
+
+def test_auth_mode_kubernetes_asks_kubernetes_in_the_store_namespace_and_refuses_configured_approvers(
+        tmp_path: Path, fake_engine_app: list[ServeConfig], monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("RUNBOOK_WEBHOOK_TOKEN", "RUNBOOK_APPROVER_TOKEN_ALICE"):
+        monkeypatch.delenv(var, raising=False)
+    settings = Settings(journal=tmp_path / "journal.sqlite")
+    conf = tmp_path / "serve.yaml"
+    conf.write_text("auth: {mode: kubernetes}\n")
+    monkeypatch.setenv("RUNBOOK_STORE_NAMESPACE", "ops-runbook")
+    app, _ = build_app(settings, conf, "127.0.0.1:8080")
+    access = app.state.handlers.access
+    assert access.kube is not None and access.kube.namespace == "ops-runbook"
+    assert access.roles_configured() == {"sender": 0, "approver": -1, "reader": -1}
+    conf.write_text("auth: {mode: kubernetes, kubernetes: {namespace: runbook-system, cache_seconds: 3}}\n")
+    app, _ = build_app(settings, conf, "127.0.0.1:8080")
+    kube = app.state.handlers.access.kube
+    assert (kube.namespace, kube.cache_seconds) == ("runbook-system", 3.0)
+    monkeypatch.setenv("RUNBOOK_APPROVER_TOKEN_ALICE", "0123456789abcdef-alice")
+    with pytest.raises(UsageError, match=r"remove approvers\.alice"):
+        build_app(settings, conf, "127.0.0.1:8080")

@@ -76,6 +76,9 @@ def test_the_token_never_shows_in_repr() -> None:
     ("notify: {url: 'ftp://x'}", "notify.url"),
     ("- a list", "must be a mapping"),
     ("a: [unclosed", "invalid YAML"),
+    ("auth: {mode: ldap}", "auth.mode"),
+    ("auth: {mode: kubernetes, approvers: {alice: 0123456789abcdef-alice}}", "remove approvers.alice"),
+    ("auth: {kubernetes: {namespace: Not_A_Namespace}}", "auth.kubernetes.namespace"),
 ])
 def test_invalid_configuration_is_a_usage_error_naming_the_key(tmp_path: Path, text: str, needle: str) -> None:
     f = tmp_path / "serve.yaml"

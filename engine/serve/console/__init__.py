@@ -7,40 +7,61 @@ Routes (mounted by ``engine.serve.app``)::
     GET  /ui/runs/{id}/live        server-sent events: the run's live part, re-rendered on each change
     POST /ui/runs/{id}/decision    approve (the digest the page showed) or reject (a reason) - form, CSRF
                                    token, approver session
+    GET  /ui/plans                 the plans page: request a plan, or upload a saved plan file
+    POST /ui/plans/request         runbook + node (+ params) -> its plan now (read-only), shown - form, CSRF
+    POST /ui/plans/upload          a plan file (``runbook plan --out``) -> checked and shown - multipart, CSRF
     GET  /ui/login, POST /ui/login a credential -> a session cookie; POST /ui/logout ends it
     GET  /ui/static/{name}         the stylesheet and script (package data; nothing from a CDN)
 
 Pages are Jinja2 templates with autoescape on: labels, params and journal text are data, never
 markup. A session holds the identity its credential is bound to (``engine.serve.access``); the
 approver recorded is that identity. Every form carries a CSRF token bound to the session (the login
-form: to a short-lived cookie). This module renders and authenticates; it decides nothing about
-runs (the ``Dispatcher`` does) and never writes the journal itself.
+form: to a short-lived cookie). The plans page plans through ``RunStarter.preview`` (recorded
+nowhere, changing nothing) and parses uploads in ``engine.serve.console.plans``. This module renders
+and authenticates; it decides nothing about runs (the ``Dispatcher`` does) and never writes the
+journal itself.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
+import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from functools import partial
 from importlib import resources
 from typing import Any
 from urllib.parse import parse_qs, quote
 
 from jinja2 import Environment, PackageLoader, select_autoescape
+from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from engine.errors import StalePlan, UsageError
+from engine.errors import ConnectorError, LoadError, RunbookError, StalePlan, UsageError
+from engine.model import Plan
 from engine.serve.access import Access, Identity
 from engine.serve.config import ServeConfig
+from engine.serve.console.plans import (
+    MAX_PLAN_BYTES,
+    UploadError,
+    multipart_fields,
+    parse_params,
+    parse_plan_file,
+    plan_view,
+)
 from engine.serve.dispatcher import Dispatcher, NotFound, SelfApproval
+from engine.serve.kube_identity import IdentityUnavailable
+
+log = logging.getLogger(__name__)
 
 SESSION_COOKIE = "runbook_session"
 LOGIN_COOKIE = "runbook_login"
@@ -48,6 +69,9 @@ SESSION_SECONDS = 8 * 3600
 MAX_SESSIONS = 1000
 MAX_FORM_BYTES = 16 * 1024
 MAX_REASON = 500
+MAX_UPLOAD_BYTES = MAX_PLAN_BYTES + 64 * 1024  # the plan file and the form around it
+MAX_DRAIN_BYTES = 8 * 1024 * 1024  # a larger upload is read to its end (so the browser shows our answer)
+MAX_PLANNING = 2  # plans being made at once from the page (each gathers facts over SSH)
 FINAL = frozenset({"succeeded", "failed", "blocked", "cancelled", "rolled-back"})
 STATES = ("waiting-approval", "pending", "approved", "running", "succeeded", "failed", "blocked",
           "cancelled", "rolled-back", "interrupted")
@@ -60,6 +84,26 @@ _NOTICES = {"approved": "approval recorded", "rejected": "rejection recorded: th
 class FormError(Exception):
     """A form body that is too large, late or not a form."""
 
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class RunWatch:
+    """One run followed for the live pages: the latest rendering input, shared by every viewer."""
+
+    run: Mapping[str, Any] | None = None
+    mark: str = ""
+    version: int = 0
+    done: bool = False
+    viewers: int = 0
+    changed: asyncio.Condition = field(default_factory=asyncio.Condition)
+    task: asyncio.Task[None] | None = None
+
+    def moved(self, since: int) -> bool:
+        return self.version != since or self.done
+
 
 @dataclass
 class Session:
@@ -67,6 +111,9 @@ class Session:
     csrf: str
     expires: float
     created: float = field(default_factory=time.time)
+    # a Kubernetes token (auth.mode kubernetes), kept in memory only: asked about again before each
+    # approval or rejection, so a revoked RoleBinding or an expired token stops the session from acting
+    kube_token: str = field(default="", repr=False)
 
 
 def _parse_time(iso: Any) -> datetime | None:
@@ -193,7 +240,11 @@ class Console:
         self.access = access
         self.env = _environment()
         self.sessions: dict[str, Session] = {}
-        self.poll = 0.25  # seconds between looks at a live run
+        # seconds between looks at a followed run: one journal read per tick per run being watched,
+        # however many pages follow it (RunWatch)
+        self.poll = 0.1
+        self.watches: dict[str, RunWatch] = {}
+        self.planning = asyncio.Semaphore(MAX_PLANNING)
         self.static = {name: resources.files(__package__).joinpath("static", name).read_bytes()
                        for name in _STATIC}
 
@@ -209,14 +260,14 @@ class Console:
             return None
         return sess
 
-    def _new_session(self, identity: Identity) -> tuple[str, Session]:
+    def _new_session(self, identity: Identity, kube_token: str = "") -> tuple[str, Session]:
         now = time.time()
         for key in [k for k, s in self.sessions.items() if s.expires < now]:
             del self.sessions[key]
         while len(self.sessions) >= MAX_SESSIONS:
             del self.sessions[min(self.sessions, key=lambda k: self.sessions[k].created)]
         key = secrets.token_urlsafe(32)
-        sess = Session(identity, secrets.token_urlsafe(32), now + SESSION_SECONDS)
+        sess = Session(identity, secrets.token_urlsafe(32), now + SESSION_SECONDS, kube_token=kube_token)
         self.sessions[key] = sess
         return key, sess
 
@@ -232,25 +283,34 @@ class Console:
             return None, RedirectResponse(f"/ui/login?next={quote(target, safe='')}", status_code=303)
         return sess, None
 
-    async def _form(self, request: Request) -> dict[str, str]:
-        media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
-        if media != "application/x-www-form-urlencoded":
-            raise FormError("expected a form (application/x-www-form-urlencoded)")
+    async def _body(self, request: Request, limit: int, *, drain: int = 0, what: str = "form") -> bytes:
+        """The body, at most ``limit`` bytes; a larger one (up to ``drain``) is read to its end and
+        dropped before ``FormError`` (413), so that a browser gets the page that says why."""
         declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > MAX_FORM_BYTES:
-            raise FormError("form too large")
+        if declared.isdigit() and int(declared) > max(limit, drain):
+            raise FormError(f"{what} too large ({int(declared)} bytes; at most {limit})", 413)
         chunks, size = [], 0
         try:
             async with asyncio.timeout(self.config.limits.body_timeout):
                 async for chunk in request.stream():
                     size += len(chunk)
-                    if size > MAX_FORM_BYTES:
-                        raise FormError("form too large")
-                    chunks.append(chunk)
+                    if size > max(limit, drain):
+                        raise FormError(f"{what} too large (more than {limit} bytes)", 413)
+                    if size <= limit:
+                        chunks.append(chunk)
         except TimeoutError as e:
-            raise FormError("the form did not arrive in time") from e
+            raise FormError(f"the {what} did not arrive in time") from e
+        if size > limit:
+            raise FormError(f"{what} too large ({size} bytes; at most {limit})", 413)
+        return b"".join(chunks)
+
+    async def _form(self, request: Request) -> dict[str, str]:
+        media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+        if media != "application/x-www-form-urlencoded":
+            raise FormError("expected a form (application/x-www-form-urlencoded)")
+        body = await self._body(request, MAX_FORM_BYTES)
         try:
-            parsed = parse_qs(b"".join(chunks).decode("utf-8"), keep_blank_values=True, max_num_fields=20)
+            parsed = parse_qs(body.decode("utf-8"), keep_blank_values=True, max_num_fields=20)
         except (UnicodeDecodeError, ValueError) as e:
             raise FormError(f"unreadable form: {e}") from e
         return {k: v[0] for k, v in parsed.items()}
@@ -259,7 +319,7 @@ class Console:
         sess = self._session(request)
         html = self.env.get_template(template).render(
             viewer=sess.identity if sess else None, csrf=sess.csrf if sess else "",
-            open_reads=self.access.open_reads, **context)
+            open_reads=self.access.open_reads, kube_auth=self.access.kube is not None, **context)
         return HTMLResponse(html, status_code=status, headers={
             "Cache-Control": "no-store", "X-Frame-Options": "DENY", "Referrer-Policy": "same-origin",
             "Content-Security-Policy": "default-src 'self'; script-src 'self'; style-src 'self'; "
@@ -294,13 +354,19 @@ class Console:
         if not cookie or not hmac.compare_digest(cookie, form.get("csrf", "")):
             return await self.login_form(request, error="the login form expired; try again", status=403)
         credential = form.get("credential", "").strip()
-        who = self.access.identify(f"Bearer {credential}") if credential and len(credential) <= 4096 else None
+        try:
+            who = await self.access.resolve(f"Bearer {credential}") if credential and len(credential) <= 8192 \
+                else None
+        except IdentityUnavailable as e:
+            return await self.login_form(request, error=str(e), status=503)
         if who is None:
             return await self.login_form(request, error="unknown credential", status=401)
         if not who.may("reader", "approver"):
             return await self.login_form(request, error=f"the credential of {who.name} ({who.role}) may not "
                                                         "read runs", status=403)
-        key, _ = self._new_session(who)
+        kube = self.access.kube is not None and not self.access.insecure and \
+            self.access.identify_configured(f"Bearer {credential}") is None
+        key, _ = self._new_session(who, kube_token=credential if kube else "")
         nxt = form.get("next", "/ui/")
         response = RedirectResponse(nxt if nxt.startswith("/ui/") and "//" not in nxt else "/ui/", status_code=303)
         response.set_cookie(SESSION_COOKIE, key, max_age=SESSION_SECONDS, path="/", httponly=True,
@@ -365,17 +431,28 @@ class Console:
         if not hmac.compare_digest(sess.csrf, form.get("csrf", "")):
             return self._page("error.html", request, status=403, message="the form's CSRF token is missing or "
                               "wrong; reload the page")
-        if not sess.identity.may("approver"):
+        identity = sess.identity
+        if sess.kube_token:
+            try:
+                now = await self.access.resolve(f"Bearer {sess.kube_token}")
+            except IdentityUnavailable as e:
+                return self._page("error.html", request, status=503, message=str(e))
+            if now is None or now.name != identity.name:
+                self.sessions.pop(request.cookies.get(SESSION_COOKIE, ""), None)
+                return self._page("error.html", request, status=401,
+                                  message="your Kubernetes token is no longer valid; log in again")
+            identity = now
+        if not identity.may("approver"):
             return self._page("error.html", request, status=403,
-                              message=f"{sess.identity.name} ({sess.identity.role}) may not approve runs")
+                              message=f"{identity.name} ({identity.role}) may not approve runs")
         run_id = request.path_params["run_id"]
         if form.get("action") == "reject":
-            return await self._reject(request, run_id, sess.identity, form.get("reason", "").strip())
+            return await self._reject(request, run_id, identity, form.get("reason", "").strip())
         digest = form.get("plan_digest", "")
         if form.get("action") != "approve" or not 0 < len(digest) <= 200:
             return await self.run(request, error="expected action=approve and the plan digest", status=400)
         try:
-            await run_in_threadpool(self.dispatcher.approve, run_id, digest, sess.identity)
+            await run_in_threadpool(self.dispatcher.approve, run_id, digest, identity)
         except NotFound:
             return self._page("error.html", request, status=404, message="no such run")
         except SelfApproval as e:
@@ -398,6 +475,127 @@ class Console:
             return await self.run(request, error=f"rejection refused: {e}", status=409)
         return RedirectResponse(f"/ui/runs/{quote(run_id, safe='')}?notice=rejected", status_code=303)
 
+    # -- plans --------------------------------------------------------------------------------
+
+    async def plans(self, request: Request, *, plan: Plan | Mapping[str, Any] | None = None, source: str = "",
+                    error: str = "", status: int = 200, form: Mapping[str, str] | None = None) -> Response:
+        _, redirect = self._viewer(request)
+        if redirect is not None:
+            return redirect
+        names = await run_in_threadpool(self.dispatcher.starter.runbook_names)
+        view = plan_view(plan) if plan is not None else None
+        blocked: list[str] = []
+        expired = False
+        if view is not None:
+            try:
+                typed = plan if isinstance(plan, Plan) else Plan.model_validate(view)
+                blocked = typed.blocked_reasons
+            except ValidationError:
+                steps: Any = view.get("steps") or []
+                blocked = [f"step {s.get('id')}: {s.get('reason')}" for s in steps
+                           if isinstance(s, Mapping) and s.get("kind") == "blocked"]
+            ends = _parse_time(view.get("expires_at"))
+            expired = ends is not None and ends.timestamp() < time.time()
+        shown = {"runbook": "", "node": "", "params": "", **dict(form or {})}
+        return self._page("plans.html", request, status=status, runbooks=names, plan=view, source=source,
+                          error=error, form=shown, steps=steps_view({"plan": view}) if view else [],
+                          blocked=blocked, expired=expired)
+
+    def _poster(self, request: Request, csrf: str) -> tuple[Session | None, str, int]:
+        """The session that may post this form, or why not (message, status)."""
+        sess = self._session(request)
+        if sess is None:
+            return None, "log in first", 401
+        if not hmac.compare_digest(sess.csrf, csrf):
+            return None, "the form's CSRF token is missing or wrong; reload the page", 403
+        if not sess.identity.may("reader", "approver"):
+            return None, f"{sess.identity.name} ({sess.identity.role}) may not read plans", 403
+        return sess, "", 200
+
+    async def upload_plan(self, request: Request) -> Response:
+        try:
+            body = await self._body(request, MAX_UPLOAD_BYTES, drain=MAX_DRAIN_BYTES, what="the upload")
+            fields = multipart_fields(request.headers.get("content-type", ""), body)
+        except FormError as e:
+            msg = f"{e}: a plan file is at most {MAX_PLAN_BYTES} bytes" if e.status == 413 else str(e)
+            return await self.plans(request, error=msg, status=e.status)
+        except UploadError as e:
+            return await self.plans(request, error=str(e), status=e.status)
+        csrf = fields.get("csrf", (None, b""))[1].decode("utf-8", "replace")
+        sess, why, status = self._poster(request, csrf)
+        if sess is None:
+            return self._page("error.html", request, status=status, message=why)
+        filename, data = fields.get("plan", (None, b""))
+        name = (filename or "the uploaded file").replace("\\", "/").rsplit("/", 1)[-1]
+        try:
+            plan = parse_plan_file(name, data)
+        except UploadError as e:
+            return await self.plans(request, error=str(e), status=e.status)
+        return await self.plans(request, plan=plan, source=f"the file {name[:120]}, uploaded by {sess.identity.name}")
+
+    async def request_plan(self, request: Request) -> Response:
+        try:
+            form = await self._form(request)
+        except FormError as e:
+            return await self.plans(request, error=str(e), status=e.status)
+        sess, why, status = self._poster(request, form.get("csrf", ""))
+        if sess is None:
+            return self._page("error.html", request, status=status, message=why)
+        runbook, node = form.get("runbook", "").strip()[:253], form.get("node", "").strip()[:253]
+        kept = {"runbook": runbook, "node": node, "params": form.get("params", "")[:4000]}
+        if not runbook or not node:
+            return await self.plans(request, error="choose a runbook and name a node", status=400, form=kept)
+        try:
+            params = parse_params(form.get("params", ""))
+        except UploadError as e:
+            return await self.plans(request, error=str(e), status=e.status, form=kept)
+        if self.planning.locked():
+            return await self.plans(request, error=f"{MAX_PLANNING} plans are being made already; try again in a "
+                                    "moment", status=503, form=kept)
+        log.info("plan of %s for node %s requested in the console by %s", runbook, node, sess.identity.name)
+        async with self.planning:
+            try:
+                plan = await run_in_threadpool(self.dispatcher.starter.preview, runbook, params, node)
+            except (UsageError, LoadError) as e:
+                return await self.plans(request, error=f"cannot plan: {e}", status=422, form=kept)
+            except ConnectorError as e:
+                return await self.plans(request, error=f"cannot plan: {e}", status=503, form=kept)
+            except RunbookError as e:
+                return await self.plans(request, error=f"planning failed: {e}", status=500, form=kept)
+        return await self.plans(request, plan=plan, source=f"planned just now for {sess.identity.name}", form=kept)
+
+    def _watch(self, run_id: str) -> RunWatch:
+        """The shared watcher of ``run_id`` (started for the first viewer; one journal read per tick
+        whatever the number of pages following the run)."""
+        watch = self.watches.get(run_id)
+        if watch is None or watch.done:
+            watch = RunWatch()
+            self.watches[run_id] = watch
+            watch.task = asyncio.create_task(self._follow(run_id, watch))
+        watch.viewers += 1
+        return watch
+
+    async def _follow(self, run_id: str, watch: RunWatch) -> None:
+        try:
+            while watch.viewers > 0:
+                run = await self._load(run_id)
+                final = run is None or run.get("state") in FINAL
+                mark = live_mark(run) if run is not None else ""
+                if (run is not None and mark != watch.mark) or final:
+                    async with watch.changed:
+                        watch.run, watch.mark, watch.version = run, mark, watch.version + 1
+                        watch.done = final
+                        watch.changed.notify_all()
+                if final:
+                    return
+                await asyncio.sleep(self.poll)
+        finally:
+            async with watch.changed:
+                watch.done = True
+                watch.changed.notify_all()
+            if self.watches.get(run_id) is watch:
+                del self.watches[run_id]
+
     async def live(self, request: Request) -> Response:
         sess, redirect = self._viewer(request)
         if redirect is not None:
@@ -409,28 +607,38 @@ class Console:
 
         async def stream() -> AsyncIterator[str]:
             seen = request.query_params.get("since", "")[:16]
+            # the digest the page was loaded with: a live update never rebinds the approve button to
+            # a plan the reviewer has not seen (it says the plan changed; approving is then refused)
+            loaded = request.query_params.get("digest", "")[:200]
+            version = -1
             deadline = time.monotonic() + 3600
             beat = time.monotonic()
-            while time.monotonic() < deadline:
-                if await request.is_disconnected():
-                    return
-                run = await self._load(run_id)
-                if run is None:
-                    return
-                mark = live_mark(run)
-                if mark != seen:
-                    seen = mark
-                    html = template.render(viewer=sess.identity if sess else None, csrf=sess.csrf if sess else "",
-                                           **self._run_context(run))
-                    yield "event: update\n" + "".join(f"data: {line}\n" for line in html.splitlines()) + "\n"
-                    beat = time.monotonic()
-                if run.get("state") in FINAL:
-                    yield "event: end\ndata: \n\n"
-                    return
-                if time.monotonic() - beat > 15:
-                    yield ": keep-alive\n\n"
-                    beat = time.monotonic()
-                await asyncio.sleep(self.poll)
+            watch = self._watch(run_id)
+            try:
+                while time.monotonic() < deadline:
+                    if await request.is_disconnected():
+                        return
+                    async with watch.changed:
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(watch.changed.wait_for(partial(watch.moved, version)),
+                                                   timeout=1.0)
+                        version, run, mark, done = watch.version, watch.run, watch.mark, watch.done
+                    if run is not None and mark != seen:
+                        seen = mark
+                        html = template.render(viewer=sess.identity if sess else None,
+                                               csrf=sess.csrf if sess else "", loaded_digest=loaded,
+                                               **self._run_context(run))
+                        yield "event: update\n" + "".join(f"data: {line}\n" for line in html.splitlines()) + "\n"
+                        beat = time.monotonic()
+                    if done:
+                        if run is not None and run.get("state") in FINAL:
+                            yield "event: end\ndata: \n\n"
+                        return
+                    if time.monotonic() - beat > 15:
+                        yield ": keep-alive\n\n"
+                        beat = time.monotonic()
+            finally:
+                watch.viewers -= 1
 
         return StreamingResponse(stream(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
@@ -446,6 +654,9 @@ def console_routes(config: ServeConfig, dispatcher: Dispatcher, access: Access) 
         Route("/ui/login", console.login, methods=["POST"]),
         Route("/ui/logout", console.logout, methods=["POST"]),
         Route("/ui/static/{name}", console.static_file, methods=["GET"]),
+        Route("/ui/plans", console.plans, methods=["GET"]),
+        Route("/ui/plans/request", console.request_plan, methods=["POST"]),
+        Route("/ui/plans/upload", console.upload_plan, methods=["POST"]),
         Route("/ui/runs/{run_id}", console.run, methods=["GET"]),
         Route("/ui/runs/{run_id}/live", console.live, methods=["GET"]),
         Route("/ui/runs/{run_id}/decision", console.decision, methods=["POST"]),

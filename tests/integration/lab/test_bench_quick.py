@@ -6,7 +6,7 @@ that each benchmark ran to its end, that P1's figures are sane (the engine/scrip
 and 5: not a broken run timed as fast, nor a hang), that every engine recovery of P1 was timed and
 left omen2 recovered, and how often the engine skipped ``restart-kubelet`` (kubelet back by itself
 in the lab) is reported (``record_property`` and the test's output); every recovery of P7 (the fleet) left
-its nodes recovered.
+its nodes recovered; P9's page is that of a succeeded 3-step run.
 """
 
 from __future__ import annotations
@@ -55,4 +55,6 @@ def test_bench_run_quick_prints_every_metric_with_sane_p1_figures(tmp_path: Path
     print(f"P1: the engine skipped restart-kubelet (kubelet back by itself) in {skipped} of {engine_runs} runs")
     p7 = next(m for m in metrics if m["metric"] == "p7_fleet_20_vs_script_ratio")
     assert p7["detail"]["problems"] == [], tail  # every variant left its nodes recovered
+    p9 = next(m for m in metrics if m["metric"] == "p9_run_page_kb")
+    assert p9["detail"]["run"]["state"] == "succeeded" and len(p9["detail"]["run"]["steps"]) == 3, tail
     assert not (tmp_path / "lab").exists() and not (tmp_path / "fleet").exists()  # labs taken down
