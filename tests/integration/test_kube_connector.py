@@ -327,7 +327,7 @@ def test_the_drain_preview_dry_runs_each_eviction_on_the_real_server_and_changes
     assert "server dry-run accepted: evict default/scratch (emptyDir tmp deleted)" in lines
     assert "skip default/fluentd-omen2: DaemonSet-managed (fluentd): it would come back here" in lines
     assert "skip default/etcd-omen2: mirror pod of a static pod (the kubelet owns it)" in lines
-    # no disruption controller in this control plane: the budget is never processed, so the server refuses (429)
+    # one running pod, minAvailable 1: the budget allows no disruption, so the server refuses (429)
     assert any(ln.startswith("server dry-run REJECTED: evict default/guarded: ") and "disruption budget" in ln
                for ln in lines), lines
     pods = kube_client.list_namespaced_pod("default").items
