@@ -292,10 +292,9 @@ def test_the_drain_preview_dry_runs_each_eviction_on_the_real_server_and_changes
     from engine.model import DrainSpec, KubeDrain
 
     make_node(kube_client, "omen2")
-    owner = {"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "web-6d4f", "uid": "0d9c0ce0-0000-4000-8000-000000000001",
-             "controller": True}
-    ds = {"apiVersion": "apps/v1", "kind": "DaemonSet", "name": "fluentd", "uid": "0d9c0ce0-0000-4000-8000-000000000002",
-          "controller": True}
+    uid = "0d9c0ce0-0000-4000-8000-00000000000"
+    owner = {"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "web-6d4f", "uid": uid + "1", "controller": True}
+    ds = {"apiVersion": "apps/v1", "kind": "DaemonSet", "name": "fluentd", "uid": uid + "2", "controller": True}
     container = [{"name": "c", "image": "busybox"}]
     for name, meta, extra in (
             ("web-1", {"ownerReferences": [owner], "labels": {"app": "web"}}, {}),

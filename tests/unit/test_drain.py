@@ -106,7 +106,8 @@ def test_evict_skips_daemonset_and_mirror_pods_but_refuses_nothing() -> None:
 
 def test_pod_refs_read_owner_mirror_annotation_and_emptydir_at_the_connector_boundary() -> None:
     ref = pod_ref_from_dict({
-        "metadata": {"namespace": "kube-system", "name": "fluentd-x", "uid": "u1", "deletionTimestamp": "2026-01-01T00:00:00Z",
+        "metadata": {"namespace": "kube-system", "name": "fluentd-x", "uid": "u1",
+                     "deletionTimestamp": "2026-01-01T00:00:00Z",
                      "annotations": {"kubernetes.io/config.mirror": "abc"},
                      "ownerReferences": [{"kind": "Foo", "name": "f"}, {"kind": "DaemonSet", "name": "fluentd",
                                                                          "controller": True}]},
