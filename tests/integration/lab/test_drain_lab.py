@@ -6,6 +6,10 @@ cordons it, evicts the first replica, is refused (HTTP 429) for the second until
 replacement runs on another node, evicts it then, and leaves the DaemonSet and mirror pods. What
 happened is read from outside the engine as well: the API server's audit log (each eviction's answer
 and when the simulated kubelet removed the first pod) and the cluster itself.
+
+The drain takes the test's pods only (``selector: drain-test=yes``, kubectl's ``--pod-selector``): the
+lab's own pods on worker-2 are the simulator's, created bare (no ownerReferences), which a full drain
+rightly refuses as unmanaged, and the other lab tests count on them staying.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ params:
 steps:
   - id: drain
     why: Move the node's workloads away, within their disruption budgets, before maintenance.
-    action: {kube: {drain: {ignore_daemonsets: true, timeout: 300s}}}
+    action: {kube: {drain: {ignore_daemonsets: true, selector: drain-test=yes, timeout: 300s}}}
 """
 
 
@@ -140,7 +144,8 @@ def test_a_drain_respects_the_budget_one_eviction_at_a_time_and_leaves_daemonset
     assert {ln for ln in preview if ln.startswith(("skip ", "server dry-run accepted"))} == {
         f"skip {NS}/drain-ds-worker-2: DaemonSet-managed (drain-ds): it would come back here",
         f"skip {NS}/static-web-worker-2: mirror pod of a static pod (the kubelet owns it)",
-        f"server dry-run accepted: evict {NS}/drain-web-1", f"server dry-run accepted: evict {NS}/drain-web-2"}
+        f"server dry-run accepted: evict {NS}/drain-web-1", f"server dry-run accepted: evict {NS}/drain-web-2"}, \
+        preview
     assert plane.mutations(since=mark) == []
     assert not core.read_node(NODE).spec.unschedulable
 
