@@ -53,12 +53,12 @@ def drain_runbook(spec: dict[str, Any], *, verify: list[Any] | None = None) -> R
     return parse_runbook(yaml.safe_dump(doc).encode(), "drain-node.yaml", playbooks_dir=PLAYBOOKS)
 
 
-def run(rb: Runbook, kube: FakeKube) -> Any:
+def run(rb: Runbook, kube: FakeKube, cancel: threading.Event | None = None) -> Any:
     nodes = FakeNodes({"omen2": healthy_host()}, clock=kube.clock)
     facts = probes.gather(rb, {"node": "omen2"}, "omen2", kube, nodes)
     plan = plan_run(rb, {"node": "omen2"}, facts, runbook_digest="d" * 64, now=NOW)
     executor = Executor(kube, nodes, events=RecordingSink(), playbooks_dir=PLAYBOOKS, clock=kube.clock,
-                        sleep=kube.clock.sleep, wall=kube.clock.wall, cancel=threading.Event())
+                        sleep=kube.clock.sleep, wall=kube.clock.wall, cancel=cancel or threading.Event())
     return executor.execute(plan, rb, {"node": "omen2"})
 
 
@@ -150,7 +150,7 @@ def test_a_drain_cordons_first_retries_budget_refusals_and_leaves_daemonset_and_
     assert ev["eviction_api"] == "policy/v1" and ev["cordoned"] is True
     assert {s["pod"] for s in ev["skipped"]} == {"kube-system/fluentd-x", "web/etcd-omen2"}
     assert kube.clock.sleeps[:2] == [1.0, 2.0], "backoff between refused rounds"
-    assert ("wait_for_pods_gone", (["web/web-1", "web/web-2"], pytest.approx(57.0))) in kube.calls
+    assert ("wait_for_pods_gone", (["web/web-1", "web/web-2"], 15.0)) in kube.calls  # watched in 15 s chunks
 
 
 def test_a_drain_refused_by_an_unmanaged_pod_evicts_nothing_and_says_which_and_why() -> None:
@@ -172,6 +172,20 @@ def test_a_budget_that_keeps_refusing_fails_the_drain_at_its_timeout() -> None:
     assert result.outcomes[0].evidence["action"]["refusals"]["web/web-1"] >= 5
     assert sum(kube.clock.sleeps) == pytest.approx(20.0) and max(kube.clock.sleeps) <= 5.0
     assert kube.pods and kube.evicted == []
+
+
+def test_a_cancelled_drain_stops_retrying_and_ends_cancelled_with_its_evidence() -> None:
+    from engine.model import StepStatus
+
+    kube = cluster(pod("web-1"), pod("web-2"))
+    kube.fail["evict_pod"] = [None] + [refused_by_budget() for _ in range(100)]
+    cancel = threading.Event()
+    kube.clock.after(4, cancel.set)
+    result = run(drain_runbook({"timeout": "10m"}), kube, cancel)
+    assert result.state is RunState.CANCELLED
+    outcome = result.outcomes[0]
+    assert outcome.status is StepStatus.CANCELLED and "drain cancelled with 1 pod(s) left" in outcome.reason
+    assert outcome.evidence["action"]["pods"] == ["web/web-1"] and kube.clock.now() < 1000 + 10
 
 
 def test_disable_eviction_deletes_with_the_grace_period_instead() -> None:
