@@ -28,7 +28,7 @@ from decimal import Decimal
 from typing import Any, Literal
 
 from engine.connectors.base import PodRef
-from engine.errors import ActionFailed, Cancelled, KubeError, RunbookError
+from engine.errors import ActionFailed, KubeError, RunbookError
 from engine.facts import NodeFacts
 from engine.kube_verbs.cordon import CORDON_PATCH
 from engine.kube_verbs.effects import Decide, EffectFailed, KubeContext, PodOperation, PodRules
@@ -37,6 +37,7 @@ from engine.model import Change, KubeDrain, PodSelectorSpec, parse_duration
 
 BACKOFF_START = 1.0
 BACKOFF_MAX = 5.0  # kubectl drain retries a refused eviction every 5 s
+WATCH_CHUNK = 15.0  # seconds per watch while waiting for the pods to be gone
 
 
 # -- deciding (pure) ------------------------------------------------------------------------------
@@ -171,7 +172,7 @@ def apply(effect: PodOperation, ctx: KubeContext) -> dict[str, Any]:
     backoff = BACKOFF_START
     while pending:
         if ctx.cancel.is_set():
-            raise Cancelled(f"{effect.verb} cancelled with {len(pending)} pod(s) left")
+            raise EffectFailed(f"{effect.verb} cancelled with {len(pending)} pod(s) left", evidence)
         for pod in list(pending):
             try:
                 if rules.delete:
@@ -184,8 +185,7 @@ def apply(effect: PodOperation, ctx: KubeContext) -> dict[str, Any]:
                     ctx.progress(f"{pod.key}: eviction refused (429), retrying: {e}")
                     continue
                 evidence["failed"] = {"pod": pod.key, "error": str(e)}
-                raise EffectFailed(f"{effect.verb}: {pod.key}: {e}", evidence,
-                                         outage=e.retryable) from e
+                raise EffectFailed(f"{effect.verb}: {pod.key}: {e}", evidence, outage=e.retryable) from e
             pending.remove(pod)
             evidence["pods"].append(pod.key)
             evidence["evictions"].append({"pod": pod.key, "at": round(ctx.clock() - start, 3),
@@ -203,11 +203,18 @@ def apply(effect: PodOperation, ctx: KubeContext) -> dict[str, Any]:
     evidence["refusals"] = refusals
     taken = [d.pod for d in decisions if d.verdict == "evict" and d.pod.key in set(evidence["pods"])]
     if taken:
-        budget = max(deadline - ctx.clock(), float(rules.grace_seconds or 0))
-        left_over = kube.wait_for_pods_gone(taken, budget)
+        until = max(deadline, start + float(rules.grace_seconds or 0))
+        left_over = taken
+        while left_over:  # watched in chunks, so that a cancellation is seen within WATCH_CHUNK
+            left = until - ctx.clock()
+            left_over = kube.wait_for_pods_gone(left_over, min(max(left, 0.0), WATCH_CHUNK))
+            if ctx.cancel.is_set() and left_over:
+                raise EffectFailed(f"{effect.verb} cancelled while {len(left_over)} pod(s) terminate", evidence)
+            if left <= WATCH_CHUNK:
+                break
         if left_over:
             raise EffectFailed(f"{effect.verb}: {len(left_over)} pod(s) still on {ctx.node} after "
-                                     f"{rules.timeout:g}s: " + ", ".join(p.key for p in left_over), evidence)
+                               f"{rules.timeout:g}s: " + ", ".join(p.key for p in left_over), evidence)
     evidence["gone_after"] = round(ctx.clock() - start, 3)
     if not rules.cordon:
         return evidence  # evict/delete_pods: new pods may land on an uncordoned node
