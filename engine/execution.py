@@ -7,7 +7,8 @@ For each step of the plan, in order:
    a guard that does not hold or cannot be evaluated -> blocked (exit 3), before anything acts;
 3. ``action.intent`` is emitted **before** acting. The sink is synchronous and may raise: a journal
    that cannot record the intent aborts the run before the action (write-ahead);
-4. act (a Kubernetes patch, pod evictions, or a playbook run with its task lines streamed);
+4. act (a kube verb through ``engine.kube_verbs``: a node patch, a drain or evictions, a wait; or a
+   playbook run with its task lines streamed);
    ``action.result``;
 5. verify each check within its timeout: node checks through ``KubeAPI.wait_for_node`` (a watch,
    no sleeping), host checks first against the facts the step's own playbook returned, then by
