@@ -7,7 +7,8 @@ For each step of the plan, in order:
    a guard that does not hold or cannot be evaluated -> blocked (exit 3), before anything acts;
 3. ``action.intent`` is emitted **before** acting. The sink is synchronous and may raise: a journal
    that cannot record the intent aborts the run before the action (write-ahead);
-4. act (a Kubernetes patch, pod evictions, or a playbook run with its task lines streamed);
+4. act (a kube verb through ``engine.kube_verbs``: a node patch, a drain or evictions, a wait; or a
+   playbook run with its task lines streamed);
    ``action.result``;
 5. verify each check within its timeout: node checks through ``KubeAPI.wait_for_node`` (a watch,
    no sleeping), host checks first against the facts the step's own playbook returned, then by
@@ -54,8 +55,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from engine import checks as chk
+from engine import kube_verbs as kv
 from engine import node_events
-from engine.actions import KubeEffect, NoOp, ansible_command, kube_effect, select_pods
+from engine.actions import NoOp, ansible_command, kube_effect
 from engine.connectors.base import KubeAPI, NodeAutomation, PlaybookResult
 from engine.errors import ExitCode, HostError, KubeError, LockLost, PlanError, RunbookError
 from engine.facts import Facts, HostFacts, NodeFacts
@@ -521,28 +523,25 @@ class Executor:
             return self._act_ansible(step_id, action, rollback=rollback)
         return _ActResult(ok=True, summary="nothing to do", noop=True)
 
+    def _kube_context(self, step_id: str) -> kv.KubeContext:
+        def wait_until(check: Any, timeout: float) -> tuple[bool, str, Mapping[str, Any]]:
+            r = self._verify(step_id, Verify(check=check, timeout=f"{timeout}s"), None, wait=True)
+            return r.holds, r.observed, r.evidence
+
+        return kv.KubeContext(self.kube, self._node, self.clock, self.sleep, self.cancel, wait_until)
+
     def _act_kube(self, step_id: str, action: KubeAction, facts: Facts, *, rollback: bool) -> _ActResult:
         emit = self.events.emit
         verb = action.kube
-        if isinstance(verb, KubeWait):
-            effect = kube_effect(verb, NodeFacts(name=self._node))
-            assert isinstance(effect, KubeEffect) and effect.wait_seconds is not None
-            self._intent(step_id, action="kube", verb="wait", command=effect.command,
-                         summary=effect.summary, rollback=rollback)
-            if not rollback:
-                self._test_kill(step_id, "before-action")
-            deadline = self.clock() + effect.wait_seconds
-            while not self.cancel.is_set() and (left := deadline - self.clock()) > 0:
-                self.sleep(min(left, 1.0))
-            emit("action.result", step=step_id, ok=True, changed=False, summary=effect.summary, error="",
-                 rollback=rollback, evidence={})
-            return _ActResult(ok=True, summary=effect.summary)
-        if self.kube is None:
+        if self.kube is None and not isinstance(verb, KubeWait):
             return _ActResult(ok=False, summary="no Kubernetes connection", error="no Kubernetes connection")
         node = facts.node
+        if isinstance(verb, KubeWait):
+            node = NodeFacts(name=self._node)  # a wait reads no node facts to decide
         intent_sent = False
         last_error = ""
         outage = False
+        evidence: dict[str, Any] = {}
         for attempt in range(1, 4):
             if node is None or not node.exists:
                 err = "node does not exist" if node is not None else \
@@ -562,13 +561,16 @@ class Executor:
                 if not rollback:
                     self._test_kill(step_id, "before-action")
             try:
-                evidence = self._apply_kube(effect)
+                evidence = kv.apply(effect, self._kube_context(step_id))
+            except kv.EffectFailed as e:
+                last_error, evidence, outage = str(e), e.evidence, e.outage
+                break
             except RunbookError as e:
                 last_error = str(e)
                 outage = isinstance(e, KubeError) and e.retryable
                 status = getattr(e, "status", None)
                 # 409 Conflict / 422 failed `test` op: someone changed the node; re-read and recompute.
-                if status in (409, 422) and attempt < 3:
+                if status in (409, 422) and attempt < 3 and self.kube is not None:
                     try:
                         node = self.kube.read_node(self._node)
                     except RunbookError as e2:
@@ -579,34 +581,15 @@ class Executor:
             except Exception as e:  # a connector bug must still end as a recorded failure
                 last_error = f"{type(e).__name__}: {e}"
                 break
-            emit("action.result", step=step_id, ok=True, changed=True, summary=effect.summary, error="",
+            changed = not isinstance(effect, kv.Wait)
+            emit("action.result", step=step_id, ok=True, changed=changed, summary=effect.summary, error="",
                  rollback=rollback, evidence=evidence)
-            return _ActResult(ok=True, summary=effect.summary, changed=True, evidence=evidence)
+            return _ActResult(ok=True, summary=effect.summary, changed=changed, evidence=evidence)
+        if outage:
+            evidence = {**evidence, "outage": True}
         emit("action.result", step=step_id, ok=False, changed=False, summary="kube action failed", error=last_error,
-             rollback=rollback, evidence={"outage": True} if outage else {})
-        return _ActResult(ok=False, summary="kube action failed", error=last_error, outage=outage)
-
-    def _apply_kube(self, effect: KubeEffect) -> dict[str, Any]:
-        assert self.kube is not None
-        if effect.pods is not None:
-            sel = effect.pods
-            pods = select_pods(sel, self.kube.list_pods(node=self._node, label_selector=sel.selector,
-                                                        namespace=sel.namespace))
-            done, failed = [], []
-            for pod in pods:
-                try:
-                    if effect.verb == "evict":
-                        self.kube.evict_pod(pod)
-                    else:
-                        self.kube.delete_pod(pod, grace_seconds=sel.grace_seconds)
-                    done.append(f"{pod.namespace}/{pod.name}")
-                except RunbookError as e:
-                    failed.append(f"{pod.namespace}/{pod.name}: {e}")
-            if failed:
-                raise RunbookError(f"{len(failed)} of {len(pods)} pods not {effect.verb}ed: " + "; ".join(failed[:5]))
-            return {"pods": done}
-        self.kube.patch_node(self._node, effect.patch, patch_type=effect.patch_type)  # type: ignore[arg-type]
-        return {"patch": effect.patch, "patch_type": effect.patch_type}
+             rollback=rollback, evidence=evidence)
+        return _ActResult(ok=False, summary="kube action failed", error=last_error, evidence=evidence, outage=outage)
 
     def _act_ansible(self, step_id: str, action: AnsibleAction, *, rollback: bool) -> _ActResult:
         emit = self.events.emit

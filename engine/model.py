@@ -365,11 +365,42 @@ class PodSelectorSpec(_Model):
     selector: str | None = None  # label selector; every pod on the node when omitted
     namespace: str | None = None  # every namespace when omitted
     resource: str | None = None  # only pods whose containers request or limit this resource (nvidia.com/gpu)
-    grace_seconds: int | None = Field(default=None, ge=0)  # delete_pods only
+    grace_seconds: int | None = Field(default=None, ge=0)  # the pods' termination grace period
+    timeout: Duration = "300s"  # retrying budget refusals (429) and waiting for the pods to be gone
+
+
+class DrainSpec(_Model):
+    """``drain: {...}``: kubectl drain's semantics (engine/kube_verbs/drain.py)."""
+
+    ignore_daemonsets: bool = False  # skip DaemonSet-managed pods; without it they refuse the drain
+    delete_emptydir_data: bool = False  # evict pods with emptyDir volumes (their data is lost)
+    force: bool = False  # evict pods no controller manages (they are not recreated)
+    disable_eviction: bool = False  # delete instead of evicting: bypasses PodDisruptionBudgets
+    grace_period: int | None = Field(default=None, ge=0)  # seconds; the pod's own when omitted
+    timeout: Duration = "300s"  # evicting (429s retried) and waiting for the pods to be gone
+    selector: str | None = None  # only pods matching this label selector (kubectl --pod-selector)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _true_is_defaults(cls, v: Any) -> Any:
+        return {} if v is None or v is True else v
 
 
 class WaitSpec(_Model):
-    seconds: float = Field(gt=0, le=3600)
+    """``wait: {until: <check>, timeout: 5m}`` waits for a condition (watched or polled as a verify
+    check is); the old ``wait: {seconds: N}`` is a fixed pause."""
+
+    seconds: float | None = Field(default=None, gt=0, le=3600)
+    until: Check | None = None
+    timeout: Duration | None = None  # with until; 300s when omitted
+
+    @model_validator(mode="after")
+    def _one_form(self) -> WaitSpec:
+        if (self.seconds is None) == (self.until is None):
+            raise ValueError("wait takes either 'until' (a check, with an optional 'timeout') or 'seconds'")
+        if self.seconds is not None and self.timeout is not None:
+            raise ValueError("'timeout' goes with 'until'; 'seconds' is a fixed pause")
+        return self
 
 
 class KubeLabel(_Model):
@@ -427,6 +458,11 @@ class KubeWait(_Model):
     wait: WaitSpec
 
 
+class KubeDrain(_Model):
+    KEY: ClassVar[str] = "drain"
+    drain: DrainSpec = Field(default_factory=DrainSpec)
+
+
 KubeVerb = Annotated[
     Annotated[KubeLabel, Tag("label")]
     | Annotated[KubeUnlabel, Tag("unlabel")]
@@ -438,11 +474,12 @@ KubeVerb = Annotated[
     | Annotated[KubePatch, Tag("patch")]
     | Annotated[KubeEvict, Tag("evict")]
     | Annotated[KubeDeletePods, Tag("delete_pods")]
-    | Annotated[KubeWait, Tag("wait")],
+    | Annotated[KubeWait, Tag("wait")]
+    | Annotated[KubeDrain, Tag("drain")],
     Discriminator(_single_key),
 ]
 KUBE_VERBS = ("label", "unlabel", "annotate", "cordon", "uncordon", "taint", "untaint", "patch",
-              "evict", "delete_pods", "wait")
+              "evict", "delete_pods", "wait", "drain")
 
 
 class AnsibleSpec(_Model):

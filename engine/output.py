@@ -56,9 +56,15 @@ def preview_gist(preview: str) -> str:
         said = [ln.split(": ", 1)[1] if ": " in ln else ln for ln in lines[1:] if ln.strip()]
         return "; ".join(said) or "would change"
     acted = [ln.split(": ", 1)[1] for ln in lines if ln.startswith("server dry-run accepted: ")]
-    if acted and all(a.startswith(("evict ", "delete ")) for a in acted) and len(acted) == len(lines):
+    refused = [ln.split(":", 1)[0].split(" ", 1)[1] for ln in lines if ln.startswith("REFUSED ")]
+    skipped = sum(1 for ln in lines if ln.startswith("skip "))
+    if refused:  # a drain's pods that refuse it (engine/kube_verbs/drain.py)
+        return "drain refused by " + ", ".join(refused)
+    if acted and all(a.startswith(("evict ", "delete ")) for a in acted) \
+            and len(acted) + skipped + sum(1 for ln in lines if "cordon" in ln) == len(lines):
         verb = acted[0].split()[0]
-        return f"would {verb} " + ", ".join(a.split(" ", 1)[1] for a in acted)
+        return f"would {verb} " + ", ".join(a.split(" ", 1)[1] for a in acted) + \
+            (f"; {skipped} skipped" if skipped else "")
     if lines[0].startswith("server dry-run accepted"):
         return "server dry-run accepted"
     return _one_line(lines[0])

@@ -27,7 +27,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from engine import checks as chk
-from engine.actions import KubeEffect, NoOp, ansible_command, apply_to_node, kube_effect
+from engine.actions import KubeEffect, NoOp, Wait, ansible_command, apply_to_node, kube_effect
 from engine.errors import RunbookError
 from engine.facts import Facts
 from engine.model import (
@@ -287,6 +287,8 @@ class _Planner:
             planned = PlannedStep(kind="change", summary=effect.summary, changes=effect.changes, **base)
             if effect.changes and pred.node is not None:
                 self.pred = pred = _with_node(pred, apply_to_node(effect, pred.node))
+            if isinstance(effect, Wait) and effect.until is not None:  # later steps may count on it
+                self.pred = pred = chk.establish(effect.until, pred, params, baseline=baseline)
         elif isinstance(action, AnsibleAction):
             spec = action.ansible
             summary = f"run playbook {spec.playbook} on {self.inventory_host}" + (" as root" if spec.become else "")

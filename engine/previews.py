@@ -4,8 +4,9 @@ A plan is made from facts (``engine.probes``) by a pure function (``engine.plann
 holds what a plan asks of the outside before and after that function: the host-facts run started in
 the background before the Kubernetes client is built (``start_host_work``), the check-mode runs of
 playbook steps whose closing facts serve as the plan's host facts (``early_previews``), and the
-previews attached to changing steps (``preview_plan``: server-side dry runs for Kubernetes patches
-and evictions, ``ansible-playbook --check --diff`` for playbooks).
+previews attached to changing steps (``preview_plan``: each kube verb's own preview, server-side
+dry runs of its patch or of each eviction, see ``engine.kube_verbs``; ``ansible-playbook --check
+--diff`` for playbooks).
 
 It must never change anything: every call here is a read, a ``dryRun=All`` request or an Ansible
 check-mode run. It never imports ``kubernetes`` or ``ansible_runner`` (connectors are passed in).
@@ -13,12 +14,15 @@ check-mode run. It never imports ``kubernetes`` or ``ansible_runner`` (connector
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from engine import checks as chk
+from engine import kube_verbs as kv
 from engine import planning, probes
 from engine.connectors.base import KubeAPI, NodeAutomation
 from engine.errors import RunbookError
@@ -111,8 +115,6 @@ def preview_plan(p: Plan, prepared: PreparedRun, kube: KubeAPI | None, nodes: No
     """Attach previews to changing steps: server-side dry-run for kube patches, ``--check --diff`` for
     playbooks. Read-only by construction (dryRun=All, Ansible check mode). ``early``: previews
     already run (``early_previews``), used when the step renders to the same action."""
-    from engine.actions import KubeEffect, kube_effect
-
     previews: dict[str, str] = {}
     playbook_jobs: dict[str, AnsibleAction] = {}
     for step in prepared.runbook.steps:
@@ -128,18 +130,13 @@ def preview_plan(p: Plan, prepared: PreparedRun, kube: KubeAPI | None, nodes: No
             node = facts.node if facts is not None else None
             if node is None or not node.exists:
                 continue
-            effect = kube_effect(action.kube, node)
-            if isinstance(effect, KubeEffect) and effect.pods is not None:
-                previews[step.id] = _preview_pods(kube, prepared.node, effect)
+            effect = kv.kube_effect(action.kube, node)
+            if isinstance(effect, kv.NoOp):
                 continue
-            if not isinstance(effect, KubeEffect) or effect.patch is None:
-                continue
-            try:
-                kube.patch_node(prepared.node, effect.patch, patch_type=effect.patch_type,  # type: ignore[arg-type]
-                                dry_run=True)
-                previews[step.id] = f"server dry-run accepted: {effect.summary}"
-            except RunbookError as e:
-                previews[step.id] = f"server dry-run REJECTED: {e}"
+            ctx = kv.KubeContext(kube, prepared.node, time.monotonic, time.sleep, threading.Event())
+            text = kv.preview(effect, ctx)
+            if text:
+                previews[step.id] = text
         elif isinstance(action, AnsibleAction) and nodes is not None and action.ansible.preview:
             done = (early or {}).get(step.id)
             if done is not None and done[0] == action:
@@ -183,28 +180,3 @@ def _preview_playbook(action: AnsibleAction, prepared: PreparedRun, nodes: Any, 
         return "\n".join([*(["check mode: would change:", *said] if said else []), *diffs])
     changed = any(result.changed.values())
     return "check mode: " + ("would change (no diff reported)" if changed else "no changes")
-
-
-def _preview_pods(kube: KubeAPI, node: str, effect: Any) -> str:
-    """Which pods an evict/delete_pods step would act on now, each tried with a server-side dry run."""
-    from engine.actions import select_pods
-
-    sel = effect.pods
-    try:
-        pods = select_pods(sel, kube.list_pods(node=node, label_selector=sel.selector, namespace=sel.namespace))
-    except RunbookError as e:
-        return f"server dry-run unavailable: {e}"
-    verb = "evict" if effect.verb == "evict" else "delete"
-    if not pods:
-        return f"server dry-run: no pod to {verb} now ({effect.summary})"
-    lines = []
-    for pod in pods:
-        try:
-            if verb == "evict":
-                kube.evict_pod(pod, dry_run=True)
-            else:
-                kube.delete_pod(pod, dry_run=True, grace_seconds=sel.grace_seconds)
-            lines.append(f"server dry-run accepted: {verb} {pod.namespace}/{pod.name}")
-        except RunbookError as e:
-            lines.append(f"server dry-run REJECTED: {verb} {pod.namespace}/{pod.name}: {e}")
-    return "\n".join(lines)

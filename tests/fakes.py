@@ -4,7 +4,8 @@
   scheduled changes (``clock.at(t, fn)``) — unit tests never really sleep.
 * ``FakeKube`` (``KubeAPI``): nodes as ``NodeFacts``; ``patch_node`` applies merge and JSON patches
   (honouring ``test`` ops) and records every call; ``wait_for_node`` evaluates the predicate on the
-  current state and, until the deadline, on every scheduled change (a watch on fake time).
+  current state and, until the deadline, on every scheduled change (a watch on fake time);
+  ``wait_for_pods_gone`` likewise for evicted pods (which go at once, or ``pods_linger`` seconds later).
 * ``FakeNodes`` (``NodeAutomation``): scripted ``HostFacts`` per host; ``run_playbook`` records the
   run, applies a scripted effect (a function of the facts) and returns fresh facts like
   ``tasks/facts.yml`` does.
@@ -133,6 +134,8 @@ class FakeKube:
         self.served: dict[str, set[str]] = {}
         self.fail: dict[str, Any] = {}
         self.on_patch: Callable[[str, Any], None] | None = None  # e.g. an operator that reverts a label
+        self.eviction_api = "policy/v1"  # what eviction_version() discovers
+        self.pods_linger = 0.0  # seconds an evicted/deleted pod stays (terminating) before it is gone
         self._lock = threading.Lock()
 
     # -- state helpers for tests --
@@ -240,19 +243,49 @@ class FakeKube:
             pods = [p for p in pods if all(p.labels.get(k) == v for k, v in wanted.items())]
         return pods
 
-    def evict_pod(self, pod: PodRef, *, dry_run: bool = False) -> None:
+    def evict_pod(self, pod: PodRef, *, dry_run: bool = False, grace_seconds: int | None = None) -> None:
         self.calls.append(("evict_pod", pod))
         _raise_scripted(self.fail, "evict_pod")
         if not dry_run:
             self.evicted.append(pod)
+            if self.pods_linger:
+                self.clock.after(self.pods_linger, lambda: self._remove_pod(pod))
+            else:
+                self._remove_pod(pod)
+
+    def _remove_pod(self, pod: PodRef) -> None:
+        if pod in self.pods:
             self.pods.remove(pod)
+
+    def eviction_version(self) -> str:
+        self.calls.append(("eviction_version", None))
+        _raise_scripted(self.fail, "eviction_version")
+        return self.eviction_api
+
+    def wait_for_pods_gone(self, pods: Sequence[PodRef], timeout: float) -> list[PodRef]:
+        """A watch on fake time: scheduled changes fire until none of ``pods`` is left or the deadline."""
+        self.calls.append(("wait_for_pods_gone", ([p.key for p in pods], timeout)))
+        _raise_scripted(self.fail, "wait_for_pods_gone")
+        deadline = self.clock.now() + timeout
+        while True:
+            left = [p for p in pods if any(q.key == p.key and q.uid == p.uid for q in self.pods)]
+            if not left:
+                return []
+            nxt = self.clock.next_event()
+            if nxt is None or nxt > deadline:
+                self.clock.advance_to(deadline)
+                return left
+            self.clock.advance_to(nxt)
 
     def delete_pod(self, pod: PodRef, *, dry_run: bool = False, grace_seconds: int | None = None) -> None:
         self.calls.append(("delete_pod", pod))
         _raise_scripted(self.fail, "delete_pod")
         if not dry_run:
             self.deleted.append(pod)
-            self.pods.remove(pod)
+            if self.pods_linger:
+                self.clock.after(self.pods_linger, lambda: self._remove_pod(pod))
+            else:
+                self._remove_pod(pod)
 
     def list_objects(self, api_version: str, kind_plural: str, *, namespace: str | None = None,
                      label_selector: str | None = None) -> list[Mapping[str, Any]]:

@@ -27,6 +27,17 @@ class PodRef:
     # Resources the pod asks for (resource -> quantity, e.g. {"nvidia.com/gpu": "1"}): per container its
     # request, or its limit where it gives none (extended resources are often limit-only), summed.
     requests: Mapping[str, str] = field(default_factory=dict)
+    # What a drain decides from (engine/kube_verbs/drain.py), read at the connector boundary:
+    uid: str = ""
+    controller_kind: str = ""  # kind of the ownerReference with controller: true ("" = unmanaged)
+    controller_name: str = ""
+    mirror: bool = False  # a static pod's mirror (annotation kubernetes.io/config.mirror)
+    empty_dir: tuple[str, ...] = ()  # names of its emptyDir volumes (local data a drain would lose)
+    deleting: bool = False  # metadata.deletionTimestamp is set
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}/{self.name}"
 
 
 @dataclass(frozen=True)
@@ -101,8 +112,19 @@ class KubeAPI(Protocol):
     def list_pods(self, *, node: str | None = None, label_selector: str | None = None,
                   namespace: str | None = None) -> list[PodRef]: ...
 
-    def evict_pod(self, pod: PodRef, *, dry_run: bool = False) -> None:
-        """policy/v1 Eviction, falling back to policy/v1beta1 on servers older than 1.22."""
+    def evict_pod(self, pod: PodRef, *, dry_run: bool = False, grace_seconds: int | None = None) -> None:
+        """An Eviction of the version ``eviction_version`` names. A PodDisruptionBudget's refusal
+        raises ``KubeError`` with status 429 (retryable); a pod already gone is not an error."""
+        ...
+
+    def eviction_version(self) -> str:
+        """The Eviction API version the server serves for ``pods/eviction`` (discovery):
+        ``policy/v1`` (Kubernetes >= 1.22) or ``policy/v1beta1``."""
+        ...
+
+    def wait_for_pods_gone(self, pods: Sequence[PodRef], timeout: float) -> list[PodRef]:
+        """Watch until none of ``pods`` exists any more (a pod recreated under the same name with
+        another uid counts as gone), or ``timeout``; returns those still there."""
         ...
 
     def delete_pod(self, pod: PodRef, *, dry_run: bool = False, grace_seconds: int | None = None) -> None: ...

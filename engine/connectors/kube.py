@@ -17,8 +17,8 @@ Notes on the client (kubernetes 37):
 * Lease bodies are sent as raw JSON: the client's models serialise datetimes with
   ``isoformat()``, which drops the fraction when microseconds are 0; the apiserver requires a
   MicroTime with exactly six fractional digits and answers 400 otherwise.
-* Evictions are sent as raw JSON too, as ``policy/v1`` first and ``policy/v1beta1`` when the
-  server does not know v1 (Kubernetes < 1.22, e.g. the lab's 1.20).
+* Evictions are sent as raw JSON too, in the version discovery names for ``pods/eviction``
+  (``policy/v1`` from Kubernetes 1.22, ``policy/v1beta1`` before, e.g. the lab's 1.20).
 * ``kubernetes`` costs ~0.2 s to import, so it is imported in the constructor, not at module load.
 """
 
@@ -55,7 +55,6 @@ _PATCH_CONTENT_TYPES: Mapping[str, str] = {
     "strategic": "application/strategic-merge-patch+json",
     "json": "application/json-patch+json",
 }
-_EVICTION_VERSIONS = ("policy/v1", "policy/v1beta1")
 
 
 # --------------------------------------------------------------------------- conversions (pure)
@@ -102,16 +101,39 @@ def node_facts_from_dict(obj: Mapping[str, Any]) -> NodeFacts:
     )
 
 
+MIRROR_ANNOTATION = "kubernetes.io/config.mirror"
+
+
 def pod_ref_from_dict(obj: Mapping[str, Any]) -> PodRef:
     meta = obj.get("metadata") or {}
+    spec = obj.get("spec") or {}
+    owner = next((o for o in meta.get("ownerReferences") or () if (o or {}).get("controller")), None) or {}
     return PodRef(
         namespace=meta.get("namespace", ""),
         name=meta.get("name", ""),
-        node=(obj.get("spec") or {}).get("nodeName") or "",
+        node=spec.get("nodeName") or "",
         labels=_frozen(meta.get("labels")),
         phase=(obj.get("status") or {}).get("phase") or "",
-        requests=_pod_requests(obj.get("spec") or {}),
+        requests=_pod_requests(spec),
+        uid=meta.get("uid") or "",
+        controller_kind=str(owner.get("kind") or ""),
+        controller_name=str(owner.get("name") or ""),
+        mirror=MIRROR_ANNOTATION in (meta.get("annotations") or {}),
+        empty_dir=tuple(str(v.get("name", "")) for v in spec.get("volumes") or ()
+                        if isinstance(v, Mapping) and "emptyDir" in v),
+        deleting=bool(meta.get("deletionTimestamp")),
     )
+
+
+def eviction_version_from_discovery(core_v1: Mapping[str, Any]) -> str | None:
+    """The Eviction version in a ``/api/v1`` discovery document: the ``pods/eviction`` subresource
+    names its group and version (``policy``/``v1`` from 1.22, ``v1beta1`` before; 1.21 already serves
+    ``policy/v1`` for PodDisruptionBudgets but not for Eviction, so the group alone does not say)."""
+    for r in core_v1.get("resources") or ():
+        if isinstance(r, Mapping) and r.get("name") == "pods/eviction":
+            group, version = r.get("group") or "policy", r.get("version")
+            return f"{group}/{version}" if version else "policy/v1beta1"
+    return None
 
 
 def _pod_requests(spec: Mapping[str, Any]) -> Mapping[str, str]:
@@ -209,7 +231,7 @@ class KubeConnector:
             warnings.filterwarnings("ignore", category=urllib3.exceptions.InsecureRequestWarning)
         self.host: str = cfg.host
         self._api = client.ApiClient(cfg)
-        self._eviction_version: str | None = None  # learnt on first eviction
+        self._eviction_version: str | None = None  # discovered on first eviction
 
     # ------------------------------------------------------------------ plumbing
 
@@ -339,37 +361,96 @@ class KubeConnector:
                         query=[("labelSelector", label_selector), ("fieldSelector", field_selector)])
         return [pod_ref_from_dict(i) for i in obj.get("items") or ()]
 
-    def evict_pod(self, pod: PodRef, *, dry_run: bool = False) -> None:
-        """Evict through the Eviction subresource (honours PodDisruptionBudgets: 429 is retryable).
+    def eviction_version(self) -> str:
+        """Discovery of ``pods/eviction`` under ``/api/v1`` (once per connector)."""
+        if self._eviction_version is None:
+            doc = self._raw("GET", "/api/v1", "discover the Eviction API version")
+            version = eviction_version_from_discovery(doc)
+            if version is None:
+                raise KubeError("the API server serves no pods/eviction subresource")
+            self._eviction_version = version
+        return self._eviction_version
 
-        ``policy/v1`` first; a server that does not know it (< 1.22) answers 400 "no kind
-        Eviction is registered for version policy/v1" or 404, and gets ``policy/v1beta1``.
-        The version that worked is remembered for the connector's life.
-        """
+    def evict_pod(self, pod: PodRef, *, dry_run: bool = False, grace_seconds: int | None = None) -> None:
+        """Evict through the Eviction subresource, in the version discovery names (honours
+        PodDisruptionBudgets: their refusal is HTTP 429, raised as a retryable ``KubeError``)."""
         what = f"evict pod {pod.namespace}/{pod.name}"
         path = f"/api/v1/namespaces/{_q(pod.namespace)}/pods/{_q(pod.name)}/eviction"
-        versions = [self._eviction_version] if self._eviction_version else list(_EVICTION_VERSIONS)
-        for i, version in enumerate(versions):
-            body: dict[str, Any] = {"apiVersion": version, "kind": "Eviction",
-                                    "metadata": {"name": pod.name, "namespace": pod.namespace}}
-            if dry_run:
-                body["deleteOptions"] = {"dryRun": ["All"]}
+        body: dict[str, Any] = {"apiVersion": self.eviction_version(), "kind": "Eviction",
+                                "metadata": {"name": pod.name, "namespace": pod.namespace}}
+        options: dict[str, Any] = {}
+        if dry_run:
+            options["dryRun"] = ["All"]
+        if grace_seconds is not None:
+            options["gracePeriodSeconds"] = grace_seconds
+        if pod.uid:
+            options["preconditions"] = {"uid": pod.uid}  # not a namesake created since we listed
+        if options:
+            body["deleteOptions"] = options
+        try:
+            self._raw("POST", path, what, body=body, query=[("dryRun", "All")] if dry_run else ())
+        except NotFound:
+            return  # the pod is already gone: nothing to evict
+        except KubeError as e:
+            if e.status == 429:
+                raise KubeError(f"{what}: refused by a disruption budget: {e}", status=429,
+                                retryable=True) from e
+            if e.status == 409 and pod.uid and "UID" in str(e):
+                return  # the pod we listed is gone; a namesake took its place
+            raise
+
+    def wait_for_pods_gone(self, pods: Sequence[PodRef], timeout: float) -> list[PodRef]:
+        """List, then watch the pods of their nodes, until none of ``pods`` (by uid when known)
+        is left or ``timeout`` passes."""
+        deadline = time.monotonic() + max(0.0, timeout)
+        waiting = {p.key: p for p in pods}
+        nodes = sorted({p.node for p in pods})
+
+        def still(obj: Mapping[str, Any]) -> str | None:
+            ref = pod_ref_from_dict(obj)
+            mine = waiting.get(ref.key)
+            return ref.key if mine is not None and (not mine.uid or mine.uid == ref.uid) else None
+
+        while waiting:
+            present: set[str] = set()
+            rvs: dict[str, str] = {}
+            for node in nodes:
+                obj = self._raw("GET", "/api/v1/pods", f"list pods on {node}",
+                                query=[("fieldSelector", f"spec.nodeName={node}" if node else None)])
+                rvs[node] = (obj.get("metadata") or {}).get("resourceVersion", "")
+                present.update(k for k in (still(i) for i in obj.get("items") or ()) if k)
+            for key in [k for k in waiting if k not in present]:
+                del waiting[key]
+            remaining = deadline - time.monotonic()
+            if not waiting or remaining <= 0:
+                break
+            node = waiting[next(iter(waiting))].node
+            query = [("fieldSelector", f"spec.nodeName={node}" if node else None), ("watch", "true"),
+                     ("resourceVersion", rvs.get(node) or None),
+                     ("timeoutSeconds", max(1, math.ceil(remaining)))]
+            resp = self._raw("GET", "/api/v1/pods", f"watch pods on {node}", query=query,
+                             timeout=(self._connect_timeout, remaining + 5.0), stream=True)
             try:
-                self._raw("POST", path, what, body=body,
-                          query=[("dryRun", "All")] if dry_run else ())
-            except NotFound as e:
-                if "could not find the requested resource" in str(e) and i + 1 < len(versions):
-                    continue  # no such subresource version on this server
-                return  # the pod is already gone: nothing to evict
-            except KubeError as e:
-                if e.status == 400 and version in str(e) and i + 1 < len(versions):
-                    continue  # the server lacks this Eviction version: try the older one
-                if e.status == 429:
-                    raise KubeError(f"{what}: refused by a disruption budget: {e}", status=429,
-                                    retryable=True) from e
-                raise
-            self._eviction_version = version
-            return
+                for line in _lines(resp):
+                    if not line:
+                        continue
+                    event = json.loads(line)
+                    if event.get("type") == "ERROR":
+                        break  # expired resourceVersion: list again
+                    gone = still(event.get("object") or {}) if event.get("type") == "DELETED" else None
+                    if gone is not None:
+                        del waiting[gone]
+                        if not waiting or not any(p.node == node for p in waiting.values()):
+                            break
+                    if time.monotonic() >= deadline:
+                        break
+            except Exception as e:
+                raise self._wrap(e, f"watch pods on {node}") from e
+            finally:
+                _shutdown(resp)
+                with contextlib.suppress(Exception):
+                    resp.release_conn()
+        return list(waiting.values())
 
     def delete_pod(self, pod: PodRef, *, dry_run: bool = False, grace_seconds: int | None = None) -> None:
         body: dict[str, Any] = {}

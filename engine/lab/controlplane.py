@@ -1,5 +1,5 @@
 """A real Kubernetes control plane on loopback: etcd + kube-apiserver + kube-controller-manager
-(nodelifecycle and podgc only) + kube-scheduler, v1.20.2, from the assets folder (see ``assets``).
+(nodelifecycle, podgc, disruption, replicaset) + kube-scheduler, v1.20.2, from the assets folder (see ``assets``).
 
 No kubelet runs: nodes, leases and pod statuses are whatever the lab's simulator or a test writes.
 Every port is chosen at run time (``ports``), so a test run and a running lab never collide. TLS uses
@@ -67,6 +67,9 @@ class ControlPlaneSettings:
     default_unreachable_toleration_seconds: int = 300
     default_not_ready_toleration_seconds: int = 300
     audit_reads: bool = False  # True: get/list/watch are audited too (at Metadata level)
+    # disruption: PodDisruptionBudget status (without it every budget refuses every eviction);
+    # replicaset: evicted pods come back elsewhere (a drain guarded by a budget can then finish)
+    controllers: tuple[str, ...] = ("nodelifecycle", "podgc", "disruption", "replicaset")
     start_timeout: float = 120.0
     extra_apiserver_args: tuple[str, ...] = ()
     extra_controller_manager_args: tuple[str, ...] = ()
@@ -372,7 +375,7 @@ class ControlPlane:
                 f"--kubeconfig={d / 'kubeconfig-controller-manager'}",
                 f"--bind-address={HOST}", f"--secure-port={p['controller_manager']}", "--port=0",
                 f"--cert-dir={d / 'certs/controller-manager'}", "--leader-elect=false",
-                "--controllers=nodelifecycle,podgc", "--use-service-account-credentials=false",
+                f"--controllers={','.join(s.controllers)}", "--use-service-account-credentials=false",
                 f"--node-monitor-period={s.node_monitor_period}",
                 f"--node-monitor-grace-period={s.node_monitor_grace_period}",
                 f"--node-startup-grace-period={s.node_startup_grace_period}",

@@ -244,21 +244,94 @@ def make_pod(kube_client: Any, name: str, node: str, labels: dict[str, str] | No
         "spec": {"nodeName": node, "containers": [{"name": "c", "image": "busybox"}]}})
 
 
-def test_eviction_falls_back_to_policy_v1beta1_on_the_1_20_server(kube: KubeConnector,
-                                                                  kube_client: Any) -> None:
+def test_eviction_uses_the_version_discovery_names_policy_v1beta1_on_the_1_20_server(kube: KubeConnector,
+                                                                                     kube_client: Any) -> None:
     make_node(kube_client, "omen2")
     make_pod(kube_client, "gpu-job", "omen2", {"app": "gpu"})
     make_pod(kube_client, "other", "omen2")
     pods = kube.list_pods(node="omen2", label_selector="app=gpu")
     assert [(p.namespace, p.name, p.node) for p in pods] == [("default", "gpu-job", "omen2")]
 
+    assert kube.eviction_version() == "policy/v1beta1"  # discovery: 1.20 serves pods/eviction as v1beta1
     kube.evict_pod(pods[0], dry_run=True)
     assert kube_client.read_namespaced_pod("gpu-job", "default").metadata.deletion_timestamp is None
-    kube.evict_pod(pods[0])
-    assert kube._eviction_version == "policy/v1beta1"  # the 1.20 server knows no policy/v1 Eviction
+    kube.evict_pod(pods[0], grace_seconds=30)
     pod = kube_client.list_namespaced_pod("default", field_selector="metadata.name=gpu-job").items
     assert not pod or pod[0].metadata.deletion_timestamp is not None  # terminating (no kubelet here)
     kube.evict_pod(PodRef("default", "no-such-pod"))  # already gone: nothing to do
+
+
+def test_waiting_for_pods_gone_watches_until_the_last_one_is_deleted(kube: KubeConnector, kube_client: Any) -> None:
+    make_node(kube_client, "omen2")
+    for name in ("a", "b"):
+        make_pod(kube_client, name, "omen2")
+    pods = kube.list_pods(node="omen2")
+    for p in pods:
+        kube.evict_pod(p)  # terminating; nothing finishes the deletion (no kubelet)
+    started = time.monotonic()
+    assert {p.name for p in kube.wait_for_pods_gone(pods, 1.5)} == {"a", "b"}
+    assert 1.4 <= time.monotonic() - started < 10
+
+    def finish() -> None:
+        time.sleep(0.5)
+        for name in ("a", "b"):
+            kube_client.delete_namespaced_pod(name, "default", grace_period_seconds=0)
+            time.sleep(0.3)
+
+    threading.Thread(target=finish, daemon=True).start()
+    started = time.monotonic()
+    assert kube.wait_for_pods_gone(pods, 30) == []
+    assert time.monotonic() - started < 10, "seen through the watch, not at the timeout"
+
+
+def test_the_drain_preview_dry_runs_each_eviction_on_the_real_server_and_changes_nothing(
+        kube: KubeConnector, kube_client: Any, control_plane: ControlPlane) -> None:
+    from kubernetes import client
+
+    from engine import kube_verbs as kv
+    from engine.model import DrainSpec, KubeDrain
+
+    make_node(kube_client, "omen2")
+    uid = "0d9c0ce0-0000-4000-8000-00000000000"
+    owner = {"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "web-6d4f", "uid": uid + "1", "controller": True}
+    ds = {"apiVersion": "apps/v1", "kind": "DaemonSet", "name": "fluentd", "uid": uid + "2", "controller": True}
+    container = [{"name": "c", "image": "busybox"}]
+    for name, meta, extra in (
+            ("web-1", {"ownerReferences": [owner], "labels": {"app": "web"}}, {}),
+            ("guarded", {"ownerReferences": [owner], "labels": {"app": "guarded"}}, {}),
+            ("fluentd-omen2", {"ownerReferences": [ds]}, {}),
+            ("etcd-omen2", {"annotations": {"kubernetes.io/config.mirror": "d41d8cd9"}}, {}),
+            ("scratch", {"ownerReferences": [owner]}, {"volumes": [{"name": "tmp", "emptyDir": {}}]})):
+        kube_client.create_namespaced_pod("default", {"metadata": {"name": name, **meta},
+                                                      "spec": {"nodeName": "omen2", "containers": container, **extra}})
+    # the server ignores budgets for Pending pods: "guarded" runs (as a kubelet would report it)
+    kube_client.patch_namespaced_pod_status("guarded", "default", {"status": {"phase": "Running", "conditions": [
+        {"type": "Ready", "status": "True"}]}})
+    with control_plane.new_api_client() as api_client:
+        objects = client.CustomObjectsApi(api_client)  # the 1.20 server serves PDBs as policy/v1beta1 only
+        objects.create_namespaced_custom_object("policy", "v1beta1", "default", "poddisruptionbudgets", {
+            "apiVersion": "policy/v1beta1", "kind": "PodDisruptionBudget", "metadata": {"name": "guarded"},
+            "spec": {"minAvailable": 1, "selector": {"matchLabels": {"app": "guarded"}}}})
+        try:
+            node = kube.read_node("omen2")
+            assert node is not None
+            effect = kv.kube_effect(KubeDrain(drain=DrainSpec(ignore_daemonsets=True, delete_emptydir_data=True)), node)
+            assert isinstance(effect, kv.PodOperation)
+            ctx = kv.KubeContext(kube, "omen2", time.monotonic, time.sleep, threading.Event())
+            lines = kv.preview(effect, ctx).splitlines()
+        finally:
+            objects.delete_namespaced_custom_object("policy", "v1beta1", "default", "poddisruptionbudgets", "guarded")
+    assert lines[0] == "cordon omen2"
+    assert "server dry-run accepted: evict default/web-1" in lines
+    assert "server dry-run accepted: evict default/scratch (emptyDir tmp deleted)" in lines
+    assert "skip default/fluentd-omen2: DaemonSet-managed (fluentd): it would come back here" in lines
+    assert "skip default/etcd-omen2: mirror pod of a static pod (the kubelet owns it)" in lines
+    # one running pod, minAvailable 1: the budget allows no disruption, so the server refuses (429)
+    assert any(ln.startswith("server dry-run REJECTED: evict default/guarded: ") and "disruption budget" in ln
+               for ln in lines), lines
+    pods = kube_client.list_namespaced_pod("default").items
+    assert len(pods) == 5 and all(p.metadata.deletion_timestamp is None for p in pods), "a dry run changes nothing"
+    assert not kube_client.read_node("omen2").spec.unschedulable
 
 
 def test_delete_pod_dry_run_keeps_the_pod_and_grace_zero_removes_it(kube: KubeConnector,

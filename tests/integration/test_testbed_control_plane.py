@@ -63,7 +63,7 @@ def test_the_controllers_run_with_the_configured_node_lifecycle_timings(control_
     argv = Path(f"/proc/{control_plane.pids()['kube-controller-manager']}/cmdline").read_bytes().split(b"\0")
 
     assert b"--node-monitor-grace-period=8s" in argv
-    assert b"--controllers=nodelifecycle,podgc" in argv
+    assert b"--controllers=nodelifecycle,podgc,disruption,replicaset" in argv
     assert b"--node-eviction-rate=10.0" in argv
 
 

@@ -185,7 +185,7 @@ def test_a_fleet_gets_one_plan_per_node() -> None:
     {"cordon": True}, {"uncordon": True}, {"taint": {"key": "gpu", "value": "down", "effect": "NoSchedule"}},
     {"untaint": {"key": "node.kubernetes.io/not-ready"}}, {"annotate": {"example.com/why": "swap"}},
     {"unlabel": [GPU_LABEL]}, {"patch": {"type": "merge", "body": {"metadata": {"labels": {"a": "b"}}}}},
-    {"evict": {"selector": "app=cuda"}}, {"wait": {"seconds": 5}},
+    {"evict": {"selector": "app=cuda"}}, {"wait": {"seconds": 5}}, {"drain": {"ignore_daemonsets": True}},
 ])
 def test_every_kube_verb_plans_a_change_with_a_kubectl_line(kube_verb: dict[str, Any]) -> None:
     import yaml

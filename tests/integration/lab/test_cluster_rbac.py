@@ -36,7 +36,8 @@ NO_ROLE = "runbook-no-role"
 UNEXERCISED: dict[tuple[str, str, str, str], str] = {
     ("", "pods", "list", ""): "the gpu-budget run guard (runbook serve), drain, runbook diagnose and the "
                               "workload switch's probes; the recovery reads host CUDA processes, not pods",
-    ("", "pods", "delete", ""): "drain's fallback for a pod no eviction can move (engine/actions.py, gpu pods)",
+    ("", "pods", "delete", ""): "delete_pods, and drain with disable_eviction (engine/kube_verbs/drain.py)",
+    ("", "pods", "watch", ""): "drain/evict wait for the evicted pods to be gone (engine/kube_verbs/drain.py)",
     ("", "pods/eviction", "create", ""): "drain: evict_pod (the workload switch evicts GPU pods)",
     ("kubevirt.io", "virtualmachineinstances", "list", ""): "gpu-workload-switch's probes (engine/probes.py)",
     ("remediation.medik8s.io", "nodehealthchecks", "list", ""):

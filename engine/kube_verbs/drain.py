@@ -1,0 +1,269 @@
+"""Verb ``drain``, and the pod machinery ``evict`` and ``delete_pods`` share: kubectl drain's semantics.
+
+``drain`` (a ``PodOperation`` with ``strict`` rules):
+
+1. cordon the node first (unless it already is);
+2. sort the node's pods (``classify``, pure): mirror pods of static pods are skipped (the kubelet owns
+   them); DaemonSet-managed pods are skipped with ``ignore_daemonsets: true`` and refuse the drain
+   otherwise; pods with emptyDir volumes refuse it unless ``delete_emptydir_data: true``; pods no
+   controller manages refuse it unless ``force: true``; finished pods are always taken. One refusal
+   and nothing is evicted (the node stays cordoned, as with kubectl);
+3. evict each pod with the Eviction API version the server serves (discovery), or delete it with
+   ``disable_eviction: true``; a PodDisruptionBudget's refusal (HTTP 429) is retried with backoff
+   (1 s doubling to 5 s, as kubectl's 5 s) until ``timeout``; any other error fails the drain;
+4. wait, by a watch on the node's pods, until every evicted pod is gone (at least ``grace_period``);
+5. verify: no pod the rules would evict is left on the node.
+
+``evict`` and ``delete_pods`` are the same machinery without the cordon and with lenient rules (mirror
+and DaemonSet pods are skipped with their reason, everything else taken). ``preview`` lists what would
+be evicted, skipped or refused, and tries each eviction as a server-side dry run.
+
+Talks to Kubernetes only through ``KubeAPI``; time through the injected clock and sleep.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from decimal import Decimal
+from typing import Any, Literal
+
+from engine.connectors.base import PodRef
+from engine.errors import ActionFailed, KubeError, RunbookError
+from engine.facts import NodeFacts
+from engine.kube_verbs.cordon import CORDON_PATCH
+from engine.kube_verbs.effects import Decide, EffectFailed, KubeContext, PodOperation, PodRules
+from engine.kube_verbs.node_patch import q
+from engine.model import Change, KubeDrain, PodSelectorSpec, parse_duration
+
+BACKOFF_START = 1.0
+BACKOFF_MAX = 5.0  # kubectl drain retries a refused eviction every 5 s
+WATCH_CHUNK = 15.0  # seconds per watch while waiting for the pods to be gone
+
+
+# -- deciding (pure) ------------------------------------------------------------------------------
+
+
+def decide(verb: KubeDrain, node: NodeFacts) -> PodOperation:
+    s = verb.drain
+    rules = PodRules(selector=s.selector, cordon=True, ignore_daemonsets=s.ignore_daemonsets,
+                     delete_emptydir_data=s.delete_emptydir_data, force=s.force, strict=True,
+                     delete=s.disable_eviction, grace_seconds=s.grace_period, timeout=parse_duration(s.timeout))
+    flags = [flag for flag, on in (("--ignore-daemonsets", s.ignore_daemonsets),
+                                   ("--delete-emptydir-data", s.delete_emptydir_data), ("--force", s.force),
+                                   ("--disable-eviction", s.disable_eviction)) if on]
+    if s.grace_period is not None:
+        flags.append(f"--grace-period={s.grace_period}")
+    if s.selector:
+        flags.append(f"--pod-selector={q(s.selector)}")
+    flags.append(f"--timeout={rules.timeout:g}s")
+    command = f"kubectl drain {q(node.name)} " + " ".join(flags)
+    changes: tuple[Change, ...] = ()
+    if not node.unschedulable:
+        changes = (Change(path="node.unschedulable", before=False, after=True),)
+    how = "delete" if s.disable_eviction else "evict"
+    summary = (f"drain {node.name}: " + ("cordon, " if not node.unschedulable else "already cordoned, ")
+               + f"{how} its pods" + (f" matching {s.selector}" if s.selector else "")
+               + (", DaemonSet pods left" if s.ignore_daemonsets else ""))
+    return PodOperation("drain", summary, command, rules, changes, {"node.unschedulable": node.unschedulable})
+
+
+Verdict = Literal["evict", "skip", "refuse"]
+
+
+@dataclass(frozen=True)
+class PodDecision:
+    pod: PodRef
+    verdict: Verdict
+    reason: str = ""
+
+
+def classify(pod: PodRef, rules: PodRules) -> PodDecision:
+    """What a drain does with ``pod``, and why (kubectl drain's filters, in its order)."""
+    finished = pod.phase in ("Succeeded", "Failed")
+    if pod.controller_kind == "DaemonSet":
+        if rules.ignore_daemonsets or not rules.strict:
+            return PodDecision(pod, "skip", f"DaemonSet-managed ({pod.controller_name}): it would come back here")
+        return PodDecision(pod, "refuse", f"DaemonSet-managed ({pod.controller_name}); "
+                                          "set ignore_daemonsets: true to leave it")
+    if pod.mirror:
+        return PodDecision(pod, "skip", "mirror pod of a static pod (the kubelet owns it)")
+    if not rules.strict:
+        return PodDecision(pod, "evict")
+    notes = []
+    if pod.empty_dir and not finished:
+        if not rules.delete_emptydir_data:
+            return PodDecision(pod, "refuse", f"local storage (emptyDir {', '.join(pod.empty_dir)}); "
+                                              "set delete_emptydir_data: true to lose it")
+        notes.append(f"emptyDir {', '.join(pod.empty_dir)} deleted")
+    if not pod.controller_kind and not finished:
+        if not rules.force:
+            return PodDecision(pod, "refuse", "not managed by a controller (it would not come back); "
+                                              "set force: true to take it anyway")
+        notes.append("unmanaged: it will not come back")
+    if finished:
+        notes.append(f"finished ({pod.phase})")
+    return PodDecision(pod, "evict", "; ".join(notes))
+
+
+def asked(pod: PodRef, resource: str) -> Decimal:
+    """How much of ``resource`` the pod asks for (its containers' requests, else limits, summed)."""
+    from engine.checks import parse_quantity
+
+    total = Decimal(0)
+    for part in str(pod.requests.get(resource, "0")).split("+"):
+        try:
+            total += parse_quantity(part)
+        except ValueError:
+            continue
+    return total
+
+
+def select(rules: PodRules | PodSelectorSpec, pods: list[PodRef]) -> list[PodRef]:
+    """The pods (already listed by node, label selector and namespace) the rules take: with
+    ``resource``, only live pods whose containers request or limit a non-zero quantity of it."""
+    if not rules.resource:
+        return list(pods)
+    return [p for p in pods if p.phase not in ("Succeeded", "Failed") and asked(p, rules.resource) > 0]
+
+
+def _decisions(rules: PodRules, ctx: KubeContext) -> list[PodDecision]:
+    pods = ctx.kube.list_pods(node=ctx.node, label_selector=rules.selector, namespace=rules.namespace)
+    return [classify(p, rules) for p in select(rules, pods)]
+
+
+def _listing(decisions: list[PodDecision]) -> dict[str, list[Any]]:
+    out: dict[str, list[Any]] = {"skipped": [], "refused": []}
+    for d in decisions:
+        if d.verdict == "skip":
+            out["skipped"].append({"pod": d.pod.key, "reason": d.reason})
+        elif d.verdict == "refuse":
+            out["refused"].append({"pod": d.pod.key, "reason": d.reason})
+    return out
+
+
+# -- applying -------------------------------------------------------------------------------------
+
+
+def apply(effect: PodOperation, ctx: KubeContext) -> dict[str, Any]:
+    rules = effect.rules
+    kube = ctx.kube
+    start = ctx.clock()
+    deadline = start + rules.timeout
+    evidence: dict[str, Any] = {}
+    if rules.cordon:
+        node = kube.read_node(ctx.node)
+        if node is None:
+            raise ActionFailed(f"node {ctx.node} does not exist")
+        if not node.unschedulable:
+            kube.patch_node(ctx.node, CORDON_PATCH, patch_type="merge")
+        evidence["cordoned"] = not node.unschedulable  # False: it already was
+    decisions = _decisions(rules, ctx)
+    evidence.update(_listing(decisions))
+    if evidence["refused"]:
+        raise EffectFailed(
+            f"{effect.verb} refused: {len(evidence['refused'])} pod(s) cannot be {_past(rules)}: "
+            + "; ".join(f"{r['pod']}: {r['reason']}" for r in evidence["refused"][:5]), evidence)
+    todo = [d.pod for d in decisions if d.verdict == "evict"]
+    if not rules.delete and todo:
+        evidence["eviction_api"] = kube.eviction_version()
+    evidence["pods"], evidence["evictions"] = [], []
+    refusals: dict[str, int] = {}
+    pending = list(todo)
+    backoff = BACKOFF_START
+    while pending:
+        if ctx.cancel.is_set():
+            raise EffectFailed(f"{effect.verb} cancelled with {len(pending)} pod(s) left", evidence)
+        for pod in list(pending):
+            try:
+                if rules.delete:
+                    kube.delete_pod(pod, grace_seconds=rules.grace_seconds)
+                else:
+                    kube.evict_pod(pod, grace_seconds=rules.grace_seconds)
+            except KubeError as e:
+                if e.status == 429:
+                    refusals[pod.key] = refusals.get(pod.key, 0) + 1
+                    ctx.progress(f"{pod.key}: eviction refused (429), retrying: {e}")
+                    continue
+                evidence["failed"] = {"pod": pod.key, "error": str(e)}
+                raise EffectFailed(f"{effect.verb}: {pod.key}: {e}", evidence, outage=e.retryable) from e
+            pending.remove(pod)
+            evidence["pods"].append(pod.key)
+            evidence["evictions"].append({"pod": pod.key, "at": round(ctx.clock() - start, 3),
+                                          "refused": refusals.get(pod.key, 0)})
+            ctx.progress(f"{pod.key}: {'deleted' if rules.delete else 'evicted'}")
+        if pending:
+            left = deadline - ctx.clock()
+            if left <= 0:
+                evidence["refusals"] = refusals
+                raise EffectFailed(
+                    f"{effect.verb} timed out after {rules.timeout:g}s: a disruption budget still refuses "
+                    + ", ".join(p.key for p in pending), evidence)
+            ctx.sleep(min(backoff, left))
+            backoff = min(backoff * 2, BACKOFF_MAX)
+    evidence["refusals"] = refusals
+    taken = [d.pod for d in decisions if d.verdict == "evict" and d.pod.key in set(evidence["pods"])]
+    if taken:
+        until = max(deadline, start + float(rules.grace_seconds or 0))
+        left_over = taken
+        while left_over:  # watched in chunks, so that a cancellation is seen within WATCH_CHUNK
+            left = until - ctx.clock()
+            left_over = kube.wait_for_pods_gone(left_over, min(max(left, 0.0), WATCH_CHUNK))
+            if ctx.cancel.is_set() and left_over:
+                raise EffectFailed(f"{effect.verb} cancelled while {len(left_over)} pod(s) terminate", evidence)
+            if left <= WATCH_CHUNK:
+                break
+        if left_over:
+            raise EffectFailed(f"{effect.verb}: {len(left_over)} pod(s) still on {ctx.node} after "
+                               f"{rules.timeout:g}s: " + ", ".join(p.key for p in left_over), evidence)
+    evidence["gone_after"] = round(ctx.clock() - start, 3)
+    if not rules.cordon:
+        return evidence  # evict/delete_pods: new pods may land on an uncordoned node
+    # Verification: nothing the rules would take is left on the node (new pods included).
+    still = [d.pod.key for d in _decisions(rules, ctx) if d.verdict != "skip" and not d.pod.deleting]
+    if still:
+        evidence["left"] = still
+        raise EffectFailed(f"{effect.verb}: pods still on {ctx.node}: " + ", ".join(still[:10]), evidence)
+    return evidence
+
+
+def _past(rules: PodRules) -> str:
+    return "deleted" if rules.delete else "evicted"
+
+
+# -- previewing -----------------------------------------------------------------------------------
+
+
+def preview(effect: PodOperation, ctx: KubeContext) -> str:
+    """One line per pod: evicted (each tried as a server-side dry run), skipped or refused, and why."""
+    rules = effect.rules
+    verb = "delete" if rules.delete else "evict"
+    try:
+        decisions = _decisions(rules, ctx)
+    except RunbookError as e:
+        return f"server dry-run unavailable: {e}"
+    lines = []
+    if rules.cordon:
+        lines.append(f"{'cordon ' + ctx.node if effect.changes else ctx.node + ' already cordoned'}")
+    refused = [d for d in decisions if d.verdict == "refuse"]
+    for d in decisions:
+        if d.verdict == "skip":
+            lines.append(f"skip {d.pod.key}: {d.reason}")
+        elif d.verdict == "refuse":
+            lines.append(f"REFUSED {d.pod.key}: {d.reason}")
+        elif refused:
+            lines.append(f"not tried {d.pod.key}: the {effect.verb} is refused")
+        else:
+            try:
+                if rules.delete:
+                    ctx.kube.delete_pod(d.pod, dry_run=True, grace_seconds=rules.grace_seconds)
+                else:
+                    ctx.kube.evict_pod(d.pod, dry_run=True, grace_seconds=rules.grace_seconds)
+                lines.append(f"server dry-run accepted: {verb} {d.pod.key}" + (f" ({d.reason})" if d.reason else ""))
+            except RunbookError as e:
+                lines.append(f"server dry-run REJECTED: {verb} {d.pod.key}: {e}")
+    if not any(d.verdict == "evict" for d in decisions):
+        lines.append(f"server dry-run: no pod to {verb} now ({effect.summary})")
+    return "\n".join(lines)
+
+
+VERBS: dict[type, Decide] = {KubeDrain: decide}

@@ -1,0 +1,127 @@
+"""What a kube verb does, as one of three closed variants, and what applying one may use.
+
+A kube verb (``engine.model.Kube*``) decided against the node's facts (``decide`` in the verb's
+module) is a ``NoOp`` with its reason or one of:
+
+* ``NodePatch``: a patch of the Node object (label, unlabel, annotate, cordon, uncordon, taint,
+  untaint, patch). Applied with ``KubeAPI.patch_node``, previewed with the same patch as a server-side
+  dry run (``node_patch``).
+* ``PodOperation``: evictions or deletions of the node's pods (evict, delete_pods, drain), each with
+  kubectl drain's rules (``drain``).
+* ``Wait``: a condition (a check) waited for with a timeout, or the old fixed pause (``wait``).
+
+Pure data; no I/O here. ``KubeContext`` is what an effect's ``apply`` is handed by the executor.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from engine.connectors.base import KubeAPI
+from engine.errors import ActionFailed
+from engine.facts import NodeFacts
+from engine.model import Change
+
+
+class EffectFailed(ActionFailed):
+    """An effect that could not finish (refused pods, a budget refusing until the timeout, pods that
+    did not go, a condition that did not come): the evidence gathered so far goes with it."""
+
+    def __init__(self, message: str, evidence: Mapping[str, Any] | None = None, *, outage: bool = False) -> None:
+        super().__init__(message)
+        self.evidence = dict(evidence or {})
+        self.outage = outage
+
+
+@dataclass(frozen=True)
+class NoOp:
+    """Nothing to do, and why."""
+
+    reason: str
+    command: str = ""
+    reads: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class NodePatch:
+    """A change to the Node object through one PATCH."""
+
+    verb: str
+    summary: str  # "label k: vm-passthrough -> container"
+    command: str  # the equivalent kubectl line
+    patch: Any  # the body: a mapping (merge/strategic) or a list of operations (json)
+    patch_type: Literal["merge", "strategic", "json"] = "merge"
+    changes: tuple[Change, ...] = ()
+    reads: Mapping[str, Any] = field(default_factory=dict)  # before-values the decision read
+
+
+@dataclass(frozen=True)
+class PodRules:
+    """Which pods of the node a pod operation takes, and how (kubectl drain's options)."""
+
+    selector: str | None = None
+    namespace: str | None = None
+    resource: str | None = None  # only pods asking for this resource (evict/delete_pods)
+    delete: bool = False  # delete instead of evicting
+    cordon: bool = False  # cordon the node first (drain)
+    ignore_daemonsets: bool = False
+    delete_emptydir_data: bool = False
+    force: bool = False
+    strict: bool = False  # drain: DaemonSet, emptyDir and unmanaged pods refuse the whole operation
+    grace_seconds: int | None = None
+    timeout: float = 300.0
+
+
+@dataclass(frozen=True)
+class PodOperation:
+    """Evictions (or deletions) of pods on the node, waited for until they are gone."""
+
+    verb: str  # evict | delete_pods | drain
+    summary: str
+    command: str
+    rules: PodRules
+    changes: tuple[Change, ...] = ()  # drain: node.unschedulable -> True
+    reads: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Wait until ``until`` holds (at most ``timeout`` seconds), or pause ``seconds``."""
+
+    verb: str
+    summary: str
+    command: str
+    until: Any = None  # a bound check
+    timeout: float = 0.0
+    seconds: float | None = None
+    changes: tuple[Change, ...] = ()
+    reads: Mapping[str, Any] = field(default_factory=dict)
+
+
+KubeEffect = NodePatch | PodOperation | Wait
+Decide = Callable[[Any, NodeFacts], KubeEffect | NoOp]  # a verb module's decide(verb, node)
+
+WaitUntil = Callable[[Any, float], tuple[bool, str, Mapping[str, Any]]]  # (check, timeout) -> holds, observed, evidence
+
+
+@dataclass
+class KubeContext:
+    """What applying an effect may use: the API, the node, time and cancellation (injected, so unit
+    tests never sleep), and for ``Wait`` the executor's way of waiting for a check."""
+
+    api: KubeAPI | None
+    node: str
+    clock: Callable[[], float]
+    sleep: Callable[[float], None]
+    cancel: threading.Event
+    wait_until: WaitUntil | None = None
+    progress: Callable[[str], None] = field(default=lambda _msg: None)
+
+    @property
+    def kube(self) -> KubeAPI:
+        if self.api is None:
+            raise ActionFailed("no Kubernetes connection")
+        return self.api

@@ -1,0 +1,51 @@
+"""Verb ``wait``: wait until a condition (a check) holds, at most ``timeout``; or the old fixed pause.
+
+``wait: {until: {node_ready: true}, timeout: 5m}`` is waited for as a verify check is (a watch for
+node checks, polling for host and object checks: the executor's ``wait_until``); not holding by the
+timeout fails the step with the last observation. ``wait: {seconds: N}`` keeps its old meaning (a
+pause, cut short by cancellation). Nothing is changed either way, so a wait is never "mutating".
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.errors import ActionFailed
+from engine.facts import NodeFacts
+from engine.kube_verbs.effects import Decide, EffectFailed, KubeContext, Wait
+from engine.model import KubeWait, parse_duration
+
+DEFAULT_TIMEOUT = "300s"
+
+
+def decide(verb: KubeWait, node: NodeFacts) -> Wait:
+    w = verb.wait
+    if w.seconds is not None:
+        return Wait("wait", f"wait {w.seconds:g}s", f"sleep {w.seconds:g}", seconds=w.seconds)
+    from engine.checks import describe
+
+    timeout = parse_duration(w.timeout or DEFAULT_TIMEOUT)
+    text = describe(w.until)
+    return Wait("wait", f"wait up to {timeout:g}s until {text}",
+                f"# wait up to {timeout:g}s until {text}", until=w.until, timeout=timeout)
+
+
+def apply(effect: Wait, ctx: KubeContext) -> dict[str, Any]:
+    if effect.seconds is not None:
+        deadline = ctx.clock() + effect.seconds
+        while not ctx.cancel.is_set() and (left := deadline - ctx.clock()) > 0:
+            ctx.sleep(min(left, 1.0))
+        return {}
+    if ctx.wait_until is None:
+        raise ActionFailed("wait: no way to evaluate checks here")
+    holds, observed, evidence = ctx.wait_until(effect.until, effect.timeout)
+    if not holds:
+        raise EffectFailed(f"{effect.summary}: not by the timeout: {observed}", {"observed": observed, **evidence})
+    return {"observed": observed}
+
+
+def preview(effect: Wait, ctx: KubeContext) -> str:
+    return ""
+
+
+VERBS: dict[type, Decide] = {KubeWait: decide}
