@@ -242,7 +242,8 @@ class _CheckType:
         nests checks) is referred to, not generated again (no endless recursion)."""
         busy = _GENERATING.get()
         kinds = check_kinds()
-        choices: list[core_schema.CoreSchema | tuple[core_schema.CoreSchema, str]] = [_ref_schema(kind) if kind in busy else kind.__pydantic_core_schema__ for kind in kinds]
+        choices: list[core_schema.CoreSchema | tuple[core_schema.CoreSchema, str]] = [
+            _ref_schema(kind) if kind in busy else kind.__pydantic_core_schema__ for kind in kinds]
         token = _GENERATING.set(busy | set(kinds))
         try:
             # A union's members are generated as definitions (``$defs``) and referred to by ``$ref``.
