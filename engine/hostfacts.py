@@ -5,7 +5,7 @@ The node-facts probe (``playbooks/tasks/facts-probe.yml``) is ONE ``raw`` task, 
 every fact costs one SSH round trip: it is the header below followed by each registered fact's
 ``SCRIPT``, in registration order. Each probe inside prints one line ``NAME RC BASE64(STDOUT)``
 (``emit NAME COMMAND...``), which ``decode_probes`` reads back. The committed task file is
-generated from this module (``python -m engine.hostfacts > engine/data/playbooks/tasks/facts-probe.yml``;
+generated from this module (``python -m engine.hostfacts > playbooks/tasks/facts-probe.yml``;
 a unit test keeps them equal), so the playbook an operator runs by hand is the same probe.
 
 ``parse_host_facts`` is the parse boundary the Ansible connector calls: the ``runbook_facts`` stat
@@ -402,7 +402,7 @@ _PROBE_HEADER = '''\
 ---
 # The probe of tasks/facts.yml, alone: registers `runbook_facts_probe` (read-only).
 # GENERATED from engine/hostfacts.py (one unit per host fact: its probe lines and its parser):
-#   python -m engine.hostfacts > engine/data/playbooks/tasks/facts-probe.yml
+#   python -m engine.hostfacts > playbooks/tasks/facts-probe.yml
 # swap-off.yml runs it first, to learn the swap devices (the plain "swap-device" and
 # "swap-unhandled" lines), and tasks/facts-publish.yml publishes what it found.
 #

@@ -315,8 +315,8 @@ def test_a_pod_as_the_api_serves_it_becomes_a_pod_ref_with_what_it_asks_for() ->
 
 def test_the_committed_facts_probe_task_is_what_the_host_fact_units_generate() -> None:
     """tasks/facts-probe.yml is generated from engine/hostfacts.py: one raw task, each fact's lines."""
-    committed = (REPO / "engine/data/playbooks/tasks/facts-probe.yml").read_text()
+    committed = (REPO / "playbooks/tasks/facts-probe.yml").read_text()
     assert committed == probe_task_file(), \
-        "regenerate: python -m engine.hostfacts > engine/data/playbooks/tasks/facts-probe.yml"
+        "regenerate: python -m engine.hostfacts > playbooks/tasks/facts-probe.yml"
     tasks = yaml.safe_load(committed)
     assert len(tasks) == 1 and "ansible.builtin.raw" in tasks[0]  # still one SSH round trip
