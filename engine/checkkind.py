@@ -215,9 +215,7 @@ def iter_checks(check: CheckKind) -> Iterator[CheckKind]:
 def _validate_check(value: Any) -> CheckKind:
     if isinstance(value, CheckKind):
         return value
-    if not isinstance(value, Mapping):
-        raise PydanticKnownError("model_type", {"class_name": "Check"})
-    if len(value) != 1:
+    if not isinstance(value, Mapping) or len(value) != 1:  # as a union tagged by its single key
         raise PydanticKnownError("union_tag_not_found", {"discriminator": "_single_key()"})
     key = next(iter(value))
     kind = _KINDS.get(key) if isinstance(key, str) else None
