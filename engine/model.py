@@ -22,15 +22,15 @@ from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
-    BaseModel,
     BeforeValidator,
-    ConfigDict,
     Discriminator,
     Field,
     Tag,
     field_validator,
     model_validator,
 )
+
+from engine.checkkind import Check, FormatModel
 
 API_VERSION = "runbook/v1"
 PLAN_FORMAT = "runbook-plan/v1"
@@ -82,15 +82,7 @@ def _coerce_duration(value: Any) -> Any:
 Duration = Annotated[str, BeforeValidator(_coerce_duration)]
 
 
-def _bool_to_status(value: Any) -> Any:
-    # YAML reads `status: True` as a boolean; Kubernetes condition statuses are strings.
-    if isinstance(value, bool):
-        return "True" if value else "False"
-    return value
-
-
-class _Model(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+_Model = FormatModel
 
 
 def _single_key(value: Any) -> str | None:
@@ -101,236 +93,9 @@ def _single_key(value: Any) -> str | None:
 
 
 # --------------------------------------------------------------------------------------------
-# Checks
+# Checks: ``Check`` is any kind registered in ``engine.checkkind`` (the built-in kinds are in
+# ``engine.checks``, one class each); the format does not enumerate them.
 # --------------------------------------------------------------------------------------------
-
-
-class NodeLabelSpec(_Model):
-    key: str = Field(min_length=1)
-    equals: str | None = None
-    absent: bool | None = None
-
-    @model_validator(mode="after")
-    def _one_condition(self) -> NodeLabelSpec:
-        if (self.equals is None) == (self.absent is None):
-            raise ValueError("node_label needs exactly one of 'equals' or 'absent'")
-        return self
-
-
-class NodeTaintSpec(_Model):
-    key: str = Field(min_length=1)
-    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
-    present: bool = True
-
-
-class NodeConditionSpec(_Model):
-    type: str = Field(min_length=1)
-    status: Annotated[Literal["True", "False", "Unknown"], BeforeValidator(_bool_to_status)]
-
-
-class AllocatableSpec(_Model):
-    resource: str = Field(min_length=1)
-    min: int | str = 1  # a Kubernetes quantity: 1, "500m", "4Gi"
-
-
-class ObjectsSpec(_Model):
-    """Objects of any listable kind, e.g. KubeVirt VirtualMachines by ``status.printableStatus``."""
-
-    api_version: str = Field(min_length=1)  # "kubevirt.io/v1", "v1"
-    kind: str = Field(min_length=1)  # "VirtualMachine"
-    plural: str | None = None  # defaults to lower(kind) + "s"
-    namespace: str | None = None  # all namespaces when omitted
-    selector: str | None = None  # label selector
-    resource: str | None = None  # only objects asking for this extended resource (pods, VMs, VMIs)
-    field: str | None = None  # dotted path into each object; all listed objects match when omitted
-    equals: str | int | bool | None = None
-    count: int | None = Field(default=None, ge=0)
-    min: int | None = Field(default=None, ge=0)
-    max: int | None = Field(default=None, ge=0)
-
-    @model_validator(mode="after")
-    def _bounds(self) -> ObjectsSpec:
-        if self.field is not None and self.equals is None:
-            raise ValueError("objects: 'field' needs 'equals'")
-        if self.count is not None and (self.min is not None or self.max is not None):
-            raise ValueError("objects: use either 'count' or 'min'/'max'")
-        return self
-
-    @property
-    def plural_name(self) -> str:
-        return self.plural or self.kind.lower() + "s"
-
-
-class ServiceSpec(_Model):
-    name: str = Field(min_length=1)
-    state: str | tuple[str, ...]  # systemctl is-active output; a list means any of them
-
-    @property
-    def states(self) -> tuple[str, ...]:
-        return (self.state,) if isinstance(self.state, str) else self.state
-
-
-class JournalSpec(_Model):
-    unit: str = Field(min_length=1)
-    text: str = Field(min_length=1)
-
-
-class CudaProcessesSpec(_Model):
-    min: int | None = Field(default=None, ge=0)
-    max: int | None = Field(default=None, ge=0)
-    # Every host CUDA process of the plan's baseline (the facts the plan was made from) still runs,
-    # by pid: "no host CUDA job killed". Unknown without a baseline (fail closed).
-    none_killed: Literal[True] | None = None
-
-    @model_validator(mode="after")
-    def _some_bound(self) -> CudaProcessesSpec:
-        if self.min is None and self.max is None and self.none_killed is None:
-            raise ValueError("cuda_processes needs 'min', 'max' or 'none_killed: true'")
-        return self
-
-
-class FileSpec(_Model):
-    path: str = Field(min_length=2)  # absolute path on the node host
-    exists: bool | None = None  # defaults to true when 'contains' is not given
-    contains: str | None = None  # substring of the file's text (first 64 KiB)
-
-    @field_validator("path")
-    @classmethod
-    def _absolute(cls, v: str) -> str:
-        if not v.startswith("/") and not v.startswith("{{"):
-            raise ValueError(f"file path must be absolute, got {v!r}")
-        return v
-
-    @model_validator(mode="after")
-    def _consistent(self) -> FileSpec:
-        if self.contains is not None and self.exists is False:
-            raise ValueError("file: 'contains' with 'exists: false' can never hold")
-        return self
-
-
-class NodeExistsCheck(_Model):
-    KEY: ClassVar[str] = "node_exists"
-    node_exists: bool
-
-
-class NodeReadyCheck(_Model):
-    KEY: ClassVar[str] = "node_ready"
-    node_ready: bool
-
-
-class NodeLabelCheck(_Model):
-    KEY: ClassVar[str] = "node_label"
-    node_label: NodeLabelSpec
-
-
-class NodeTaintCheck(_Model):
-    KEY: ClassVar[str] = "node_taint"
-    node_taint: NodeTaintSpec
-
-
-class NodeConditionCheck(_Model):
-    KEY: ClassVar[str] = "node_condition"
-    node_condition: NodeConditionSpec
-
-
-class AllocatableCheck(_Model):
-    KEY: ClassVar[str] = "allocatable"
-    allocatable: AllocatableSpec
-
-
-class ObjectsCheck(_Model):
-    KEY: ClassVar[str] = "objects"
-    objects: ObjectsSpec
-
-
-class SwapActiveCheck(_Model):
-    KEY: ClassVar[str] = "swap_active"
-    swap_active: bool
-
-
-class FstabActiveSwapCheck(_Model):
-    KEY: ClassVar[str] = "fstab_active_swap"
-    fstab_active_swap: bool
-
-
-class ServiceCheck(_Model):
-    KEY: ClassVar[str] = "service"
-    service: ServiceSpec
-
-
-class JournalContainsCheck(_Model):
-    KEY: ClassVar[str] = "journal_contains"
-    journal_contains: JournalSpec
-
-
-class GpuDriverCheck(_Model):
-    KEY: ClassVar[str] = "gpu_driver"
-    gpu_driver: Literal["nvidia", "vfio-pci", "none"]
-
-
-class CudaProcessesCheck(_Model):
-    KEY: ClassVar[str] = "cuda_processes"
-    cuda_processes: CudaProcessesSpec
-
-
-class FileCheck(_Model):
-    KEY: ClassVar[str] = "file"
-    file: FileSpec
-
-
-class ExprCheck(_Model):
-    KEY: ClassVar[str] = "expr"
-    expr: str = Field(min_length=1)  # a Jinja2 expression (no braces), truthy = holds
-
-
-class AllCheck(_Model):
-    KEY: ClassVar[str] = "all"
-    all_: tuple[Check, ...] = Field(alias="all", min_length=1)
-
-
-class AnyCheck(_Model):
-    KEY: ClassVar[str] = "any"
-    any_: tuple[Check, ...] = Field(alias="any", min_length=1)
-
-
-class NotCheck(_Model):
-    KEY: ClassVar[str] = "not"
-    not_: Check = Field(alias="not")
-
-
-CHECK_TYPES: tuple[type[_Model], ...] = (
-    NodeExistsCheck, NodeReadyCheck, NodeLabelCheck, NodeTaintCheck, NodeConditionCheck,
-    AllocatableCheck, ObjectsCheck, SwapActiveCheck, FstabActiveSwapCheck, ServiceCheck,
-    JournalContainsCheck, GpuDriverCheck, CudaProcessesCheck, FileCheck, ExprCheck, AllCheck, AnyCheck,
-    NotCheck,
-)
-CHECK_KEYS: tuple[str, ...] = tuple(t.KEY for t in CHECK_TYPES)  # type: ignore[attr-defined]
-
-Check = Annotated[
-    Annotated[NodeExistsCheck, Tag("node_exists")]
-    | Annotated[NodeReadyCheck, Tag("node_ready")]
-    | Annotated[NodeLabelCheck, Tag("node_label")]
-    | Annotated[NodeTaintCheck, Tag("node_taint")]
-    | Annotated[NodeConditionCheck, Tag("node_condition")]
-    | Annotated[AllocatableCheck, Tag("allocatable")]
-    | Annotated[ObjectsCheck, Tag("objects")]
-    | Annotated[SwapActiveCheck, Tag("swap_active")]
-    | Annotated[FstabActiveSwapCheck, Tag("fstab_active_swap")]
-    | Annotated[ServiceCheck, Tag("service")]
-    | Annotated[JournalContainsCheck, Tag("journal_contains")]
-    | Annotated[GpuDriverCheck, Tag("gpu_driver")]
-    | Annotated[CudaProcessesCheck, Tag("cuda_processes")]
-    | Annotated[FileCheck, Tag("file")]
-    | Annotated[ExprCheck, Tag("expr")]
-    | Annotated[AllCheck, Tag("all")]
-    | Annotated[AnyCheck, Tag("any")]
-    | Annotated[NotCheck, Tag("not")],
-    Discriminator(_single_key),
-]
-
-AllCheck.model_rebuild()
-AnyCheck.model_rebuild()
-NotCheck.model_rebuild()
 
 # --------------------------------------------------------------------------------------------
 # Actions
@@ -557,6 +322,30 @@ def action_kind(action: KubeAction | AnsibleAction | CheckAction) -> Literal["ku
 
 ParamValue = str | int | bool
 
+# Why fullmatch everywhere: ``$`` also matches before a trailing newline, so ``re.match(r"^...$")``
+# let ``omen2\n`` through as a node name.
+_NODE_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+# Printable text without shell, quoting or template metacharacters; a param that needs more
+# declares its own `pattern`.
+_SAFE_STRING = re.compile(r"[A-Za-z0-9 _.,:/@+=%#-]*")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
+_MAX_STRING = 1024
+_TRUE = {"true", "yes", "on", "1"}
+_FALSE = {"false", "no", "off", "0"}
+
+
+def is_node_name(value: str) -> bool:
+    """An RFC 1123 subdomain: lowercase, <= 253 characters, dot-separated labels of <= 63."""
+    if not value or len(value) > 253:
+        return False
+    return all(len(part) <= 63 and _NODE_LABEL.fullmatch(part) for part in value.split("."))
+
+
+def control_character(value: str) -> str | None:
+    """Where ``value`` holds a control character (or a lone surrogate): ``"U+000A at position 5"``."""
+    m = _CONTROL.search(value)
+    return None if m is None else f"U+{ord(m.group()):04X} at position {m.start()}"
+
 
 class Param(_Model):
     type: Literal["string", "int", "bool", "enum", "node"] = "string"
@@ -586,10 +375,55 @@ class Param(_Model):
         if self.required and self.default is not None:
             raise ValueError("a required param has no default")
         if self.default is not None:
-            from engine.params import coerce_value  # lazy: params imports this module
-
-            coerce_value("default", self, self.default)
+            self.coerce("default", self.default)
         return self
+
+    def coerce(self, name: str, value: Any) -> ParamValue:
+        """One value (a CLI string or a typed value from YAML/JSON) -> this param's type, or ValueError."""
+        kind = self.type
+        if kind == "bool":
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+                return value.strip().lower() in _TRUE
+            raise ValueError(f"param {name}: expected true or false, got {value!r}")
+        if kind == "int":
+            if isinstance(value, bool):
+                raise ValueError(f"param {name}: expected an integer, got {value!r}")
+            if isinstance(value, int):
+                n = value
+            elif isinstance(value, str) and re.fullmatch(r"[-+]?\d{1,18}", value.strip()):
+                n = int(value.strip())
+            else:
+                raise ValueError(f"param {name}: expected an integer, got {value!r}")
+            if self.min is not None and n < self.min:
+                raise ValueError(f"param {name}: {n} is less than the minimum {self.min}")
+            if self.max is not None and n > self.max:
+                raise ValueError(f"param {name}: {n} is more than the maximum {self.max}")
+            return n
+        if not isinstance(value, str):
+            raise ValueError(f"param {name}: expected a string, got {value!r}")
+        bad = control_character(value)
+        if bad is not None:  # Why: a newline or escape in a param reaches logs, Ansible limits and API paths
+            raise ValueError(f"param {name}: {value[:80]!r} contains a control character ({bad})")
+        if kind == "enum":
+            assert self.values is not None
+            if value not in self.values:
+                raise ValueError(f"param {name}: {value!r} is not one of {', '.join(self.values)}")
+            return value
+        if kind == "node":
+            if not is_node_name(value):
+                raise ValueError(f"param {name}: {value!r} is not a valid node name "
+                                 "(RFC 1123: lowercase letters, digits, '-' and '.', at most 253 characters)")
+        elif len(value) > _MAX_STRING:
+            raise ValueError(f"param {name}: longer than {_MAX_STRING} characters")
+        if self.pattern is not None:
+            if not re.fullmatch(self.pattern, value):
+                raise ValueError(f"param {name}: {value!r} does not match {self.pattern}")
+        elif kind == "string" and not _SAFE_STRING.fullmatch(value):
+            raise ValueError(f"param {name}: {value!r} contains characters a string param without a "
+                             "'pattern' does not accept (quotes, shell or template metacharacters)")
+        return value
 
 
 class Precondition(_Model):

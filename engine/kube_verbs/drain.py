@@ -34,6 +34,7 @@ from engine.kube_verbs.cordon import CORDON_PATCH
 from engine.kube_verbs.effects import Decide, EffectFailed, KubeContext, PodOperation, PodRules
 from engine.kube_verbs.node_patch import q
 from engine.model import Change, KubeDrain, PodSelectorSpec, parse_duration
+from engine.resources import parse_quantity
 
 BACKOFF_START = 1.0
 BACKOFF_MAX = 5.0  # kubectl drain retries a refused eviction every 5 s
@@ -106,16 +107,12 @@ def classify(pod: PodRef, rules: PodRules) -> PodDecision:
 
 
 def asked(pod: PodRef, resource: str) -> Decimal:
-    """How much of ``resource`` the pod asks for (its containers' requests, else limits, summed)."""
-    from engine.checks import parse_quantity
-
-    total = Decimal(0)
-    for part in str(pod.requests.get(resource, "0")).split("+"):
-        try:
-            total += parse_quantity(part)
-        except ValueError:
-            continue
-    return total
+    """How much of ``resource`` the pod asks for: the connector already summed it the scheduler's way
+    (``engine.resources.pod_spec_requests``); an unreadable quantity counts as nothing."""
+    try:
+        return parse_quantity(pod.requests.get(resource, "0"))
+    except ValueError:
+        return Decimal(0)
 
 
 def select(rules: PodRules | PodSelectorSpec, pods: list[PodRef]) -> list[PodRef]:

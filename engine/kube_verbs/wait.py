@@ -24,6 +24,7 @@ def decide(verb: KubeWait, node: NodeFacts) -> Wait:
         return Wait("wait", f"wait {w.seconds:g}s", f"sleep {w.seconds:g}", seconds=w.seconds)
     from engine.checks import describe
 
+    assert w.until is not None  # WaitSpec holds exactly one of seconds / until
     timeout = parse_duration(w.timeout or DEFAULT_TIMEOUT)
     text = describe(w.until)
     return Wait("wait", f"wait up to {timeout:g}s until {text}",
