@@ -41,8 +41,10 @@ PRODUCES: dict[str, tuple[str, ...]] = {
     "p1": ("p1_recovery_vs_checked_script_ratio", "p1_recovery_vs_bare_script_ratio", "p6_rss_mb"),
     "p5": ("p5_webhook_rps", "p5_webhook_p99_ms"),
     "p7": ("p7_fleet_20_vs_script_ratio", "p7_fleet_20_vs_1_ratio"),
+    "p8": ("p8_alert_to_run_s", "p8_runbook_webhook_ms"),
 }
-ORDER = ("p3", "p2", "p4", "p7", "p1", "p5")  # cheapest first, the fleet labs together; the real server last
+# cheapest first, the fleet labs together; the real server last, then the paging loop (monitoring)
+ORDER = ("p3", "p2", "p4", "p7", "p1", "p5", "p8")
 
 
 def _runner(name: str, args: argparse.Namespace) -> Callable[[Context], list[Metric]]:
@@ -62,6 +64,10 @@ def _runner(name: str, args: argparse.Namespace) -> Callable[[Context], list[Met
         from bench import p7_fleet
 
         return p7_fleet.run
+    if name == "p8":
+        from bench import p8_alert_to_run
+
+        return p8_alert_to_run.run
     if name == "p4":
         from bench import p4_plan
 
@@ -74,7 +80,7 @@ def _runner(name: str, args: argparse.Namespace) -> Callable[[Context], list[Met
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench/run", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="CI smoke: 1-2 runs each, 10- and 4-node fleets, short rounds")
-    p.add_argument("--only", default="", help="comma-separated benchmarks: p1,p2,p3,p4,p5,p6,p7 (p6 runs p1)")
+    p.add_argument("--only", default="", help="comma-separated benchmarks: p1,p2,p3,p4,p5,p6,p7,p8 (p6 runs p1)")
     p.add_argument("--runs", type=int, default=5, help="repetitions per variant (>= 5 unless --quick)")
     p.add_argument("--lab-dir", type=Path, default=Path(DEFAULT_LAB_DIR))
     p.add_argument("--fleet-lab-dir", type=Path, default=Path(DEFAULT_FLEET_LAB_DIR))
