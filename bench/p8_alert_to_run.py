@@ -322,6 +322,11 @@ def _measure(ctx: Context, env: dict[str, str], serve: Serve, proxy: Proxy, moni
         "runbook_share_s": round(waiting_at - delivery.received, 3),
         "webhook_status": delivery.status,
         "deliveries": len(proxy.deliveries),
+        # every delivery of the run, the other nodes' first pages (answered while their runs plan in
+        # the workers) and the re-sends (duplicates) included
+        "all_webhooks_ms": summary([1000 * (d.answered - d.received) for d in proxy.deliveries], 2),
+        "starting_webhooks_ms": summary([1000 * (d.answered - d.received) for d in proxy.deliveries
+                                         if d.status == 202], 2),
     }
 
 
