@@ -308,11 +308,17 @@ def _measure(ctx: Context, env: dict[str, str], serve: Serve, proxy: Proxy, moni
     if active_at is None:
         raise RuntimeError(f"Prometheus never showed {ALERT}{{node={NODE}}} to the poller")
     firing_at = active_at + float(timing["alert_for_seconds"])
+    scraped_at: float | None = None
+    with contextlib.suppress(Exception):  # the split is extra detail: a failed query leaves it out
+        scraped_at = _first_not_ready_sample(monitoring, t0)
     return {
         "run_id": run_id,
         "total_s": round(waiting_at - t0, 3),
         "node_not_ready_s": round(not_ready_at - t0, 3),  # node monitor grace (+ its period), 1 s resolution
         "scrape_and_evaluation_s": round(active_at - not_ready_at, 3),
+        # split at the first scraped sample saying Ready is not true (NotReady has 1 s resolution)
+        "scrape_s": round(scraped_at - not_ready_at, 3) if scraped_at else None,
+        "evaluation_s": round(active_at - scraped_at, 3) if scraped_at else None,
         "rule_for_s": round(firing_at - active_at, 3),
         "firing_seen_by_poller_s": round(seen["firing"] - active_at, 3) if "firing" in seen else None,
         "alertmanager_s": round(delivery.received - firing_at, 3),  # next evaluation, send, group_wait
@@ -328,6 +334,15 @@ def _measure(ctx: Context, env: dict[str, str], serve: Serve, proxy: Proxy, moni
         "starting_webhooks_ms": summary([1000 * (d.answered - d.received) for d in proxy.deliveries
                                          if d.status == 202], 2),
     }
+
+
+def _first_not_ready_sample(monitoring: Any, since: float) -> float | None:
+    """When Prometheus first scraped kube_node_status_condition{Ready, true} = 0 for the node after ``since``."""
+    window = max(10, int(time.time() - since) + 10)
+    series = monitoring.query(f'kube_node_status_condition{{node="{NODE}",condition="Ready",status="true"}}'
+                              f"[{window}s]")
+    samples = sorted((float(t), v) for s in series for t, v in s.get("values", []))
+    return next((t for t, v in samples if t >= since and float(v) == 0), None)
 
 
 def run(ctx: Context) -> list[Metric]:
@@ -353,7 +368,8 @@ def run(ctx: Context) -> list[Metric]:
         return summary([s[name] for s in samples if s.get(name) is not None], digits)
 
     parts = {name: part(name) for name in (
-        "node_not_ready_s", "scrape_and_evaluation_s", "rule_for_s", "alertmanager_s", "runbook_webhook_ms",
+        "node_not_ready_s", "scrape_and_evaluation_s", "scrape_s", "evaluation_s", "rule_for_s", "alertmanager_s",
+        "runbook_webhook_ms",
         "run_created_after_receipt_ms", "runbook_plan_s", "runbook_share_s")}
     detail = {"node": NODE, "parts": parts, "runs_detail": samples, "problems": problems}
     totals = [s["total_s"] for s in samples]

@@ -315,6 +315,15 @@ class RunService:
 
     # -- records --------------------------------------------------------------------------------
 
+    def preload(self) -> None:
+        """Import now what planning and execution import on first use (the Ansible and Kubernetes
+        connectors and their libraries: ~0.1 s of CPU). For a long-lived process (``runbook
+        serve``): its first run must not spend that in a worker thread while pages are answered."""
+        from engine.connectors import ansible, kube
+
+        ansible.preload()
+        del kube
+
     def create(self, prepared: PreparedRun, plan: Plan | None, *, source: str = "cli",
                approval_required: bool = False, note: Mapping[str, Any] | None = None,
                state: str = "pending", requested_by: str | None = None) -> str:

@@ -82,6 +82,16 @@ OWNER_FILE = "owner"  # "<pid> <start time>" of the process that made a private 
 # ============================================================================ facts (pure)
 
 
+def preload() -> None:
+    """Import ansible-runner now instead of on the first run (``RunService.preload``: a server's
+    first run then imports nothing in a worker while webhooks are being answered)."""
+    import ansible_runner
+    import ansible_runner.interface
+    import ptyprocess
+
+    del ansible_runner, ptyprocess
+
+
 def decode_probes(lines: Iterable[str]) -> dict[str, tuple[int, str]]:
     """``NAME RC BASE64`` lines (tasks/facts.yml) -> {name: (rc, stdout)}. Bad lines are skipped."""
     probes: dict[str, tuple[int, str]] = {}

@@ -5,6 +5,8 @@ closed), and one journal commit for a new run instead of one per event."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -113,3 +115,21 @@ def test_a_paged_run_is_recorded_with_its_first_events_in_one_commit(tmp_path: P
     assert (run["requested_by"], run["dedup_key"], run["reason"], run["warnings"]) == (
         "alertmanager", "fp-1", "KubeNodeNotReady omen2", ["breaker: 4 of 8 nodes"])
     assert (run["state"], run["approval_required"]) == ("pending", True)
+
+
+def test_the_servers_starter_imports_the_planning_libraries_at_start_not_in_the_first_runs_worker(
+        tmp_path: Path) -> None:
+    journal, runbooks = str(tmp_path / "j.sqlite"), str(REPO / "runbooks")
+    script = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from engine.serve_starter import JournalRunStarter\n"
+        "from engine.settings import Settings\n"
+        "assert 'ansible_runner' not in sys.modules\n"
+        f"JournalRunStarter(Settings(journal=Path({journal!r}), runbooks_dir=Path({runbooks!r})))\n"
+        "wanted = ('ansible_runner', 'ansible_runner.interface', 'engine.connectors.ansible')\n"
+        "print(sorted(m for m in wanted if m in sys.modules))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False,
+                          cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "['ansible_runner', 'ansible_runner.interface', 'engine.connectors.ansible']"
