@@ -133,3 +133,13 @@ def test_the_servers_starter_imports_the_planning_libraries_at_start_not_in_the_
                           cwd=REPO)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "['ansible_runner', 'ansible_runner.interface', 'engine.connectors.ansible']"
+
+
+def test_while_the_server_runs_threads_switch_every_millisecond_so_busy_workers_delay_answers_less() -> None:
+    before = sys.getswitchinterval()
+    app = create_app(load_config(None, env={"RUNBOOK_WEBHOOK_TOKEN": TOKEN}), FakeRunStarter([trigger_spec()]),
+                     cluster=KubeClusterView(lambda: FakeKube([make_node("omen2")]), ExclusionConfig()),
+                     notifier=Notifier(None), sweep_interval=0)
+    with TestClient(app, base_url="http://127.0.0.1"):
+        assert sys.getswitchinterval() == pytest.approx(min(before, 0.001))
+    assert sys.getswitchinterval() == pytest.approx(before)  # the process's own setting is given back
