@@ -40,6 +40,7 @@ class JournalRunStarter:
         self._runbooks = {lr.name: lr for lr in loaded}
         self._executing: set[str] = set()
         self._guard = threading.Lock()
+        self.service.preload()  # at server start, not in the first run's worker (docs/performance.md, P8)
 
     @property
     def journal(self) -> Any:

@@ -77,6 +77,19 @@ _BECOME_PROMPT = r"BECOME password[^:\n]*:\s*$"
 DIR_PREFIX = "runbook-ansible-"
 OWNER_FILE = "owner"  # "<pid> <start time>" of the process that made a private data dir
 
+# ============================================================================ preloading
+
+
+def preload() -> None:
+    """Import ansible-runner now instead of on the first run (``RunService.preload``: a server's
+    first run then imports nothing in a worker while webhooks are being answered)."""
+    import ansible_runner
+    import ansible_runner.interface
+    import ptyprocess
+
+    del ansible_runner, ptyprocess
+
+
 # ============================================================================ events (pure)
 
 

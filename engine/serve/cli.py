@@ -69,7 +69,8 @@ def build_app(settings: Settings, config_file: Path | None, listen: str | None, 
             raise UsageError(f"listening on {host or 'every address'} needs auth.allowed_hosts: the names "
                              "clients use to reach this server (requests for any other Host are refused)")
     starter = load_run_starter(settings, config)
-    cluster = KubeClusterView(settings.kube, config.run_guards(), ttl=config.cluster_cache_ttl)
+    cluster = KubeClusterView(settings.kube, config.run_guards(), ttl=config.cluster_cache_ttl,
+                              refresh=config.cluster_refresh)
     return create_app(config, starter, cluster=cluster, identity=kube_identity(settings, config)), config
 
 

@@ -11,7 +11,11 @@ snapshot its dispatcher and breaker look at.
 
 Reads only, never writes. An API error or an unreadable lock raises ``ClusterUnavailable``: the
 caller fails closed. A snapshot is reused for ``cluster_cache_ttl`` seconds so an alert storm costs
-one API round trip, not one per alert.
+one API round trip, not one per alert. Started (``start``, by the dispatcher at server start), a
+background thread reads at once (building the client) and then every ``refresh`` seconds (less
+than the TTL), so a page finds a fresh snapshot and its webhook answer
+waits on no API round trip; a snapshot older than the TTL is never used (the page then reads the
+cluster itself, as without the refresher).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from engine import run_guards
 from engine.connectors.base import KubeAPI
@@ -36,7 +40,8 @@ from engine.run_guards import (
     unhealthy,
 )
 
-__all__ = ["ClusterSnapshot", "ClusterUnavailable", "ClusterView", "KubeClusterView", "gpu_count",
+__all__ = ["ClusterSnapshot", "ClusterUnavailable", "ClusterView", "KubeClusterView", "RefreshingClusterView",
+           "gpu_count",
            "kured_locks", "read_kured_locks", "snapshot_from"]
 
 
@@ -66,6 +71,17 @@ class ClusterView(Protocol):
         ...
 
 
+@runtime_checkable
+class RefreshingClusterView(Protocol):
+    """A ``ClusterView`` that can keep its snapshot fresh in the background (``KubeClusterView``)."""
+
+    def snapshot(self) -> ClusterSnapshot: ...
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
 def read_kured_locks(kube: KubeAPI, cfg: KuredConfig, now: float) -> dict[str, str]:
     """Kured's live locks (``engine.run_guards``); an unreadable lock is ``ClusterUnavailable``."""
     try:
@@ -85,40 +101,82 @@ def snapshot_from(nodes: list[NodeFacts], exclusions: ExclusionConfig,
 
 
 class KubeClusterView:
-    """A ``ClusterView`` over ``KubeAPI`` with a short cache (errors are cached for at most 1 s)."""
+    """A ``ClusterView`` over ``KubeAPI`` with a short cache (errors are cached for at most 1 s) and,
+    once started, a background refresher every ``refresh`` seconds (0: none; default: half the TTL)."""
 
     def __init__(self, kube: Callable[[], KubeAPI], exclusions: ExclusionConfig, *, ttl: float = 5.0,
-                 clock: Callable[[], float] = time.time) -> None:
+                 refresh: float | None = None, clock: Callable[[], float] = time.time) -> None:
         self._kube = kube
         self._exclusions = exclusions
         self._ttl = ttl
+        self.refresh_interval = ttl / 2 if refresh is None else refresh
         self._clock = clock
         self._lock = threading.Lock()
         self._cached: tuple[float, ClusterSnapshot | ClusterUnavailable] | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _fresh(self, now: float) -> ClusterSnapshot | ClusterUnavailable | None:
+        if self._cached is None:
+            return None
+        at, value = self._cached
+        fresh = self._ttl if isinstance(value, ClusterSnapshot) else min(self._ttl, 1.0)
+        return value if 0 <= now - at < fresh else None
+
+    def _read(self, now: float) -> ClusterSnapshot | ClusterUnavailable:
+        """One API round trip (nodes, then kured's lock); an error is returned, not raised."""
+        try:
+            kube = self._kube()
+            nodes = kube.list_nodes()
+            kured = read_kured_locks(kube, self._exclusions.kured, now)
+            return snapshot_from(nodes, self._exclusions, kured, now)
+        except ClusterUnavailable as e:
+            return e
+        except KubeError as e:
+            return ClusterUnavailable(f"cannot read the cluster: {e}")
+        except Exception as e:  # a connector that cannot even be built: fail closed
+            return ClusterUnavailable(f"cannot read the cluster: {type(e).__name__}: {e}")
+
+    def _store(self, at: float, result: ClusterSnapshot | ClusterUnavailable) -> None:
+        if self._cached is None or self._cached[0] <= at:  # a slower, older read never wins
+            self._cached = (at, result)
 
     def snapshot(self) -> ClusterSnapshot:
         with self._lock:  # one reader at a time: a storm waits for one API round trip
             now = self._clock()
-            if self._cached is not None:
-                at, value = self._cached
-                fresh = self._ttl if isinstance(value, ClusterSnapshot) else min(self._ttl, 1.0)
-                if now - at < fresh:
-                    if isinstance(value, ClusterUnavailable):
-                        raise ClusterUnavailable(str(value))
-                    return value
-            try:
-                kube = self._kube()
-                nodes = kube.list_nodes()
-                kured = read_kured_locks(kube, self._exclusions.kured, now)
-                result: ClusterSnapshot | ClusterUnavailable = snapshot_from(
-                    nodes, self._exclusions, kured, now)
-            except ClusterUnavailable as e:
-                result = e
-            except KubeError as e:
-                result = ClusterUnavailable(f"cannot read the cluster: {e}")
-            except Exception as e:  # a connector that cannot even be built: fail closed
-                result = ClusterUnavailable(f"cannot read the cluster: {type(e).__name__}: {e}")
-            self._cached = (now, result)
-            if isinstance(result, ClusterUnavailable):
-                raise result
-            return result
+            value = self._fresh(now)
+            if value is None:
+                value = self._read(now)
+                self._store(now, value)
+            if isinstance(value, ClusterUnavailable):
+                raise ClusterUnavailable(str(value))
+            return value
+
+    def refresh(self) -> None:
+        """Read the cluster now and cache the result (what the background thread does). The read is
+        made without the lock, so pages are answered from the previous snapshot meanwhile."""
+        now = self._clock()
+        result = self._read(now)
+        with self._lock:
+            self._store(now, result)
+
+    def start(self) -> None:
+        """Start the daemon thread that reads at once (building the client and filling the cache
+        before the first page, without delaying the server's start) and then every
+        ``refresh_interval`` seconds (with 0: only the first read)."""
+        if self._thread is not None:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="runbook-serve-cluster", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(timeout=5.0)
+
+    def _loop(self) -> None:
+        self.refresh()
+        while self.refresh_interval > 0 and not self._stop.wait(self.refresh_interval):
+            self.refresh()

@@ -223,6 +223,9 @@ class ServeConfig(_Section):
     workers: int = Field(default=2, ge=1, le=64)
     queue_size: int = Field(default=50, ge=0, le=10000)
     cluster_cache_ttl: Seconds = 5.0
+    # The cluster snapshot is re-read in the background this often, so a page waits on no API round
+    # trip (None: half of cluster_cache_ttl; 0: only when a page finds it older than the TTL).
+    cluster_refresh: Seconds | None = None
     shutdown_grace: Seconds = 30.0
     dedup: DedupConfig = Field(default_factory=DedupConfig)
     breaker: BreakerConfig = Field(default_factory=BreakerConfig)
@@ -248,6 +251,9 @@ class ServeConfig(_Section):
         if self.guards is not None and "exclusions" in self.model_fields_set:
             raise ValueError("give the exclusion labels and kured's lock in guards: (labels, kured), "
                              "not in exclusions: as well")
+        if self.cluster_refresh and self.cluster_refresh >= self.cluster_cache_ttl:
+            raise ValueError(f"cluster_refresh ({self.cluster_refresh:g}s) must be shorter than cluster_cache_ttl "
+                             f"({self.cluster_cache_ttl:g}s), or the snapshot expires between two refreshes")
         return self
 
     def run_guards(self) -> GuardConfig:

@@ -31,7 +31,7 @@ from typing import Any, Literal
 from engine.errors import RunbookError
 from engine.serve.access import Identity
 from engine.serve.alertmanager import Alert, WebhookPayload
-from engine.serve.cluster import ClusterSnapshot, ClusterUnavailable, ClusterView
+from engine.serve.cluster import ClusterSnapshot, ClusterUnavailable, ClusterView, RefreshingClusterView
 from engine.serve.config import ServeConfig
 from engine.serve.guards import Guards, Reservation
 from engine.serve.metrics import ServeMetrics
@@ -153,7 +153,10 @@ class Dispatcher:
 
     def start(self, *, sweep_interval: float = 30.0) -> None:
         """Claim what a previous server left, rebuild dedup/breaker windows from the journal, start
-        queued runs, and start the sweeper that notices approvals timing out."""
+        queued runs, and start the sweeper that notices approvals timing out. A cluster view that
+        refreshes itself starts refreshing first, so the first page finds a snapshot ready."""
+        if isinstance(self.cluster, RefreshingClusterView):
+            self.cluster.start()
         queue_ids = list(self.starter.recover())
         now = self._clock()
         for s in self.starter.runs(limit=500):
@@ -192,6 +195,8 @@ class Dispatcher:
 
     def stop(self) -> None:
         self._stop.set()
+        if isinstance(self.cluster, RefreshingClusterView):
+            self.cluster.stop()
         self.worker.shutdown(self.config.shutdown_grace)
         self.notifier.flush(timeout=2.0)
         self.notifier.close(timeout=2.0)

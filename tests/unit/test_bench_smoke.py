@@ -41,12 +41,15 @@ def test_metric_json_has_exactly_the_contract_keys() -> None:
     assert out["detail"]["target"] == "<= 0.7" and out["detail"]["meets_target"] is True
     assert common.Metric("p5_webhook_rps", 900.0, 5).as_json()["detail"]["meets_target"] is False
     assert common.Metric("p6_rss_mb", None, 0).as_json()["detail"]["meets_target"] is None
+    untargeted = common.Metric("p8_alert_to_run_s", 41.5, 1).as_json()["detail"]  # reported with its parts
+    assert (untargeted["target"], untargeted["meets_target"]) == (None, None)
+    assert common.Metric("p8_runbook_webhook_ms", 120.0, 1).as_json()["detail"]["meets_target"] is False
 
 
 def test_every_metric_of_the_issue_is_produced_by_one_benchmark() -> None:
     produced = [m for ms in harness.PRODUCES.values() for m in ms]
     assert sorted(produced) == sorted(common.METRICS)
-    assert len(common.METRICS) == 16
+    assert len(common.METRICS) == 18
 
 
 def test_only_selects_benchmarks_and_p6_runs_p1() -> None:

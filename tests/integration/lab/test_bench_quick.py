@@ -6,7 +6,8 @@ that each benchmark ran to its end, that P1's figures are sane (the engine/scrip
 and 5: not a broken run timed as fast, nor a hang), that every engine recovery of P1 was timed and
 left omen2 recovered, and how often the engine skipped ``restart-kubelet`` (kubelet back by itself
 in the lab) is reported (``record_property`` and the test's output); every recovery of P7 (the fleet) left
-its nodes recovered; P9's page is that of a succeeded 3-step run.
+its nodes recovered; P9's page is that of a succeeded 3-step run; P8's page started a run that
+waited for approval.
 """
 
 from __future__ import annotations
@@ -57,4 +58,9 @@ def test_bench_run_quick_prints_every_metric_with_sane_p1_figures(tmp_path: Path
     assert p7["detail"]["problems"] == [], tail  # every variant left its nodes recovered
     p9 = next(m for m in metrics if m["metric"] == "p9_run_page_kb")
     assert p9["detail"]["run"]["state"] == "succeeded" and len(p9["detail"]["run"]["steps"]) == 3, tail
+    # P8: omen2's page went through the lab's Prometheus and Alertmanager to a run waiting for approval
+    p8 = next(m for m in metrics if m["metric"] == "p8_alert_to_run_s")
+    (paged,) = p8["detail"]["runs_detail"]
+    assert p8["detail"]["problems"] == [] and paged["webhook_status"] == 202, (p8, tail)
+    assert paged["rule_for_s"] == paged["lab_timing"]["alert_for_seconds"] and p8["value"] > paged["rule_for_s"]
     assert not (tmp_path / "lab").exists() and not (tmp_path / "fleet").exists()  # labs taken down

@@ -33,6 +33,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.lab, pytest.mark.timeout(900)
 
 REPO = Path(__file__).resolve().parents[3]
 RUNBOOK_RULES = REPO / "deploy" / "monitoring" / "runbook-alerts.yaml"
+DASHBOARD = REPO / "deploy" / "monitoring" / "runbook-dashboard.json"
 RUNBOOK = "gpu-node-recovery"
 # Deadlines, not expectations (a loaded 2-core machine is slow): alert `for` is 10 s in the lab.
 ALERT_TIMEOUT = 120
@@ -127,6 +128,24 @@ def test_the_runbook_rules_load_into_the_labs_prometheus_and_scrape_the_real_ser
     wait_for(lambda: loop.monitoring.query('up{job="runbook-serve"} == 1'), 60, "runbook serve scraped as up")
     assert not any(a["alertname"].startswith("Runbook") and a["state"] == "firing"
                    for a in loop.monitoring.alerts())
+    # the Grafana dashboard's queries, with its variables as Grafana fills them, are PromQL this
+    # Prometheus accepts (a refused query raises) and its "serve up" panel reads the real server
+    queries = [q.replace("$job", "runbook-serve").replace("$instance", ".*").replace("$__rate_interval", "1m")
+               for q in _dashboard_exprs(json.loads(DASHBOARD.read_text())["panels"])]
+    assert len(queries) > 10
+    for query in queries:
+        loop.monitoring.query(query)
+    up = loop.monitoring.query('sum(up{job="runbook-serve", instance=~".*"})')
+    assert [float(s["value"][1]) for s in up] == [1.0], up
+
+
+def _dashboard_exprs(node: Any) -> list[str]:
+    if isinstance(node, dict):
+        return ([node["expr"]] if isinstance(node.get("expr"), str) else []) + [
+            e for v in node.values() for e in _dashboard_exprs(v)]
+    if isinstance(node, list):
+        return [e for v in node for e in _dashboard_exprs(v)]
+    return []
 
 
 def test_an_alert_from_prometheus_pages_the_server_the_approved_run_recovers_omen2_and_the_resolution_is_recorded(
@@ -144,6 +163,10 @@ def test_an_alert_from_prometheus_pages_the_server_the_approved_run_recovers_ome
     waiting = loop.server.wait_state(run["id"], ("waiting-approval",), PLAN_TIMEOUT)
     assert [s["id"] for s in waiting["plan"]["steps"]] == ["relabel-container", "swap-off", "restart-kubelet"]
     _report_timings(loop, alert, waiting)
+    # the server's alert-to-run histogram (the dashboard's "alert to run" panel) reached Prometheus
+    wait_for(lambda: loop.monitoring.query(
+        'sum(runbook_serve_alert_to_run_start_seconds_count{job="runbook-serve"}) > 0'), 60,
+        "runbook_serve_alert_to_run_start_seconds scraped from the server")
     approved = loop.server.approve(run["id"], waiting["plan_digest"], by="alice")
     assert approved.status_code == 202, approved.text
     done = loop.server.wait_state(run["id"], ("succeeded",), RUN_TIMEOUT)
