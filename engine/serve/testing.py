@@ -293,12 +293,13 @@ class Served:
 def served(mode: str = "auto", *, token: str | None = TOKEN, nodes: Iterable[NodeFacts] | None = None,
            starter: FakeRunStarter | None = None, env: Mapping[str, str] | None = None,
            clock: Callable[[], float] = time.time, notify_from_config: bool = False,
-           **cfg: Any) -> Iterator[Served]:
+           elector: Any = None, sweep_interval: float = 0, **cfg: Any) -> Iterator[Served]:
     """The app over fakes: trigger KubeNodeNotReady/Unreachable on ``node=~"omen.*"`` in ``mode``;
     eight healthy nodes omen1..omen8 unless ``nodes``; ``cfg`` overrides the configuration. The
     sender's token is ``token`` (``AUTH``), approver ``alice`` has ``APPROVE``, reader ``grafana``
     has ``READ``; the TestClient's Host ``testserver`` is allowed. ``notify_from_config``: the
-    configuration's ``notify:`` section sends the notifications (real HTTP), not the capture."""
+    configuration's ``notify:`` section sends the notifications (real HTTP), not the capture.
+    ``elector``: a ``LeaderElector`` (replicas); ``sweep_interval`` 0: no sweeper thread."""
     import httpx
     from starlette.testclient import TestClient
 
@@ -321,6 +322,7 @@ def served(mode: str = "auto", *, token: str | None = TOKEN, nodes: Iterable[Nod
     cluster = StaticClusterView(INCIDENT_NODES if nodes is None else nodes)
     notifier = None if notify_from_config else Notifier("http://127.0.0.1:9/notify",
                                                         transport=httpx.MockTransport(receive))
-    app = create_app(config, starter, cluster=cluster, notifier=notifier, sweep_interval=0, clock=clock)
+    app = create_app(config, starter, cluster=cluster, notifier=notifier, sweep_interval=sweep_interval,
+                     clock=clock, elector=elector)
     with TestClient(app) as client:
         yield Served(client, starter, cluster, sent)

@@ -1,0 +1,54 @@
+"""Singleton duties of ``runbook serve`` run on the leader only (issue 15): a follower resumes no
+orphaned run, a replica that wins leadership resumes them at once."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from engine.serve.testing import FakeRunStarter, served, trigger_spec
+
+ORPHAN = {"id": "r-orphan", "runbook": "gpu-node-recovery", "params": {"node": "omen2"}, "nodes": ["omen2"],
+          "state": "interrupted", "source": "alertmanager", "plan_digest": None, "approval_required": False,
+          "approved_by": None, "started": "2026-01-01T00:00:00.000Z", "finished": None, "exit_code": None}
+
+
+class Switch:
+    """A leadership that tests flip by hand (the real one is engine.serve.leader.LeaderElector)."""
+
+    def __init__(self) -> None:
+        self.leading = False
+        self.on_change: Any = None
+
+    def is_leader(self) -> bool:
+        return self.leading
+
+    def describe(self) -> dict[str, Any]:
+        return {"role": "leader" if self.leading else "follower"}
+
+    def try_once(self) -> bool:
+        return self.leading
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def win(self) -> None:
+        self.leading = True
+        self.on_change(True)
+
+
+def test_a_follower_resumes_no_orphan_and_resumes_it_at_once_when_it_becomes_leader() -> None:
+    starter = FakeRunStarter([trigger_spec(mode="auto", matchers=('node=~"omen.*"',))],
+                             preload=[ORPHAN], recover_ids=["r-orphan"])
+    leadership = Switch()
+    with served(starter=starter, elector=leadership, sweep_interval=0.2) as s:
+        time.sleep(0.8)  # several sweeps as a follower
+        assert starter.executed == []
+        assert s.client.get("/readyz").json()["role"] == "follower"
+        leadership.win()
+        assert starter.wait_until(lambda st: st.executed == ["r-orphan"], timeout=5)
+        time.sleep(0.6)  # later sweeps do not queue it twice
+        assert starter.executed == ["r-orphan"]
