@@ -108,6 +108,19 @@ class KubeAPI(Protocol):
         ...
 
 
+class IdentityAPI(Protocol):
+    """Who the Kubernetes credential in use is and what it may do (``runbook approve`` in cluster mode)."""
+
+    def self_access_review(self, verb: str, group: str, resource: str, *, namespace: str = "",
+                           name: str = "", subresource: str = "") -> tuple[bool, str]:
+        """SelfSubjectAccessReview: (allowed, the authorizer's reason)."""
+        ...
+
+    def authenticated_user(self) -> str:
+        """The username the API server authenticates the credential as (never the kubeconfig's text)."""
+        ...
+
+
 TaskEvent = Mapping[str, Any]  # {"host", "task", "status": ok|changed|failed|skipped|unreachable, "msg"}
 
 
