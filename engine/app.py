@@ -296,7 +296,7 @@ def approve(settings: Settings, run_id: str, digest: str, approved_by: str | Non
 def resume(settings: Settings, run_id: str, *, yes: bool, output: str,
            overrides: dict[str, str] | None = None) -> int:
     """Continue an ``interrupted`` run (or an approved one waiting for approval) where it stopped."""
-    from engine.journal import FINAL_STATES
+    from engine.store import FINAL_STATES
 
     service = _service(settings)
     try:

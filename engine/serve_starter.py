@@ -6,8 +6,9 @@ blocked plan is recorded as blocked (``RunService.record_blocked``); an ``approv
 parked in ``waiting-approval`` with its plan digest (``RunService.park``); an ``auto`` or approved
 run goes through ``RunService.execute``: the run guards (never overridden here: the service is
 ``automatic``), the node Lease, the executor. The journal is the only state, so runs and pending
-approvals survive a server restart (``recover``). This module adapts; it decides nothing the
-service decides for the CLI too.
+approvals survive a server restart (``recover``); the store is the service's (``--store``: the
+SQLite journal or RemediationRuns). This module adapts; it decides nothing the service decides for
+the CLI too.
 """
 
 from __future__ import annotations
@@ -17,12 +18,12 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from engine.errors import RunbookError, StalePlan, UsageError
-from engine.journal import ACTIVE_STATES, FINAL_STATES
 from engine.loader import list_runbooks
 from engine.model import PlanState, RunState
 from engine.params import prepare_run
 from engine.runs import RunService
 from engine.serve.starter import WEBHOOK_SOURCES, RunOutcome, RunRequest, RunTicket, TriggerSpec
+from engine.store import ACTIVE_STATES, FINAL_STATES, RunStore
 
 if TYPE_CHECKING:
     from engine.run_guards import GuardConfig
@@ -42,7 +43,7 @@ class JournalRunStarter:
         self._guard = threading.Lock()
 
     @property
-    def journal(self) -> Any:
+    def journal(self) -> RunStore:
         return self.service.journal
 
     def trigger_index(self) -> Sequence[TriggerSpec]:

@@ -16,8 +16,8 @@ from engine.errors import KubeError, UsageError
 
 if TYPE_CHECKING:
     from engine.connectors.base import KubeAPI, NodeAutomation
-    from engine.journal import Journal
     from engine.run_guards import GuardConfig
+    from engine.store import RunStore
 
 
 @dataclass
@@ -27,6 +27,8 @@ class Settings:
     inventory: Path | None = None
     runbooks_dir: Path | None = None
     journal: Path | None = None
+    store: str = "sqlite"  # where runs are recorded: ``sqlite`` (the journal file) or ``kubernetes``
+    store_namespace: str = "runbook-system"  # the RemediationRuns' namespace (``--store kubernetes``)
     become_password_file: Path | None = None
     ask_become_pass: bool = False
     debug: bool = False
@@ -126,11 +128,16 @@ class Settings:
             self._cache["guards"] = load_guard_config(self.guards_config)
         return self._cache["guards"]
 
-    def open_journal(self) -> Journal:
+    def open_journal(self) -> RunStore:
+        """The run store of this command (``--store``): the SQLite journal, or RemediationRuns."""
         if "journal" not in self._cache:
-            from engine.journal import Journal
+            j: RunStore
+            if self.store == "sqlite":
+                from engine.journal import Journal
 
-            j = Journal(self.journal)
+                j = Journal(self.journal)
+            else:
+                raise UsageError(f"--store {self.store}: unknown store (sqlite or kubernetes)")
             j.add_secret(self.become_password() if "become" in self._cache else
                          os.environ.get("RUNBOOK_BECOME_PASSWORD"))
             self._cache["journal"] = j
