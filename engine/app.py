@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from engine import loader, output
 from engine.errors import Cancelled, ExitCode, LoadError, StalePlan, UsageError
@@ -287,8 +287,20 @@ def apply(settings: Settings, plan_file: Path, *, yes: bool, output: str,
 def approve(settings: Settings, run_id: str, digest: str, approved_by: str | None) -> int:
     from engine.runs import current_user
 
+    if settings.store == "kubernetes":
+        # Cluster mode: RBAC decides (verb approve on the run) and the approver is the identity the
+        # API server authenticates the kubeconfig as, never a typed name (engine.cluster_auth).
+        from engine.cluster_auth import authorize_approval
+        from engine.connectors.base import IdentityAPI
+
+        if approved_by is not None:
+            raise UsageError("--by is refused with --store kubernetes: the approver recorded is the identity "
+                             "your kubeconfig authenticates as")
+        who = authorize_approval(cast(IdentityAPI, settings.kube()), settings.store_namespace, run_id)
+    else:
+        who = approved_by or current_user()
     journal = settings.open_journal()
-    rec = journal.record_approval(run_id, digest, approved_by or current_user())
+    rec = journal.record_approval(run_id, digest, who)
     print(f"run {run_id} approved by {rec.approved_by} for plan {digest}")
     return ExitCode.OK
 

@@ -473,9 +473,13 @@ def apply(settings: Settings, plan_file: str, yes: bool, output: str, override_g
 @common_options
 @click.argument("run_id", shell_complete=complete_run_id)
 @click.option("--plan-digest", required=True, help="Digest of the plan you reviewed.")
-@click.option("--by", "approved_by", default=None, help="Who approves (default: $USER).")
+@click.option("--by", "approved_by", default=None,
+              help="Who approves (default: $USER; refused with --store kubernetes: the kubeconfig's identity).")
 def approve(settings: Settings, run_id: str, plan_digest: str, approved_by: str | None) -> int:
-    """Approve a run waiting for approval; refused (exit 5) for any other plan digest."""
+    """Approve a run waiting for approval; refused (exit 5) for any other plan digest.
+
+    With --store kubernetes, RBAC decides: verb approve on remediationruns (runbook.io) for your
+    kubeconfig's identity, else exit 3; that identity is recorded as the approver."""
     from engine import app
 
     return app.approve(settings, run_id, plan_digest, approved_by)

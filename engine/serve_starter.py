@@ -139,6 +139,9 @@ class JournalRunStarter:
         self.journal.get_run(run_id)  # UsageError for an unknown id
         self.journal.append(run_id, kind, **dict(data))
 
+    def prune(self, keep: int, max_age: float | None) -> Sequence[str]:
+        return self.journal.prune(keep=keep, max_age=max_age)
+
     def recover(self) -> Sequence[str]:
         """Runs a previous server left: the ids to execute (pending, interrupted, or approved while
         waiting). Runs still waiting for a person are left waiting (disowned), never re-planned or

@@ -229,7 +229,8 @@ class Dispatcher:
 
     def singleton_duties(self) -> dict[str, Any]:
         """The leader's duties (nothing on a follower): queue the runs nobody executes any more
-        (``RunStarter.recover``: pending or interrupted runs whose owner is gone). What was done."""
+        (``RunStarter.recover``: pending or interrupted runs whose owner is gone), then prune the
+        store by the retention (``retention.keep`` / ``retention.max_age``). What was done."""
         if not self.leadership.is_leader():
             return {"leader": False}
         queued = []
@@ -256,7 +257,14 @@ class Dispatcher:
             else:
                 with self._lock:
                     self._runs.pop(run_id, None)
-        return {"leader": True, "resumed": queued}
+        pruned: Sequence[str] = ()
+        try:
+            pruned = self.starter.prune(self.config.retention.keep, self.config.retention.max_age)
+        except Exception as e:  # Why: retention failing must not stop the resumption of orphans
+            log.warning("retention pruning failed: %s", e)
+        if pruned:
+            log.info("retention: pruned %d finished runs", len(pruned))
+        return {"leader": True, "resumed": queued, "pruned": list(pruned)}
 
     def readiness(self) -> dict[str, Any]:
         """``/readyz``: the store answers (one read), and this replica's role (leader or follower)."""

@@ -137,6 +137,11 @@ class RunStarter(Protocol):
         Fast (one journal write); ``UsageError`` for an unknown run id."""
         ...
 
+    def prune(self, keep: int, max_age: float | None) -> Sequence[str]:
+        """Retention (the leader's duty): delete finished runs beyond the ``keep`` newest and those
+        finished more than ``max_age`` seconds ago (``RunStore.prune``); the deleted ids."""
+        ...
+
     def recover(self) -> Sequence[str]:
         """At server start: claim the runs a previous server process left (pending, interrupted,
         approved but not executed) and return the ids that should be queued for ``execute``.

@@ -163,6 +163,16 @@ class FakeRunStarter:
             self._runs[run_id].setdefault("events", []).append({"kind": kind, **dict(data)})
             self._cond.notify_all()
 
+    def prune(self, keep: int, max_age: float | None) -> Sequence[str]:
+        """Finished runs beyond the ``keep`` newest (the fake keeps no finish times: ``max_age`` unused)."""
+        with self._cond:
+            finished = [r for r in reversed(list(self._runs.values()))
+                        if r["state"] in ("succeeded", "failed", "blocked", "cancelled")]
+            gone = [r["id"] for r in finished[keep:]]
+            for run_id in gone:
+                del self._runs[run_id]
+            return gone
+
     def recover(self) -> Sequence[str]:
         return list(self._recover)
 

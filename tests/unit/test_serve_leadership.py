@@ -52,3 +52,19 @@ def test_a_follower_resumes_no_orphan_and_resumes_it_at_once_when_it_becomes_lea
         assert starter.wait_until(lambda st: st.executed == ["r-orphan"], timeout=5)
         time.sleep(0.6)  # later sweeps do not queue it twice
         assert starter.executed == ["r-orphan"]
+
+
+def _finished(i: int) -> dict[str, Any]:
+    return {**ORPHAN, "id": f"r-old-{i:02d}", "state": "succeeded", "finished": "2026-01-01T00:00:00.000Z"}
+
+
+def test_only_the_leader_prunes_finished_runs_beyond_the_retention() -> None:
+    starter = FakeRunStarter([trigger_spec(mode="auto", matchers=('node=~"omen.*"',))],
+                             preload=[_finished(i) for i in range(5)])
+    leadership = Switch()
+    with served(starter=starter, elector=leadership, sweep_interval=0.2, retention={"keep": 2}) as s:
+        time.sleep(0.8)
+        assert len(starter.runs()) == 5  # a follower prunes nothing
+        leadership.win()
+        assert starter.wait_until(lambda st: len(st.runs()) == 2, timeout=5)
+        assert [r["id"] for r in s.client.get("/runs").json()] == ["r-old-04", "r-old-03"]  # the newest kept
