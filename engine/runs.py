@@ -318,9 +318,11 @@ class RunService:
 
     def create(self, prepared: PreparedRun, plan: Plan | None, *, source: str = "cli",
                approval_required: bool = False, note: Mapping[str, Any] | None = None,
-               state: str = "pending", requested_by: str | None = None) -> str:
+               state: str = "pending", requested_by: str | None = None, run_id: str | None = None) -> str:
+        """Record a new run; ``run_id`` chosen by the caller (the server's shared dedup) or a fresh one.
+        A ``run_id`` that exists already raises the store's error and records nothing."""
         run_id = self.journal.create_run(prepared.loaded.name, prepared.params, [prepared.node], source=source,
-                                         approval_required=approval_required, state=state)
+                                         approval_required=approval_required, state=state, run_id=run_id)
         # Why: "the requester cannot approve their own run" needs to know who asked (the CLI's user,
         # or the server's sender identity).
         self.journal.append(run_id, "run.requested", by=requested_by or current_user())

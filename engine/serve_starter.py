@@ -13,8 +13,10 @@ the CLI too.
 
 from __future__ import annotations
 
+import hashlib
 import threading
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from engine.errors import RunbookError, StalePlan, UsageError
@@ -22,7 +24,7 @@ from engine.loader import list_runbooks
 from engine.model import PlanState, RunState
 from engine.params import prepare_run
 from engine.runs import RunService
-from engine.serve.starter import WEBHOOK_SOURCES, RunOutcome, RunRequest, RunTicket, TriggerSpec
+from engine.serve.starter import WEBHOOK_SOURCES, AlreadyStarted, RunOutcome, RunRequest, RunTicket, TriggerSpec
 from engine.store import ACTIVE_STATES, FINAL_STATES, RunStore
 
 if TYPE_CHECKING:
@@ -33,8 +35,13 @@ if TYPE_CHECKING:
 class JournalRunStarter:
     """Implements ``engine.serve.starter.RunStarter`` over ``RunService`` and the journal."""
 
-    def __init__(self, settings: Settings, *, lock_wait: float = 0.0, guards: GuardConfig | None = None) -> None:
+    def __init__(self, settings: Settings, *, lock_wait: float = 0.0, guards: GuardConfig | None = None,
+                 shared_dedup_window: float | None = None, clock: Callable[[], float] = time.time) -> None:
+        """``shared_dedup_window``: replicas share the store, so a page's run id is derived from it
+        (``shared_run_id``) and creating it is the atomic claim: a second replica's create fails."""
         self.service = RunService(settings, live=None, lock_wait=lock_wait, automatic=True, guards=guards)
+        self._shared_window = shared_dedup_window
+        self._clock = clock
         loaded, problems = list_runbooks(settings.runbooks_dir)
         if problems:
             raise UsageError("; ".join(loc.format(msg) for loc, msg in problems))
@@ -55,12 +62,46 @@ class JournalRunStarter:
         if loaded is None:
             raise UsageError(f"no runbook named {request.runbook!r}")
         prepared = prepare_run(loaded, dict(request.params), node=request.node)
-        run_id = self.service.create(
-            prepared, None, source=request.source, approval_required=request.mode == "approve",
-            note={"mode": request.mode, "reason": request.reason, "warnings": list(request.warnings),
-                  "dedup_key": request.dedup_key},
-            requested_by=request.requested_by or request.source)
+        wanted = self._shared_id(request) if self._shared_window and request.dedup_key else None
+        try:
+            run_id = self.service.create(
+                prepared, None, source=request.source, approval_required=request.mode == "approve",
+                note={"mode": request.mode, "reason": request.reason, "warnings": list(request.warnings),
+                      "dedup_key": request.dedup_key},
+                requested_by=request.requested_by or request.source, run_id=wanted)
+        except RunbookError:
+            if wanted is not None and self._exists(wanted):
+                raise AlreadyStarted(wanted, f"the same page already started run {wanted} "
+                                     "(at another replica: dedup shared through the store)") from None
+            raise
         return RunTicket(run_id=run_id, state=RunState.PENDING.value)
+
+    def _shared_id(self, request: RunRequest) -> str:
+        """The run id of this page in this fingerprint window: ``r-<digest of runbook and dedup key>-<window
+        number>``. Every replica computes the same one, so the store's create lets one of them through.
+        A run of the previous window younger than the window makes this page a duplicate too."""
+        assert self._shared_window
+        digest = hashlib.blake2b(f"{request.runbook}|{request.dedup_key}".encode("utf-8", "backslashreplace"),
+                                 digest_size=8).hexdigest()
+        now = self._clock()
+        window = int(now // self._shared_window)
+        previous = f"r-{digest}-{window - 1}"
+        try:
+            rec = self.journal.get_run(previous)
+        except UsageError:
+            pass
+        else:
+            if now - rec.created < self._shared_window:
+                raise AlreadyStarted(previous, f"the same page started run {previous} "
+                                     f"{now - rec.created:.0f}s ago (dedup shared through the store)")
+        return f"r-{digest}-{window}"
+
+    def _exists(self, run_id: str) -> bool:
+        try:
+            self.journal.get_run(run_id)
+        except RunbookError:
+            return False
+        return True
 
     def execute(self, run_id: str) -> RunOutcome:
         with self._guard:

@@ -28,8 +28,10 @@ from engine.settings import Settings
 
 def load_run_starter(settings: Settings, config: ServeConfig) -> RunStarter:
     """The engine's ``RunStarter``: automatic runs through the run service, under the run guards
-    of the server's configuration (never overridden)."""
-    return JournalRunStarter(settings, guards=config.run_guards())
+    of the server's configuration (never overridden). Replicas sharing a store (``--store
+    kubernetes``) share the webhook dedup through it."""
+    shared = config.dedup.fingerprint_window if settings.store == "kubernetes" else None
+    return JournalRunStarter(settings, guards=config.run_guards(), shared_dedup_window=shared)
 
 
 INSECURE_BANNER = """\

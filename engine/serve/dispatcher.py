@@ -42,7 +42,7 @@ from engine.serve.leader import Leadership, SingleReplica
 from engine.serve.metrics import ServeMetrics
 from engine.serve.notify import Notification, Notifier, RefusalDigest, run_report, step_outcomes
 from engine.serve.pagerduty import Incident
-from engine.serve.starter import WEBHOOK_SOURCES, Mode, RunOutcome, RunRequest, RunStarter
+from engine.serve.starter import WEBHOOK_SOURCES, AlreadyStarted, Mode, RunOutcome, RunRequest, RunStarter
 from engine.serve.triggers import Candidate, Matches, TriggerIndex
 from engine.serve.worker import WorkerPool
 
@@ -460,6 +460,10 @@ class Dispatcher:
                              requested_by=requested_by)
         try:
             ticket = self.starter.submit(request)
+        except AlreadyStarted as e:  # another replica took this page first (shared store)
+            self.worker.release()
+            self._undo(c, auto_slot, mode)
+            return Decision("duplicate", str(e), runbook=c.runbook, node=c.node, run_id=e.run_id, mode=mode)
         except RunbookError as e:
             self.worker.release()
             self._undo(c, auto_slot, mode)

@@ -25,6 +25,8 @@ Rules every implementation must keep:
 * ``submit`` must not plan, gather facts or touch the cluster: it runs on the request path.
   It raises ``engine.errors.UsageError`` for an unknown runbook or invalid params (params are
   validated like any param: ``engine.params.resolve_params``); the server answers with the reason.
+* ``submit`` raises ``AlreadyStarted`` when replicas share the store and the same page (runbook and
+  dedup key) already started a run within the fingerprint window, wherever it arrived.
 * ``submit`` records ``request.warnings`` (breaker warnings) and ``request.reason`` with the run, so
   the reviewer of an ``approve``-mode plan sees why it was not automatic.
 * ``execute`` never raises for a run that failed or was blocked: it returns a ``RunOutcome`` with the
@@ -96,6 +98,14 @@ class RunOutcome:
     exit_code: int | None = None
     reason: str = ""  # one line: why it ended so (blocked precondition, failed step, lock holder)
     extra: Mapping[str, Any] = field(default_factory=dict)
+
+
+class AlreadyStarted(Exception):
+    """``submit``: the same page already started this run (at another replica sharing the store)."""
+
+    def __init__(self, run_id: str, reason: str) -> None:
+        super().__init__(reason)
+        self.run_id = run_id
 
 
 @runtime_checkable

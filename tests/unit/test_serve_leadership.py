@@ -68,3 +68,39 @@ def test_only_the_leader_prunes_finished_runs_beyond_the_retention() -> None:
         leadership.win()
         assert starter.wait_until(lambda st: len(st.runs()) == 2, timeout=5)
         assert [r["id"] for r in s.client.get("/runs").json()] == ["r-old-04", "r-old-03"]  # the newest kept
+
+
+def test_replicas_sharing_a_store_start_one_run_for_one_page_and_a_new_one_after_the_window(tmp_path: Any) -> None:
+    from pathlib import Path
+
+    import pytest
+
+    from engine.serve.starter import AlreadyStarted, RunRequest
+    from engine.serve_starter import JournalRunStarter
+    from engine.settings import Settings
+
+    repo = Path(__file__).resolve().parents[2]
+    import time as _time
+
+    offset = [0.0]  # the store stamps runs with the real clock: the replicas' clock runs ahead of it
+
+    def replica() -> JournalRunStarter:
+        settings = Settings(journal=tmp_path / "shared.sqlite", runbooks_dir=repo / "runbooks")
+        return JournalRunStarter(settings, shared_dedup_window=3600, clock=lambda: _time.time() + offset[0])
+
+    a, b = replica(), replica()
+    page = RunRequest(runbook="gpu-node-recovery", params={"node": "omen2"}, node="omen2", mode="approve",
+                      source="alertmanager", reason="KubeNodeNotReady{node=omen2}", dedup_key="4f2a9c")
+    first = a.submit(page).run_id
+    with pytest.raises(AlreadyStarted) as again:
+        b.submit(page)
+    assert again.value.run_id == first
+    offset[0] += 3600 - _time.time() % 3600 + 1  # the next window begins; the run is younger than a window
+    with pytest.raises(AlreadyStarted, match=first):
+        b.submit(page)
+    offset[0] += 3600.0  # more than a window later: a new run
+    second = b.submit(page).run_id
+    assert second != first
+    other = a.submit(RunRequest(**{**page.__dict__, "dedup_key": "77b1"})).run_id  # another alert
+    assert len({first, second, other}) == 3
+    assert [r["id"] for r in a.runs()] == [other, second, first]
