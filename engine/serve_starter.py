@@ -14,6 +14,8 @@ the CLI too.
 from __future__ import annotations
 
 import hashlib
+import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -21,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.errors import RunbookError, StalePlan, UsageError
 from engine.loader import list_runbooks
+from engine.locks import DEFAULT_NAMESPACE, LeaseObservation, holder_for, lease_name
 from engine.model import PlanState, RunState
 from engine.params import prepare_run
 from engine.runs import RunService
@@ -28,20 +31,29 @@ from engine.serve.starter import WEBHOOK_SOURCES, AlreadyStarted, RunOutcome, Ru
 from engine.store import ACTIVE_STATES, FINAL_STATES, RunStore
 
 if TYPE_CHECKING:
+    from engine.connectors.base import KubeAPI
     from engine.run_guards import GuardConfig
     from engine.settings import Settings
+    from engine.store import RunRecord
 
 
 class JournalRunStarter:
     """Implements ``engine.serve.starter.RunStarter`` over ``RunService`` and the journal."""
 
     def __init__(self, settings: Settings, *, lock_wait: float = 0.0, guards: GuardConfig | None = None,
-                 shared_dedup_window: float | None = None, clock: Callable[[], float] = time.time) -> None:
+                 shared_dedup_window: float | None = None, clock: Callable[[], float] = time.time,
+                 kube: Callable[[], KubeAPI] | None = None, monotonic: Callable[[], float] = time.monotonic) -> None:
         """``shared_dedup_window``: replicas share the store, so a page's run id is derived from it
-        (``shared_run_id``) and creating it is the atomic claim: a second replica's create fails."""
+        (``_shared_id``) and creating it is the atomic claim: a second replica's create fails; and
+        ``recover`` takes over runs whose executor went silent (``_silent_executor``)."""
         self.service = RunService(settings, live=None, lock_wait=lock_wait, automatic=True, guards=guards)
         self._shared_window = shared_dedup_window
         self._clock = clock
+        self._kube = kube or settings.kube
+        self._lock_namespace = settings.namespace or DEFAULT_NAMESPACE
+        self._monotonic = monotonic
+        self._watching: dict[str, LeaseObservation] = {}  # running runs of other replicas: their node Lease
+        self._taken_over: set[str] = set()
         loaded, problems = list_runbooks(settings.runbooks_dir)
         if problems:
             raise UsageError("; ".join(loc.format(msg) for loc, msg in problems))
@@ -123,7 +135,8 @@ class JournalRunStarter:
         rec = self.journal.get_run(run_id)
         if rec.state in FINAL_STATES:
             return RunOutcome(run_id, rec.state, rec.plan_digest, rec.exit_code, "already finished")
-        interrupted = rec.state == "interrupted"  # read before the claim makes it look alive again
+        # read before the claim makes it look alive again; a run taken over from a silent replica too
+        interrupted = rec.state == "interrupted" or run_id in self._taken_over
         # Why: a run parked for approval has no owner; whoever executes it owns it from now on, so
         # if this server dies mid-run the run reads "interrupted" and the next server resumes it.
         if not self.journal.claim(run_id):
@@ -188,16 +201,49 @@ class JournalRunStarter:
         waiting). Runs still waiting for a person are left waiting (disowned), never re-planned or
         re-announced; runs another live process owns are left to it."""
         out = []
+        running = set()
         for rec in self.journal.list_runs(limit=1000, states=ACTIVE_STATES):
-            if rec.source not in WEBHOOK_SOURCES or rec.state == "running":
-                continue  # a CLI run, or one a live process is executing
+            if rec.source not in WEBHOOK_SOURCES:
+                continue  # a CLI run: its operator resumes it
+            if rec.state == "running":
+                running.add(rec.id)
+                if self._shared_window and self._silent_executor(rec) and self.journal.claim(rec.id):
+                    self._taken_over.add(rec.id)
+                    self.journal.append(rec.id, "run.taken_over", reason=self._takeover_reason(rec),
+                                        previous_owner=f"{rec.owner_host}/{rec.owner_pid}")
+                    out.append(rec.id)
+                continue  # else a live process is executing it
             approved = rec.plan_digest is not None and rec.approved_digest == rec.plan_digest
             if rec.approval_required and not approved and self._parked(rec.id):
                 self.journal.disown(rec.id)
                 continue
             if (rec.state in ("pending", "interrupted") or approved) and self.journal.claim(rec.id):
                 out.append(rec.id)
+        for gone in set(self._watching) - running:
+            del self._watching[gone]
         return list(reversed(out))
+
+    def _silent_executor(self, rec: RunRecord) -> bool:
+        """A ``running`` run of another replica whose executor is gone: its node Lease (held by
+        ``runbook/<run id>`` while it executes, renewed at TTL/3) has been seen unchanged here for the
+        Lease's whole duration, by this process's monotonic clock across ``recover`` calls (the
+        leader calls it every sweep). A live executor renews it; one cut from the API server stops
+        acting past its renew deadline (2/3 of the TTL), before this can say yes."""
+        if not rec.nodes or (rec.owner_host, rec.owner_pid) == (socket.gethostname(), os.getpid()):
+            return False
+        try:
+            lease = self._kube().read_lease(self._lock_namespace, lease_name(rec.nodes[0]))
+        except Exception:  # the API away: nothing is judged silent (fail closed)
+            return False
+        if lease is None or lease.holder != holder_for(rec.id):
+            self._watching.pop(rec.id, None)
+            return False  # not holding its Lease: not yet or no longer acting; judged when it does
+        seen = self._watching.setdefault(rec.id, LeaseObservation(self._monotonic))
+        return seen.unchanged_for(lease) >= max(1, lease.duration_seconds)
+
+    def _takeover_reason(self, rec: RunRecord) -> str:
+        return (f"its executor ({rec.owner_host}/{rec.owner_pid}) stopped renewing the node Lease of "
+                f"{rec.nodes[0] if rec.nodes else '?'}: resumed here from the recorded progress")
 
     def _parked(self, run_id: str) -> bool:
         """The run's last recorded state is ``waiting-approval`` (whatever became of its owner)."""

@@ -104,3 +104,37 @@ def test_replicas_sharing_a_store_start_one_run_for_one_page_and_a_new_one_after
     other = a.submit(RunRequest(**{**page.__dict__, "dedup_key": "77b1"})).run_id  # another alert
     assert len({first, second, other}) == 3
     assert [r["id"] for r in a.runs()] == [other, second, first]
+
+
+def test_the_running_run_of_a_replica_on_another_machine_is_taken_over_only_after_its_node_lease_went_silent(
+        tmp_path: Any) -> None:
+    import sqlite3
+    from pathlib import Path
+
+    from fakes import FakeClock, FakeKube
+
+    from engine.locks import DEFAULT_NAMESPACE, holder_for, lease_name
+    from engine.serve_starter import JournalRunStarter
+    from engine.settings import Settings
+
+    repo = Path(__file__).resolve().parents[2]
+    clock = FakeClock()
+    kube = FakeKube(clock=clock)
+    settings = Settings(journal=tmp_path / "shared.sqlite", runbooks_dir=repo / "runbooks")
+    leader = JournalRunStarter(settings, shared_dedup_window=3600, kube=lambda: kube, monotonic=clock.now)
+    run = leader.journal.create_run("gpu-node-recovery", {"node": "omen2"}, ["omen2"], source="alertmanager",
+                                    state="running")
+    with sqlite3.connect(tmp_path / "shared.sqlite") as db:  # recorded by replica a, on another machine
+        db.execute("UPDATE runs SET owner_host='runbook-7d9f-a', owner_pid=4242 WHERE id=?", (run,))
+    lease = kube.create_lease(DEFAULT_NAMESPACE, lease_name("omen2"), holder_for(run), 30)
+    assert leader.recover() == []  # first seen now
+    clock.sleep(20)
+    lease = kube.update_lease(lease, holder_for(run), 30, acquire=False)  # replica a renews: alive
+    assert leader.recover() == []
+    clock.sleep(29)
+    assert leader.recover() == []  # unchanged for 29 s of a 30 s Lease: not yet
+    clock.sleep(2)
+    assert leader.recover() == [run]  # silent for a whole Lease duration: taken over, once
+    assert leader.recover() == []
+    taken = [e for e in leader.journal.events(run) if e.kind == "run.taken_over"]
+    assert len(taken) == 1 and taken[0].data["previous_owner"] == "runbook-7d9f-a/4242"
