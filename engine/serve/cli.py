@@ -71,14 +71,15 @@ def build_app(settings: Settings, config_file: Path | None, listen: str | None, 
                              "clients use to reach this server (requests for any other Host are refused)")
     starter = load_run_starter(settings, config)
     cluster = KubeClusterView(settings.kube, config.run_guards(), ttl=config.cluster_cache_ttl)
-    elector = None
-    if settings.store == "kubernetes":
-        from engine.serve.leader import LeaderElector
+    if settings.store != "kubernetes":
+        return create_app(config, starter, cluster=cluster), config
+    from engine.serve.leader import LeaderElector
 
-        # Replicas share the store: one of them (the Lease's holder) does the singleton duties.
-        elector = LeaderElector(settings.kube, namespace=settings.store_namespace,
-                                ttl=config.replicas.lease_duration)
-    return create_app(config, starter, cluster=cluster, elector=elector), config
+    # Replicas share the store: one of them (the Lease's holder) does the singleton duties, at
+    # least once per Lease duration, so an orphaned run is resumed within two Lease durations.
+    elector = LeaderElector(settings.kube, namespace=settings.store_namespace, ttl=config.replicas.lease_duration)
+    return create_app(config, starter, cluster=cluster, elector=elector,
+                      sweep_interval=min(30.0, float(config.replicas.lease_duration))), config
 
 
 def uvicorn_options(config: ServeConfig) -> dict[str, Any]:
