@@ -217,6 +217,11 @@ class JournalRunStarter:
             if rec.approval_required and not approved and self._parked(rec.id):
                 self.journal.disown(rec.id)
                 continue
+            if self._shared_window and rec.state == "pending" and rec.owner_pid is not None and (
+                    rec.owner_host, rec.owner_pid) != (socket.gethostname(), os.getpid()):
+                # Queued at another replica whose death the store cannot see (another machine): its
+                # worker executes it; taking it here could make two executors.
+                continue
             if (rec.state in ("pending", "interrupted") or approved) and self.journal.claim(rec.id):
                 out.append(rec.id)
         for gone in set(self._watching) - running:
