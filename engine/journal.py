@@ -138,6 +138,12 @@ def _process_start(pid: int) -> str | None:
     return f"{_boot_id()}/{stat.rsplit(')', 1)[1].split()[19]}"
 
 
+def current_owner() -> tuple[str, int, str | None]:
+    """This process as a run's owner: (host, pid, ``BOOT_ID/START``)."""
+    pid = os.getpid()
+    return socket.gethostname(), pid, _process_start(pid)
+
+
 def process_alive(host: str | None, pid: int | None, start: str | None) -> bool | None:
     """True/False for a process on this machine; None when it ran on another machine."""
     if host != socket.gethostname() or pid is None:
@@ -396,8 +402,7 @@ class Journal:
 
         Atomic: returns False, changing nothing, while another live process on this machine owns
         the run (two resumes of one run never both proceed)."""
-        pid = os.getpid()
-        me = (socket.gethostname(), pid, _process_start(pid))
+        me = current_owner()
         with self._tx() as db:
             row = db.execute("SELECT owner_host, owner_pid, owner_start FROM runs WHERE id=?",
                              (run_id,)).fetchone()

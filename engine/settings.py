@@ -10,12 +10,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from engine.errors import KubeError, UsageError
 
 if TYPE_CHECKING:
-    from engine.connectors.base import KubeAPI, NodeAutomation
+    from engine.connectors.base import KubeAPI, NodeAutomation, ObjectAPI
     from engine.run_guards import GuardConfig
     from engine.store import RunStore
 
@@ -76,6 +76,10 @@ class Settings:
                 raise UsageError(f"{e}\n{self.kube_hint()}") from None
         return self._cache["kube"]
 
+    def objects(self) -> ObjectAPI:
+        """The same connector as ``kube()``, for objects of any kind (the RemediationRuns)."""
+        return cast("ObjectAPI", self.kube())
+
     def kubeconfig_used(self) -> str:
         """The kubeconfig this command reads, as a person would name it."""
         if self.kubeconfig:
@@ -132,7 +136,11 @@ class Settings:
         """The run store of this command (``--store``): the SQLite journal, or RemediationRuns."""
         if "journal" not in self._cache:
             j: RunStore
-            if self.store == "sqlite":
+            if self.store == "kubernetes":
+                from engine.kube_store import KubeRunStore
+
+                j = KubeRunStore(self.objects(), self.store_namespace)
+            elif self.store == "sqlite":
                 from engine.journal import Journal
 
                 j = Journal(self.journal)

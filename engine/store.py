@@ -35,6 +35,7 @@ from engine.journal import (
 
 if TYPE_CHECKING:
     from engine.journal import Journal
+    from engine.kube_store import KubeRunStore
 
 __all__ = [
     "ACTIVE_STATES",
@@ -156,3 +157,7 @@ def opened(store: RunStore | Path | str | None) -> Iterator[RunStore]:
 
 def _journal_is_a_run_store(journal: Journal) -> RunStore:
     return journal  # mypy checks that the SQLite journal satisfies the interface
+
+
+def _kube_store_is_a_run_store(store: KubeRunStore) -> RunStore:
+    return store  # mypy checks that the Kubernetes store satisfies the interface

@@ -381,6 +381,51 @@ class KubeConnector:
         obj = self._raw("GET", path, what, query=[("labelSelector", label_selector)])
         return [MappingProxyType(i) for i in obj.get("items") or ()]
 
+    @staticmethod
+    def _objects_path(api_version: str, kind_plural: str, namespace: str, name: str | None = None,
+                      subresource: str | None = None) -> str:
+        prefix = f"/api/{_q(api_version)}" if "/" not in api_version else (
+            "/apis/" + "/".join(_q(p) for p in api_version.split("/", 1)))
+        path = f"{prefix}/namespaces/{_q(namespace)}/{_q(kind_plural)}"
+        if name:
+            path += f"/{_q(name)}"
+        if subresource:
+            path += f"/{_q(subresource)}"
+        return path
+
+    def read_object(self, api_version: str, kind_plural: str, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return dict(self._raw("GET", self._objects_path(api_version, kind_plural, namespace, name),
+                                  f"read {kind_plural}.{api_version} {namespace}/{name}"))
+        except NotFound:
+            return None
+
+    def create_object(self, api_version: str, kind_plural: str, namespace: str,
+                      body: Mapping[str, Any]) -> dict[str, Any]:
+        name = (body.get("metadata") or {}).get("name", "")
+        return dict(self._raw("POST", self._objects_path(api_version, kind_plural, namespace),
+                              f"create {kind_plural}.{api_version} {namespace}/{name}", body=dict(body)))
+
+    def replace_object(self, api_version: str, kind_plural: str, namespace: str, body: Mapping[str, Any], *,
+                       subresource: str | None = None) -> dict[str, Any]:
+        """PUT with ``body``'s resourceVersion: a stale one gets ``Conflict`` (409), never a lost update."""
+        name = (body.get("metadata") or {}).get("name", "")
+        what = f"update {kind_plural}{'/' + subresource if subresource else ''}.{api_version} {namespace}/{name}"
+        return dict(self._raw("PUT", self._objects_path(api_version, kind_plural, namespace, name, subresource),
+                              what, body=dict(body)))
+
+    def delete_object(self, api_version: str, kind_plural: str, namespace: str, name: str, *,
+                      resource_version: str | None = None) -> bool:
+        body: dict[str, Any] = {"apiVersion": "v1", "kind": "DeleteOptions"}
+        if resource_version:
+            body["preconditions"] = {"resourceVersion": resource_version}
+        try:
+            self._raw("DELETE", self._objects_path(api_version, kind_plural, namespace, name),
+                      f"delete {kind_plural}.{api_version} {namespace}/{name}", body=body)
+        except NotFound:
+            return False
+        return True
+
     def served_resources(self, api_version: str) -> frozenset[str] | None:
         """Discovery (``/api/v1`` or ``/apis/<group>/<version>``): the plural names served there,
         subresources left out; None on 404 (the group/version is not served)."""
