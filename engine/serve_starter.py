@@ -202,9 +202,11 @@ class JournalRunStarter:
         re-announced; runs another live process owns are left to it."""
         out = []
         running = set()
-        for rec in self.journal.list_runs(limit=1000, states=ACTIVE_STATES):
+        for rec in self.journal.list_runs(limit=1000, states=(*ACTIVE_STATES, "interrupted")):
             if rec.source not in WEBHOOK_SOURCES:
                 continue  # a CLI run: its operator resumes it
+            if rec.state == "interrupted" and not self._died_silently(rec.id):
+                continue  # stopped on purpose (API away, Lease held, a confirmation needed): a person resumes it
             if rec.state == "running":
                 running.add(rec.id)
                 if self._shared_window and self._silent_executor(rec) and self.journal.claim(rec.id):
@@ -249,6 +251,13 @@ class JournalRunStarter:
     def _takeover_reason(self, rec: RunRecord) -> str:
         return (f"its executor ({rec.owner_host}/{rec.owner_pid}) stopped renewing the node Lease of "
                 f"{rec.nodes[0] if rec.nodes else '?'}: resumed here from the recorded progress")
+
+    def _died_silently(self, run_id: str) -> bool:
+        """An ``interrupted`` run whose executor recorded no interruption: its process died (the store
+        reads it as interrupted; the Kubernetes store also writes phase Interrupted), so it is an
+        orphan to resume, unlike a run the engine itself stopped and recorded as interrupted."""
+        states = [e.data.get("state") for e in self.journal.events(run_id) if e.kind == "run.state"]
+        return not states or states[-1] != RunState.INTERRUPTED.value
 
     def _parked(self, run_id: str) -> bool:
         """The run's last recorded state is ``waiting-approval`` (whatever became of its owner)."""
