@@ -138,3 +138,25 @@ def test_the_running_run_of_a_replica_on_another_machine_is_taken_over_only_afte
     assert leader.recover() == []
     taken = [e for e in leader.journal.events(run) if e.kind == "run.taken_over"]
     assert len(taken) == 1 and taken[0].data["previous_owner"] == "runbook-7d9f-a/4242"
+
+
+def test_the_leader_resumes_a_run_whose_executor_died_silently_but_not_one_the_engine_stopped_on_purpose(
+        tmp_path: Any) -> None:
+    import sqlite3
+    from pathlib import Path
+
+    from engine.serve_starter import JournalRunStarter
+    from engine.settings import Settings
+
+    repo = Path(__file__).resolve().parents[2]
+    starter = JournalRunStarter(Settings(journal=tmp_path / "j.sqlite", runbooks_dir=repo / "runbooks"),
+                                shared_dedup_window=3600)
+    journal = starter.journal
+    died = journal.create_run("gpu-node-recovery", {"node": "omen2"}, ["omen2"], source="alertmanager",
+                              state="running")
+    stopped = journal.create_run("gpu-node-recovery", {"node": "omen3"}, ["omen3"], source="alertmanager",
+                                 state="running")
+    journal.set_state(stopped, "interrupted", exit_code=3)  # the engine stopped it (a Lease held, say)
+    with sqlite3.connect(tmp_path / "j.sqlite") as db:  # what a store writes for a dead owner: no event
+        db.execute("UPDATE runs SET state='interrupted', owner_pid=NULL WHERE id=?", (died,))
+    assert starter.recover() == [died]
