@@ -366,3 +366,22 @@ def test_a_run_on_the_kubernetes_store_killed_at_a_step_boundary_resumes_doing_e
     assert set(summary.values()) <= {"succeeded", "skipped"}  # skipped: its effect was already there
     resumed = next(e.data for e in store.events(run_id) if e.kind == "run.resume")
     assert resumed["started_without_outcome"] == step
+
+
+def test_runbook_runs_prune_applies_the_retention_once_and_refuses_a_bad_age(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from engine.cli import main
+
+    path = tmp_path / "j.sqlite"
+    journal = Journal(path)
+    ids = [journal.create_run("rb", {"i": i}, ["omen2"]) for i in range(4)]
+    for run_id in ids[:3]:
+        journal.set_state(run_id, "failed", exit_code=1)
+    journal.close()
+    bad = CliRunner().invoke(main, ["runs", "prune", "--journal", str(path), "--max-age", "a week"])
+    assert bad.exit_code == 2 and "--max-age" in bad.output
+    done = CliRunner().invoke(main, ["runs", "prune", "--journal", str(path), "--keep", "1", "-o", "json"])
+    assert done.exit_code == 0, done.output
+    assert sorted(json.loads(done.output)["deleted"]) == sorted(ids[:2])
+    assert {r.id for r in Journal(path).list_runs()} == {ids[2], ids[3]}
