@@ -385,3 +385,24 @@ def test_runbook_runs_prune_applies_the_retention_once_and_refuses_a_bad_age(tmp
     assert done.exit_code == 0, done.output
     assert sorted(json.loads(done.output)["deleted"]) == sorted(ids[:2])
     assert {r.id for r in Journal(path).list_runs()} == {ids[2], ids[3]}
+
+
+def test_serve_records_paged_runs_as_remediation_runs_with_the_kubernetes_store(tmp_path: Path) -> None:
+    from engine.serve.cli import load_run_starter
+    from engine.serve.config import ServeConfig
+    from engine.serve.starter import RunRequest
+
+    kube = FakeKube([incident_node()])
+    settings = Settings(store="kubernetes", store_namespace="ops", runbooks_dir=REPO / "runbooks",
+                        journal=tmp_path / "unused.sqlite")
+    settings._cache.update(kube=kube)
+    starter = load_run_starter(settings, ServeConfig())
+    ticket = starter.submit(RunRequest(runbook="gpu-node-recovery", params={}, node="omen2", mode="approve",
+                                       source="alertmanager", reason="alertmanager: KubeNodeNotReady{node=omen2}"))
+    obj = next(o for o in _objects(kube) if o["metadata"]["name"] == ticket.run_id)
+    assert obj["metadata"]["namespace"] == "ops"
+    assert (obj["spec"]["source"], obj["spec"]["mode"], obj["status"]["phase"]) == (
+        "alertmanager", "approve", "Pending")
+    assert [r["id"] for r in starter.runs()] == [ticket.run_id]
+    assert starter.run(ticket.run_id)["reason"] == "alertmanager: KubeNodeNotReady{node=omen2}"
+    assert not (tmp_path / "unused.sqlite").exists()
