@@ -376,6 +376,20 @@ def list_runs(settings: Settings, fmt: str, limit: int) -> int:
     return ExitCode.OK
 
 
+def prune_runs(settings: Settings, keep: int, max_age: str, fmt: str) -> int:
+    """``runbook runs prune``: the store's retention, once."""
+    try:
+        age = parse_duration(max_age)
+    except ValueError as e:
+        raise UsageError(f"--max-age: {e}") from None
+    deleted = settings.open_journal().prune(keep=keep, max_age=age or None)
+    if fmt == "json":
+        print(output.dump_json({"deleted": deleted, "keep": keep, "max_age_seconds": age or None}))
+    else:
+        print(f"deleted {len(deleted)} finished run(s)" + (": " + ", ".join(deleted) if deleted else ""))
+    return ExitCode.OK
+
+
 def show_run(settings: Settings, run_id: str, fmt: str) -> int:
     journal = settings.open_journal()
     rec = journal.get_run(run_id)

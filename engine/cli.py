@@ -528,6 +528,20 @@ def runs_show(settings: Settings, run_id: str, output: str) -> int:
     return yaml_or_direct(output, lambda fmt: app.show_run(settings, run_id, fmt))
 
 
+@runs.command("prune")
+@common_options
+@click.option("--keep", type=click.IntRange(0), default=1000, show_default=True,
+              help="Finished runs to keep, newest first (older ones are deleted).")
+@click.option("--max-age", default="720h", show_default=True,
+              help="Also delete finished runs that ended longer ago than this (e.g. 168h; 0 keeps no age limit).")
+@click.option("-o", "--output", type=OUTPUT, default="text")
+def runs_prune(settings: Settings, keep: int, max_age: str, output: str) -> int:
+    """Retention: delete finished runs (never pending, waiting, running or interrupted ones)."""
+    from engine import app
+
+    return yaml_or_direct(output, lambda fmt: app.prune_runs(settings, keep, max_age, fmt))
+
+
 @main.command()
 @common_options
 @click.option("--node", default=None, help="The node to examine.", shell_complete=complete_node)

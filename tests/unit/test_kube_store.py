@@ -255,19 +255,13 @@ def test_writers_that_keep_conflicting_get_an_error_and_nothing_is_written(kube:
     assert len(store.events(run_id)) == before
 
 
-def test_a_claim_decides_on_a_fresh_read_not_on_this_process_copy(kube: FakeKube) -> None:
-    store = KubeRunStore(kube, NS)
-    run_id = store.create_run("rb", {}, ["omen2"], state="running")
-    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    try:
-        ident = None
-        while ident is None:
-            ident = _process_start(other.pid)
-        _set_owner(store, run_id, other.pid, ident)  # store's cached copy still says "me"
-        assert store.claim(run_id) is False
-    finally:
-        other.kill()
-        other.wait()
+def test_a_decision_that_may_not_write_is_taken_on_a_fresh_read_not_on_this_process_copy(kube: FakeKube) -> None:
+    server, other = KubeRunStore(kube, NS), KubeRunStore(kube, NS)
+    run_id = server.create_run("rb", {}, ["omen2"], approval_required=True)
+    server.set_plan(run_id, {"x": 1}, "sha256:one")  # server's copy: pending
+    other.set_state(run_id, "waiting-approval")  # another process parked it meanwhile
+    rec = server.record_approval(run_id, "sha256:one", "alice")  # not refused on server's stale copy
+    assert (rec.state, rec.approved_by) == ("waiting-approval", "alice")
 
 
 def test_large_evidence_is_truncated_and_the_object_stays_within_its_budget(kube: FakeKube) -> None:
@@ -366,3 +360,43 @@ def test_a_run_on_the_kubernetes_store_killed_at_a_step_boundary_resumes_doing_e
     assert set(summary.values()) <= {"succeeded", "skipped"}  # skipped: its effect was already there
     resumed = next(e.data for e in store.events(run_id) if e.kind == "run.resume")
     assert resumed["started_without_outcome"] == step
+
+
+def test_runbook_runs_prune_applies_the_retention_once_and_refuses_a_bad_age(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from engine.cli import main
+
+    path = tmp_path / "j.sqlite"
+    journal = Journal(path)
+    ids = [journal.create_run("rb", {"i": i}, ["omen2"]) for i in range(4)]
+    for run_id in ids[:3]:
+        journal.set_state(run_id, "failed", exit_code=1)
+    journal.close()
+    bad = CliRunner().invoke(main, ["runs", "prune", "--journal", str(path), "--max-age", "a week"])
+    assert bad.exit_code == 2 and "--max-age" in bad.output
+    done = CliRunner().invoke(main, ["runs", "prune", "--journal", str(path), "--keep", "1", "-o", "json"])
+    assert done.exit_code == 0, done.output
+    assert sorted(json.loads(done.output)["deleted"]) == sorted(ids[:2])
+    assert {r.id for r in Journal(path).list_runs()} == {ids[2], ids[3]}
+
+
+def test_serve_records_paged_runs_as_remediation_runs_with_the_kubernetes_store(tmp_path: Path) -> None:
+    from engine.serve.cli import load_run_starter
+    from engine.serve.config import ServeConfig
+    from engine.serve.starter import RunRequest
+
+    kube = FakeKube([incident_node()])
+    settings = Settings(store="kubernetes", store_namespace="ops", runbooks_dir=REPO / "runbooks",
+                        journal=tmp_path / "unused.sqlite")
+    settings._cache.update(kube=kube)
+    starter = load_run_starter(settings, ServeConfig())
+    ticket = starter.submit(RunRequest(runbook="gpu-node-recovery", params={}, node="omen2", mode="approve",
+                                       source="alertmanager", reason="alertmanager: KubeNodeNotReady{node=omen2}"))
+    obj = next(o for o in _objects(kube) if o["metadata"]["name"] == ticket.run_id)
+    assert obj["metadata"]["namespace"] == "ops"
+    assert (obj["spec"]["source"], obj["spec"]["mode"], obj["status"]["phase"]) == (
+        "alertmanager", "approve", "Pending")
+    assert [r["id"] for r in starter.runs()] == [ticket.run_id]
+    assert starter.run(ticket.run_id)["reason"] == "alertmanager: KubeNodeNotReady{node=omen2}"
+    assert not (tmp_path / "unused.sqlite").exists()
