@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from engine import loader, output
 from engine.errors import Cancelled, ExitCode, LoadError, StalePlan, UsageError
@@ -285,8 +285,20 @@ def apply(settings: Settings, plan_file: Path, *, yes: bool, output: str,
 def approve(settings: Settings, run_id: str, digest: str, approved_by: str | None) -> int:
     from engine.runs import current_user
 
+    if settings.store == "kubernetes":
+        # Cluster mode: RBAC decides (verb approve on the run) and the approver is the identity the
+        # API server authenticates the kubeconfig as, never a typed name (engine.cluster_auth).
+        from engine.cluster_auth import authorize_approval
+        from engine.connectors.base import IdentityAPI
+
+        if approved_by is not None:
+            raise UsageError("--by is refused with --store kubernetes: the approver recorded is the identity "
+                             "your kubeconfig authenticates as")
+        who = authorize_approval(cast(IdentityAPI, settings.kube()), settings.store_namespace, run_id)
+    else:
+        who = approved_by or current_user()
     journal = settings.open_journal()
-    rec = journal.record_approval(run_id, digest, approved_by or current_user())
+    rec = journal.record_approval(run_id, digest, who)
     print(f"run {run_id} approved by {rec.approved_by} for plan {digest}")
     return ExitCode.OK
 
@@ -294,7 +306,7 @@ def approve(settings: Settings, run_id: str, digest: str, approved_by: str | Non
 def resume(settings: Settings, run_id: str, *, yes: bool, output: str,
            overrides: dict[str, str] | None = None) -> int:
     """Continue an ``interrupted`` run (or an approved one waiting for approval) where it stopped."""
-    from engine.journal import FINAL_STATES
+    from engine.store import FINAL_STATES
 
     service = _service(settings)
     try:
@@ -358,6 +370,20 @@ def list_runs(settings: Settings, fmt: str, limit: int) -> int:
         print(output.dump_json([r.summary() for r in runs]))
     else:
         print(output.runs_text(runs, wide=fmt == "wide"))
+    return ExitCode.OK
+
+
+def prune_runs(settings: Settings, keep: int, max_age: str, fmt: str) -> int:
+    """``runbook runs prune``: the store's retention, once."""
+    try:
+        age = parse_duration(max_age)
+    except ValueError as e:
+        raise UsageError(f"--max-age: {e}") from None
+    deleted = settings.open_journal().prune(keep=keep, max_age=age or None)
+    if fmt == "json":
+        print(output.dump_json({"deleted": deleted, "keep": keep, "max_age_seconds": age or None}))
+    else:
+        print(f"deleted {len(deleted)} finished run(s)" + (": " + ", ".join(deleted) if deleted else ""))
     return ExitCode.OK
 
 

@@ -34,7 +34,8 @@ def _settings_for_completion(ctx: click.Context) -> Settings:
     p = ctx.params
     return Settings(kubeconfig=p.get("kubeconfig"), context=p.get("kube_context"),
                     runbooks_dir=Path(p["runbooks_dir"]) if p.get("runbooks_dir") else None,
-                    journal=Path(p["journal"]) if p.get("journal") else None, request_timeout=2.0)
+                    journal=Path(p["journal"]) if p.get("journal") else None, request_timeout=2.0,
+                    store=p.get("store") or "sqlite", store_namespace=p.get("store_namespace") or "runbook-system")
 
 
 def complete_runbook(ctx: click.Context, _param: click.Parameter, incomplete: str) -> list[Any]:
@@ -61,7 +62,7 @@ def complete_node(ctx: click.Context, _param: click.Parameter, incomplete: str) 
 
 
 def complete_run_id(ctx: click.Context, _param: click.Parameter, incomplete: str) -> list[str]:
-    """Run ids from the journal, newest first."""
+    """Run ids from the run store, newest first."""
     try:
         runs = _settings_for_completion(ctx).open_journal().list_runs(limit=200)
     except Exception:  # Why: completion must never print a traceback into the user's shell
@@ -79,6 +80,11 @@ SHARED_OPTIONS = (
                  help="Where runbooks live (env RUNBOOK_RUNBOOKS_DIR; default ./runbooks or the packaged ones)."),
     click.option("--journal", envvar="RUNBOOK_JOURNAL", type=click.Path(dir_okay=False),
                  help="SQLite journal of runs (env RUNBOOK_JOURNAL; default under $XDG_STATE_HOME/runbook)."),
+    click.option("--store", envvar="RUNBOOK_STORE", type=click.Choice(["sqlite", "kubernetes"]), default="sqlite",
+                 show_default=True, help="Where runs are recorded: the SQLite journal, or RemediationRun objects "
+                                         "in the cluster (env RUNBOOK_STORE; docs/cluster.md)."),
+    click.option("--store-namespace", envvar="RUNBOOK_STORE_NAMESPACE", default="runbook-system", show_default=True,
+                 help="Namespace of the RemediationRuns with --store kubernetes (env RUNBOOK_STORE_NAMESPACE)."),
     click.option("--become-password-file", type=click.Path(exists=True, dir_okay=False),
                  help="File holding the sudo password for node hosts (or env RUNBOOK_BECOME_PASSWORD)."),
     click.option("--ask-become-pass", "-K", is_flag=True, help="Prompt for the sudo password."),
@@ -93,7 +99,8 @@ SHARED_OPTIONS = (
     click.option("--no-color", is_flag=True, help="No colours and no live display (as env NO_COLOR)."),
     click.option("--debug", is_flag=True, help="Show tracebacks and connector debug output."),
 )
-SHARED_NAMES = ("kubeconfig", "kube_context", "inventory", "runbooks_dir", "journal", "become_password_file",
+SHARED_NAMES = ("kubeconfig", "kube_context", "inventory", "runbooks_dir", "journal", "store", "store_namespace",
+                "become_password_file",
                 "ask_become_pass", "guards_config", "namespace", "request_timeout", "no_tty", "no_color", "debug")
 
 
@@ -115,6 +122,7 @@ def settings_from(opts: dict[str, Any]) -> Settings:
         inventory=Path(v["inventory"]) if v["inventory"] else None,
         runbooks_dir=Path(v["runbooks_dir"]) if v["runbooks_dir"] else None,
         journal=Path(v["journal"]) if v["journal"] else None,
+        store=v["store"], store_namespace=v["store_namespace"],
         become_password_file=Path(v["become_password_file"]) if v["become_password_file"] else None,
         ask_become_pass=v["ask_become_pass"], debug=v["debug"],
         guards_config=Path(v["guards_config"]) if v["guards_config"] else None,
@@ -243,7 +251,7 @@ def overrides_from(names: tuple[str, ...], reasons: tuple[str, ...]) -> dict[str
 
 def metrics_textfile_option(func: F) -> F:
     """``--metrics-textfile PATH``: after the command, rewrite PATH (``*.prom``) for node_exporter's
-    textfile collector from the journal (``engine.textfile_metrics``). A failure to write is a
+    textfile collector from the run store (``engine.textfile_metrics``). A failure to write is a
     warning: the command's exit code stands."""
 
     @click.option("--metrics-textfile", envvar="RUNBOOK_METRICS_TEXTFILE", type=click.Path(dir_okay=False),
@@ -260,7 +268,7 @@ def metrics_textfile_option(func: F) -> F:
             return func(settings, *args, **kwargs)
         finally:
             try:
-                write_textfile(path, settings.journal)
+                write_textfile(path, settings.open_journal())
             except Exception as e:  # Why: metrics must never change a run's outcome or exit code
                 click.echo(f"runbook: warning: could not write metrics to {path}: {e}", err=True)
 
@@ -295,7 +303,7 @@ def notify_option(func: F) -> F:
             return func(settings, *args, **kwargs)
         finally:
             try:
-                send_cli_notifications(config, settings.journal, since, pagerduty_key=pagerduty_dedup_key,
+                send_cli_notifications(config, settings.open_journal(), since, pagerduty_key=pagerduty_dedup_key,
                                        timeout=max(5.0, 3 * config.notify.timeout))
             except Exception as e:  # Why: notifications must never change a run's outcome or exit code
                 click.echo(f"runbook: warning: could not send notifications: {e}", err=True)
@@ -465,9 +473,13 @@ def apply(settings: Settings, plan_file: str, yes: bool, output: str, override_g
 @common_options
 @click.argument("run_id", shell_complete=complete_run_id)
 @click.option("--plan-digest", required=True, help="Digest of the plan you reviewed.")
-@click.option("--by", "approved_by", default=None, help="Who approves (default: $USER).")
+@click.option("--by", "approved_by", default=None,
+              help="Who approves (default: $USER; refused with --store kubernetes: the kubeconfig's identity).")
 def approve(settings: Settings, run_id: str, plan_digest: str, approved_by: str | None) -> int:
-    """Approve a run waiting for approval; refused (exit 5) for any other plan digest."""
+    """Approve a run waiting for approval; refused (exit 5) for any other plan digest.
+
+    With --store kubernetes, RBAC decides: verb approve on remediationruns (runbook.io) for your
+    kubeconfig's identity, else exit 3; that identity is recorded as the approver."""
     from engine import app
 
     return app.approve(settings, run_id, plan_digest, approved_by)
@@ -514,6 +526,20 @@ def runs_show(settings: Settings, run_id: str, output: str) -> int:
     from engine import app
 
     return yaml_or_direct(output, lambda fmt: app.show_run(settings, run_id, fmt))
+
+
+@runs.command("prune")
+@common_options
+@click.option("--keep", type=click.IntRange(0), default=1000, show_default=True,
+              help="Finished runs to keep, newest first (older ones are deleted).")
+@click.option("--max-age", default="720h", show_default=True,
+              help="Also delete finished runs that ended longer ago than this (e.g. 168h; 0 keeps no age limit).")
+@click.option("-o", "--output", type=OUTPUT, default="text")
+def runs_prune(settings: Settings, keep: int, max_age: str, output: str) -> int:
+    """Retention: delete finished runs (never pending, waiting, running or interrupted ones)."""
+    from engine import app
+
+    return yaml_or_direct(output, lambda fmt: app.prune_runs(settings, keep, max_age, fmt))
 
 
 @main.command()

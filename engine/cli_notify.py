@@ -20,9 +20,9 @@ import logging
 from pathlib import Path
 from urllib.parse import quote
 
-from engine.journal import Journal
 from engine.serve.config import ServeConfig, load_config
 from engine.serve.notify import Notification, Notifier, run_report, step_outcomes
+from engine.store import RunStore, opened
 
 log = logging.getLogger(__name__)
 SOURCE = "cli"
@@ -35,12 +35,12 @@ def load_notify_config(path: str | Path) -> ServeConfig:
     return load_config(Path(path))
 
 
-def notifications_since(journal_path: Path | None, since: float, *, pagerduty_key: str = "",
+def notifications_since(store: RunStore | Path | None, since: float, *, pagerduty_key: str = "",
                         public_url: str | None = None) -> list[Notification]:
-    """What to send for the CLI runs that ended or parked at or after ``since`` (epoch seconds)."""
-    journal = Journal(journal_path)
+    """What to send for the CLI runs that ended or parked at or after ``since`` (epoch seconds),
+    read from the run store (or the SQLite journal at that path)."""
     out: list[Notification] = []
-    try:
+    with opened(store) as journal:
         for r in reversed(journal.list_runs(limit=1000)):
             event = _EVENTS.get(r.state)
             changed = max(r.created, r.finished or 0.0)
@@ -62,16 +62,14 @@ def notifications_since(journal_path: Path | None, since: float, *, pagerduty_ke
             out.append(Notification(event, r.runbook, state=r.state, reason=reason,
                                     report=run_report(events, r.state, reason), extra=extra,
                                     **common))  # type: ignore[arg-type]
-    finally:
-        journal.close()
     return out
 
 
-def send_cli_notifications(config: ServeConfig, journal_path: Path | None, since: float, *,
+def send_cli_notifications(config: ServeConfig, store: RunStore | Path | None, since: float, *,
                            pagerduty_key: str = "", timeout: float = 30.0) -> int:
     """Send (and wait for) the notifications of the CLI runs that ended since ``since``; their count."""
     notifier = Notifier.from_config(config.notify, public_url=config.public_url)
-    found = notifications_since(journal_path, since, pagerduty_key=pagerduty_key, public_url=config.public_url)
+    found = notifications_since(store, since, pagerduty_key=pagerduty_key, public_url=config.public_url)
     for n in found:
         notifier.notify(n)
     if not notifier.flush(timeout):

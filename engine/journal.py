@@ -35,13 +35,16 @@ import sqlite3
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.errors import JournalError, StalePlan, UsageError
+
+if TYPE_CHECKING:
+    from engine.store import RunStore
 
 ACTIVE_STATES = ("pending", "waiting-approval", "running")
 FINAL_STATES = ("succeeded", "failed", "blocked", "cancelled")
@@ -135,6 +138,12 @@ def _process_start(pid: int) -> str | None:
     return f"{_boot_id()}/{stat.rsplit(')', 1)[1].split()[19]}"
 
 
+def current_owner() -> tuple[str, int, str | None]:
+    """This process as a run's owner: (host, pid, ``BOOT_ID/START``)."""
+    pid = os.getpid()
+    return socket.gethostname(), pid, _process_start(pid)
+
+
 def process_alive(host: str | None, pid: int | None, start: str | None) -> bool | None:
     """True/False for a process on this machine; None when it ran on another machine."""
     if host != socket.gethostname() or pid is None:
@@ -208,6 +217,42 @@ class StepProgress:
     interrupted_step: str | None = None
     action_finished: bool = False
     rollback_started: bool = False
+
+
+def progress_from_events(events: Iterable[EventRecord]) -> StepProgress:
+    """Which steps are done and which one was left half-way (see :class:`StepProgress`), from a
+    run's events in order: the same answer from every store.
+
+    Conservative on purpose: an intent from any earlier attempt of a step that never succeeded
+    still counts, so a non-idempotent action announced once is never silently redone."""
+    done: set[str] = set()
+    intent: dict[str, bool] = {}  # step -> its action has finished ok after its last intent
+    rollback: set[str] = set()
+    order: list[str] = []
+    for e in events:
+        step = e.step
+        if not step:
+            continue
+        if e.kind == "step.start" and step not in order:
+            order.append(step)
+        elif e.kind == "step.outcome":
+            if e.data.get("status") in DONE_STEP_STATUSES:
+                done.add(step)
+                intent.pop(step, None)
+                rollback.discard(step)
+            else:
+                done.discard(step)
+        elif e.kind == "action.intent" and not e.data.get("rollback"):
+            intent[step] = False
+        elif e.kind == "action.result" and not e.data.get("rollback") and step in intent:
+            intent[step] = bool(e.data.get("ok"))
+        elif e.kind == "rollback.start":
+            rollback.add(step)
+    pending = [s for s in order if s in intent and s not in done]
+    current = pending[-1] if pending else None
+    return StepProgress(completed=frozenset(done), interrupted_step=current,
+                        action_finished=bool(current and intent[current]),
+                        rollback_started=current in rollback if current else False)
 
 
 def journal_fault(path: Path, what: str, error: BaseException, *, lock_timeout: float = LOCK_TIMEOUT) -> JournalError:
@@ -308,8 +353,12 @@ class Journal:
         if value:
             self._secrets.add(value)
 
+    def redact(self, value: Any) -> Any:
+        """``value`` with secret-looking keys and the registered secret values masked."""
+        return redact(value, frozenset(self._secrets))
+
     def _dump(self, value: Any) -> str:
-        return json.dumps(redact(value, frozenset(self._secrets)), default=str, sort_keys=True)
+        return json.dumps(self.redact(value), default=str, sort_keys=True)
 
     @contextmanager
     def _tx(self, what: str = "write to the journal") -> Iterator[sqlite3.Connection]:
@@ -359,8 +408,7 @@ class Journal:
 
         Atomic: returns False, changing nothing, while another live process on this machine owns
         the run (two resumes of one run never both proceed)."""
-        pid = os.getpid()
-        me = (socket.gethostname(), pid, _process_start(pid))
+        me = current_owner()
         with self._tx() as db:
             row = db.execute("SELECT owner_host, owner_pid, owner_start FROM runs WHERE id=?",
                              (run_id,)).fetchone()
@@ -452,6 +500,24 @@ class Journal:
             owner_start=row["owner_start"],
         )
 
+    def prune(self, *, keep: int, max_age: float | None = None, now: float | None = None) -> list[str]:
+        """Delete finished runs (and their events) beyond the ``keep`` newest finished ones, and
+        those finished more than ``max_age`` seconds ago; the deleted ids. Runs not in a final
+        state are never deleted."""
+        if keep < 0 or (max_age is not None and max_age < 0):
+            raise UsageError(f"retention: keep ({keep}) and max_age ({max_age}) must not be negative")
+        now = time.time() if now is None else now
+        with self._tx("prune old runs") as db:
+            rows = db.execute(f"SELECT id, COALESCE(finished, created) FROM runs WHERE state IN "
+                              f"({','.join('?' * len(FINAL_STATES))}) ORDER BY created DESC, id DESC",
+                              FINAL_STATES).fetchall()
+            doomed = [rid for i, (rid, end) in enumerate(rows)
+                      if i >= keep or (max_age is not None and now - float(end) > max_age)]
+            for rid in doomed:
+                db.execute("DELETE FROM events WHERE run_id=?", (rid,))
+                db.execute("DELETE FROM runs WHERE id=?", (rid,))
+        return doomed
+
     # -- events -------------------------------------------------------------------------------
 
     def append(self, run_id: str, kind: str, step: str | None = None, **data: Any) -> int:
@@ -472,38 +538,8 @@ class Journal:
         return [EventRecord(r[0], r[1], r[2], r[3], r[4], json.loads(r[5])) for r in rows]
 
     def progress(self, run_id: str) -> StepProgress:
-        """Which steps are done and which one was left half-way (see :class:`StepProgress`).
-
-        Conservative on purpose: an intent from any earlier attempt of a step that never succeeded
-        still counts, so a non-idempotent action announced once is never silently redone."""
-        done: set[str] = set()
-        intent: dict[str, bool] = {}  # step -> its action has finished ok after its last intent
-        rollback: set[str] = set()
-        order: list[str] = []
-        for e in self.events(run_id):
-            step = e.step
-            if not step:
-                continue
-            if e.kind == "step.start" and step not in order:
-                order.append(step)
-            elif e.kind == "step.outcome":
-                if e.data.get("status") in DONE_STEP_STATUSES:
-                    done.add(step)
-                    intent.pop(step, None)
-                    rollback.discard(step)
-                else:
-                    done.discard(step)
-            elif e.kind == "action.intent" and not e.data.get("rollback"):
-                intent[step] = False
-            elif e.kind == "action.result" and not e.data.get("rollback") and step in intent:
-                intent[step] = bool(e.data.get("ok"))
-            elif e.kind == "rollback.start":
-                rollback.add(step)
-        pending = [s for s in order if s in intent and s not in done]
-        current = pending[-1] if pending else None
-        return StepProgress(completed=frozenset(done), interrupted_step=current,
-                            action_finished=bool(current and intent[current]),
-                            rollback_started=current in rollback if current else False)
+        """Which steps are done and which one was left half-way (see :func:`progress_from_events`)."""
+        return progress_from_events(self.events(run_id))
 
     def step_progress(self, run_id: str) -> tuple[set[str], str | None]:
         """(completed steps, the step whose action started without a successful outcome)."""
@@ -512,10 +548,10 @@ class Journal:
 
 
 class JournalSink:
-    """An EventSink that writes to the journal before returning (write-ahead), then logs the event
-    on ``runbook.events`` (what ``--log-format json`` shows; masked like the journal)."""
+    """An EventSink that writes to the run store before returning (write-ahead), then logs the
+    event on ``runbook.events`` (what ``--log-format json`` shows; masked like the store)."""
 
-    def __init__(self, journal: Journal, run_id: str) -> None:
+    def __init__(self, journal: RunStore, run_id: str) -> None:
         self.journal = journal
         self.run_id = run_id
         self._who: tuple[str, str | None] | None = None
@@ -530,7 +566,7 @@ class JournalSink:
         if self._who is None:
             rec = self.journal.get_run(self.run_id)
             self._who = (rec.runbook, rec.nodes[0] if rec.nodes else None)
-        safe = redact({k: data.get(k) for k in ("status", "reason")}, frozenset(self.journal._secrets))
+        safe = self.journal.redact({k: data.get(k) for k in ("status", "reason")})
         _events_log.info("%s%s", kind, f" {step}" if step else "", extra={
             "run_id": self.run_id, "runbook": self._who[0], "node": self._who[1], "step": step, "event": kind,
             "status": safe["status"], "reason": safe["reason"]})

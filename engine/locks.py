@@ -23,6 +23,11 @@ Fencing: :meth:`NodeLock.fence` is called right before each action's intent is r
 re-reads the Lease and checks it is still ours with the same ``leaseTransitions`` as when we took
 it; it returns the token journaled with the intent, or raises ``LockLost``.
 
+The same machinery serves any Lease with a holder identity of its own: ``try_take`` is one attempt
+that keeps its observation (``LeaseObservation``) between calls, and a ``NodeLock`` built with
+``identity`` renews, fences and ``step_down``s like a node's. ``engine.serve.leader`` elects the
+``runbook-serve`` leader with it (no second Lease implementation).
+
 What it must not do: compare its wall clock with a ``renewTime``, act on a Lease it is not sure
 it still holds, or let the renewal thread end without saying so.
 """
@@ -86,6 +91,7 @@ class NodeLock:
     renewed_at: float = field(default=0.0)  # our monotonic time of the last confirmed renewal
     transitions: int = field(default=0, init=False)  # leaseTransitions of our tenure
     _state_lock: threading.Lock = field(default_factory=threading.Lock)
+    identity: str = ""  # the holder identity when it is not ``runbook/<run id>`` (the serve leader)
 
     def __post_init__(self) -> None:
         self.renewed_at = self.clock()
@@ -93,7 +99,11 @@ class NodeLock:
 
     @property
     def holder(self) -> str:
-        return holder_for(self.run_id)
+        return self.identity or holder_for(self.run_id)
+
+    @property
+    def subject(self) -> str:
+        return f"node {self.node}" if self.node else f"Lease {self._where()}"
 
     @property
     def renew_interval(self) -> float:
@@ -111,7 +121,8 @@ class NodeLock:
 
     def start_renewing(self) -> None:
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._renew_loop, name=f"lease-{self.node}", daemon=True)
+        self._thread = threading.Thread(target=self._renew_loop, name=f"lease-{self.node or self.lease.name}",
+                                        daemon=True)
         self._thread.start()
 
     def _renew_loop(self) -> None:
@@ -219,18 +230,33 @@ class NodeLock:
                 if self._still_ours(current):
                     self._check_deadline("")
         if self.lost is not None:
-            raise LockLost(f"node {self.node}: the run no longer holds its Lease ({self.lost_reason}); "
+            who = "the run" if self.node else self.holder
+            raise LockLost(f"{self.subject}: {who} no longer holds its Lease ({self.lost_reason}); "
                            "nothing more is done")
         return FenceToken(self._where(), self.holder, self.transitions, self.lease.resource_version).as_event()
 
     # -- release --------------------------------------------------------------------------------
 
-    def release(self) -> None:
+    def _stop_renewing(self) -> None:
         if self._stop is not None:
             self._stop.set()
-            if self._thread is not None:
+            if self._thread is not None and self._thread is not threading.current_thread():
                 self._thread.join(timeout=5)
             self._stop = None
+
+    def step_down(self) -> None:
+        """Give the Lease up without deleting it (client-go's ReleaseOnCancel): holder emptied, TTL 1 s,
+        written on our resourceVersion, so a contender takes it at once; needs only ``update``. A
+        Lease that is no longer ours is left alone; an API error leaves it to expire."""
+        self._stop_renewing()
+        with contextlib.suppress(KubeError):
+            current = self.kube.read_lease(self.lease.namespace, self.lease.name)
+            if current is not None and current.holder == self.holder and current.transitions == self.transitions:
+                self.kube.update_lease(current, "", 1, acquire=False)
+        self._lose("(released)", f"Lease {self._where()} given up")
+
+    def release(self) -> None:
+        self._stop_renewing()
         try:
             current = self.kube.read_lease(self.lease.namespace, self.lease.name)
             if current is not None and current.holder == self.holder and current.transitions == self.transitions:
@@ -241,6 +267,48 @@ class NodeLock:
 
 def _observed_key(lease: LeaseRecord) -> tuple[Any, ...]:
     return (lease.resource_version, lease.holder, lease.renew_time, lease.transitions, lease.duration_seconds)
+
+
+@dataclass
+class LeaseObservation:
+    """How long this process has seen one Lease unchanged, on its own monotonic clock (client-go's
+    observedRecord/observedTime). Keep one per Lease across attempts."""
+
+    clock: Callable[[], float] = time.monotonic
+    key: tuple[Any, ...] | None = None
+    since: float = 0.0
+
+    def unchanged_for(self, lease: LeaseRecord) -> float:
+        now = self.clock()
+        if _observed_key(lease) != self.key:
+            self.key, self.since = _observed_key(lease), now
+        return now - self.since
+
+    def forget(self) -> None:
+        self.key = None
+
+
+@dataclass(frozen=True)
+class Held:
+    """``try_take``'s answer when another holder's Lease is live."""
+
+    lease: LeaseRecord
+    unchanged_for: float
+
+
+def try_take(kube: KubeAPI, namespace: str, name: str, holder: str, ttl: int,
+             seen: LeaseObservation) -> LeaseRecord | Held:
+    """One attempt at a Lease for ``holder``: created if absent; taken if free, released, already
+    ``holder``'s, or observed unchanged (``seen``) for its whole ``leaseDurationSeconds``; else
+    ``Held``. ``Conflict`` (someone wrote it meanwhile) and ``KubeError`` propagate."""
+    current = kube.read_lease(namespace, name)
+    if current is None:
+        return kube.create_lease(namespace, name, holder, ttl)
+    unchanged_for = seen.unchanged_for(current)
+    expired = unchanged_for >= max(1, current.duration_seconds)
+    if current.holder == holder or expired or not current.holder:
+        return kube.update_lease(current, holder, ttl, acquire=current.holder != holder)
+    return Held(current, unchanged_for)
 
 
 def acquire_node_lock(kube: KubeAPI, node: str, run_id: str, *, namespace: str = DEFAULT_NAMESPACE,
@@ -258,29 +326,20 @@ def acquire_node_lock(kube: KubeAPI, node: str, run_id: str, *, namespace: str =
     deadline = clock() + wait
     name = lease_name(node)
     mine = holder_for(run_id)
-    observed: tuple[Any, ...] | None = None
-    observed_since = clock()
+    seen = LeaseObservation(clock)
     while True:
         try:
-            current = kube.read_lease(namespace, name)
-            if current is None:
-                lease = kube.create_lease(namespace, name, mine, ttl)
-                return NodeLock(kube, node, run_id, lease, ttl, clock=clock)
-            now = clock()
-            if _observed_key(current) != observed:
-                observed, observed_since = _observed_key(current), now
-            unchanged_for = now - observed_since
-            expired = unchanged_for >= max(1, current.duration_seconds)
-            if current.holder == mine or expired or not current.holder:
-                lease = kube.update_lease(current, mine, ttl, acquire=current.holder != mine)
-                return NodeLock(kube, node, run_id, lease, ttl, clock=clock)
+            got = try_take(kube, namespace, name, mine, ttl, seen)
+            if isinstance(got, LeaseRecord):
+                return NodeLock(kube, node, run_id, got, ttl, clock=clock)
+            current = got.lease
             reason = (f"node {node} is being remediated by {current.holder} "
                       f"(Lease {namespace}/{name}, renewed {wall() - current.renew_time:.0f}s ago, "
-                      f"TTL {current.duration_seconds}s; seen unchanged for {unchanged_for:.0f}s here: it is "
+                      f"TTL {current.duration_seconds}s; seen unchanged for {got.unchanged_for:.0f}s here: it is "
                       f"taken over after {current.duration_seconds}s unchanged, --lock-wait)")
         except Conflict:
             reason = f"node {node}: another run took Lease {namespace}/{name} at the same moment"
-            observed = None
+            seen.forget()
         except KubeError as e:
             raise LockHeld(f"node {node}: cannot read Lease {namespace}/{name}: {e}") from e
         if clock() >= deadline:

@@ -23,7 +23,7 @@ recorded the same way whoever started it:
 
 Resuming (``execute(..., resume=True)``): the run is claimed atomically (two resumes of one run
 never both proceed), the journal says which steps are done and which one was left half-way
-(``Journal.progress``), and the same run id takes over its own node Lease. A run that cannot
+(``RunStore.progress``), and the same run id takes over its own node Lease. A run that cannot
 continue for now stays ``interrupted`` (resumable): the API server or a host went away mid-run,
 its Lease is held by another run, a guard blocks it, or a non-idempotent step needs a confirmation
 nobody could give.
@@ -49,7 +49,7 @@ from engine.batch import SharedPlaybooks
 from engine.checks import HOST
 from engine.errors import ExitCode, LockHeld, RunbookError, StalePlan, UsageError
 from engine.execution import Executor, Progress
-from engine.journal import Journal, JournalSink, StepProgress
+from engine.journal import JournalSink
 from engine.loader import LoadedRunbook
 from engine.locks import DEFAULT_NAMESPACE, DEFAULT_TTL_SECONDS, NodeLock, acquire_node_lock
 from engine.model import AnsibleAction, Plan, PlanState, RunResult, RunState
@@ -64,6 +64,7 @@ from engine.run_guards import (
     judge,
     read_guard_facts,
 )
+from engine.store import RunStore, StepProgress
 
 if TYPE_CHECKING:
     from engine.connectors.base import KubeAPI, NodeAutomation
@@ -258,7 +259,7 @@ class RunService:
     gather_window: float = 0.3  # a batch's facts requests wait this long for each other (engine.batch)
 
     def __post_init__(self) -> None:
-        self.journal: Journal = self.settings.open_journal()
+        self.journal: RunStore = self.settings.open_journal()
         self._guard_lock = threading.Lock()
         self._in_flight: set[str] = set()  # nodes this service remediates now (the GPU budget counts them)
 
@@ -326,14 +327,17 @@ class RunService:
 
     def create(self, prepared: PreparedRun, plan: Plan | None, *, source: str = "cli",
                approval_required: bool = False, note: Mapping[str, Any] | None = None,
-               state: str = "pending", requested_by: str | None = None) -> str:
+               state: str = "pending", requested_by: str | None = None, run_id: str | None = None) -> str:
+        """Record a new run; ``run_id`` chosen by the caller (the server's shared dedup) or a fresh one.
+        A ``run_id`` that exists already raises the store's error and records nothing."""
         # Why: "the requester cannot approve their own run" needs to know who asked (the CLI's user,
         # or the server's sender identity). One transaction: the server creates runs on its webhook path.
         first: list[tuple[str, Mapping[str, Any]]] = [("run.requested", {"by": requested_by or current_user()})]
         if note:
             first.append(("run.note", dict(note)))
         run_id = self.journal.create_run(prepared.loaded.name, prepared.params, [prepared.node], source=source,
-                                         approval_required=approval_required, state=state, events=first)
+                                         approval_required=approval_required, state=state, run_id=run_id,
+                                         events=first)
         if plan is not None:
             self.record_plan(run_id, plan)
         return run_id

@@ -6,34 +6,54 @@ blocked plan is recorded as blocked (``RunService.record_blocked``); an ``approv
 parked in ``waiting-approval`` with its plan digest (``RunService.park``); an ``auto`` or approved
 run goes through ``RunService.execute``: the run guards (never overridden here: the service is
 ``automatic``), the node Lease, the executor. The journal is the only state, so runs and pending
-approvals survive a server restart (``recover``). This module adapts; it decides nothing the
-service decides for the CLI too.
+approvals survive a server restart (``recover``); the store is the service's (``--store``: the
+SQLite journal or RemediationRuns). This module adapts; it decides nothing the service decides for
+the CLI too.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
+import socket
 import threading
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from engine.errors import RunbookError, StalePlan, UsageError
-from engine.journal import ACTIVE_STATES, FINAL_STATES
 from engine.loader import list_runbooks
+from engine.locks import DEFAULT_NAMESPACE, LeaseObservation, holder_for, lease_name
 from engine.model import PlanState, RunState
 from engine.params import prepare_run
 from engine.runs import RunService
-from engine.serve.starter import WEBHOOK_SOURCES, RunOutcome, RunRequest, RunTicket, TriggerSpec
+from engine.serve.starter import WEBHOOK_SOURCES, AlreadyStarted, RunOutcome, RunRequest, RunTicket, TriggerSpec
+from engine.store import ACTIVE_STATES, FINAL_STATES, RunStore
 
 if TYPE_CHECKING:
+    from engine.connectors.base import KubeAPI
     from engine.run_guards import GuardConfig
     from engine.settings import Settings
+    from engine.store import RunRecord
 
 
 class JournalRunStarter:
     """Implements ``engine.serve.starter.RunStarter`` over ``RunService`` and the journal."""
 
-    def __init__(self, settings: Settings, *, lock_wait: float = 0.0, guards: GuardConfig | None = None) -> None:
+    def __init__(self, settings: Settings, *, lock_wait: float = 0.0, guards: GuardConfig | None = None,
+                 shared_dedup_window: float | None = None, clock: Callable[[], float] = time.time,
+                 kube: Callable[[], KubeAPI] | None = None, monotonic: Callable[[], float] = time.monotonic) -> None:
+        """``shared_dedup_window``: replicas share the store, so a page's run id is derived from it
+        (``_shared_id``) and creating it is the atomic claim: a second replica's create fails; and
+        ``recover`` takes over runs whose executor went silent (``_silent_executor``)."""
         self.service = RunService(settings, live=None, lock_wait=lock_wait, automatic=True, guards=guards)
+        self._shared_window = shared_dedup_window
+        self._clock = clock
+        self._kube = kube or settings.kube
+        self._lock_namespace = settings.namespace or DEFAULT_NAMESPACE
+        self._monotonic = monotonic
+        self._watching: dict[str, LeaseObservation] = {}  # running runs of other replicas: their node Lease
+        self._taken_over: set[str] = set()
         loaded, problems = list_runbooks(settings.runbooks_dir)
         if problems:
             raise UsageError("; ".join(loc.format(msg) for loc, msg in problems))
@@ -43,7 +63,7 @@ class JournalRunStarter:
         self.service.preload()  # at server start, not in the first run's worker (docs/performance.md, P8)
 
     @property
-    def journal(self) -> Any:
+    def journal(self) -> RunStore:
         return self.service.journal
 
     def trigger_index(self) -> Sequence[TriggerSpec]:
@@ -55,12 +75,46 @@ class JournalRunStarter:
         if loaded is None:
             raise UsageError(f"no runbook named {request.runbook!r}")
         prepared = prepare_run(loaded, dict(request.params), node=request.node)
-        run_id = self.service.create(
-            prepared, None, source=request.source, approval_required=request.mode == "approve",
-            note={"mode": request.mode, "reason": request.reason, "warnings": list(request.warnings),
-                  "dedup_key": request.dedup_key},
-            requested_by=request.requested_by or request.source)
+        wanted = self._shared_id(request) if self._shared_window and request.dedup_key else None
+        try:
+            run_id = self.service.create(
+                prepared, None, source=request.source, approval_required=request.mode == "approve",
+                note={"mode": request.mode, "reason": request.reason, "warnings": list(request.warnings),
+                      "dedup_key": request.dedup_key},
+                requested_by=request.requested_by or request.source, run_id=wanted)
+        except RunbookError:
+            if wanted is not None and self._exists(wanted):
+                raise AlreadyStarted(wanted, f"the same page already started run {wanted} "
+                                     "(at another replica: dedup shared through the store)") from None
+            raise
         return RunTicket(run_id=run_id, state=RunState.PENDING.value)
+
+    def _shared_id(self, request: RunRequest) -> str:
+        """The run id of this page in this fingerprint window: ``r-<digest of runbook and dedup key>-<window
+        number>``. Every replica computes the same one, so the store's create lets one of them through.
+        A run of the previous window younger than the window makes this page a duplicate too."""
+        assert self._shared_window
+        digest = hashlib.blake2b(f"{request.runbook}|{request.dedup_key}".encode("utf-8", "backslashreplace"),
+                                 digest_size=8).hexdigest()
+        now = self._clock()
+        window = int(now // self._shared_window)
+        previous = f"r-{digest}-{window - 1}"
+        try:
+            rec = self.journal.get_run(previous)
+        except UsageError:
+            pass
+        else:
+            if now - rec.created < self._shared_window:
+                raise AlreadyStarted(previous, f"the same page started run {previous} "
+                                     f"{now - rec.created:.0f}s ago (dedup shared through the store)")
+        return f"r-{digest}-{window}"
+
+    def _exists(self, run_id: str) -> bool:
+        try:
+            self.journal.get_run(run_id)
+        except RunbookError:
+            return False
+        return True
 
     def execute(self, run_id: str) -> RunOutcome:
         with self._guard:
@@ -82,7 +136,8 @@ class JournalRunStarter:
         rec = self.journal.get_run(run_id)
         if rec.state in FINAL_STATES:
             return RunOutcome(run_id, rec.state, rec.plan_digest, rec.exit_code, "already finished")
-        interrupted = rec.state == "interrupted"  # read before the claim makes it look alive again
+        # read before the claim makes it look alive again; a run taken over from a silent replica too
+        interrupted = rec.state == "interrupted" or run_id in self._taken_over
         # Why: a run parked for approval has no owner; whoever executes it owns it from now on, so
         # if this server dies mid-run the run reads "interrupted" and the next server resumes it.
         if not self.journal.claim(run_id):
@@ -150,21 +205,71 @@ class JournalRunStarter:
         plan = self.service.plan_targets(targets, preview=True)[0]
         return plan.model_dump(mode="json")
 
+    def prune(self, keep: int, max_age: float | None) -> Sequence[str]:
+        return self.journal.prune(keep=keep, max_age=max_age)
+
     def recover(self) -> Sequence[str]:
         """Runs a previous server left: the ids to execute (pending, interrupted, or approved while
         waiting). Runs still waiting for a person are left waiting (disowned), never re-planned or
         re-announced; runs another live process owns are left to it."""
         out = []
-        for rec in self.journal.list_runs(limit=1000, states=ACTIVE_STATES):
-            if rec.source not in WEBHOOK_SOURCES or rec.state == "running":
-                continue  # a CLI run, or one a live process is executing
+        running = set()
+        for rec in self.journal.list_runs(limit=1000, states=(*ACTIVE_STATES, "interrupted")):
+            if rec.source not in WEBHOOK_SOURCES:
+                continue  # a CLI run: its operator resumes it
+            if rec.state == "interrupted" and not self._died_silently(rec.id):
+                continue  # stopped on purpose (API away, Lease held, a confirmation needed): a person resumes it
+            if rec.state == "running":
+                running.add(rec.id)
+                if self._shared_window and self._silent_executor(rec) and self.journal.claim(rec.id):
+                    self._taken_over.add(rec.id)
+                    self.journal.append(rec.id, "run.taken_over", reason=self._takeover_reason(rec),
+                                        previous_owner=f"{rec.owner_host}/{rec.owner_pid}")
+                    out.append(rec.id)
+                continue  # else a live process is executing it
             approved = rec.plan_digest is not None and rec.approved_digest == rec.plan_digest
             if rec.approval_required and not approved and self._parked(rec.id):
                 self.journal.disown(rec.id)
                 continue
+            if self._shared_window and rec.state == "pending" and rec.owner_pid is not None and (
+                    rec.owner_host, rec.owner_pid) != (socket.gethostname(), os.getpid()):
+                # Queued at another replica whose death the store cannot see (another machine): its
+                # worker executes it; taking it here could make two executors.
+                continue
             if (rec.state in ("pending", "interrupted") or approved) and self.journal.claim(rec.id):
                 out.append(rec.id)
+        for gone in set(self._watching) - running:
+            del self._watching[gone]
         return list(reversed(out))
+
+    def _silent_executor(self, rec: RunRecord) -> bool:
+        """A ``running`` run of another replica whose executor is gone: its node Lease (held by
+        ``runbook/<run id>`` while it executes, renewed at TTL/3) has been seen unchanged here for the
+        Lease's whole duration, by this process's monotonic clock across ``recover`` calls (the
+        leader calls it every sweep). A live executor renews it; one cut from the API server stops
+        acting past its renew deadline (2/3 of the TTL), before this can say yes."""
+        if not rec.nodes or (rec.owner_host, rec.owner_pid) == (socket.gethostname(), os.getpid()):
+            return False
+        try:
+            lease = self._kube().read_lease(self._lock_namespace, lease_name(rec.nodes[0]))
+        except Exception:  # the API away: nothing is judged silent (fail closed)
+            return False
+        if lease is None or lease.holder != holder_for(rec.id):
+            self._watching.pop(rec.id, None)
+            return False  # not holding its Lease: not yet or no longer acting; judged when it does
+        seen = self._watching.setdefault(rec.id, LeaseObservation(self._monotonic))
+        return seen.unchanged_for(lease) >= max(1, lease.duration_seconds)
+
+    def _takeover_reason(self, rec: RunRecord) -> str:
+        return (f"its executor ({rec.owner_host}/{rec.owner_pid}) stopped renewing the node Lease of "
+                f"{rec.nodes[0] if rec.nodes else '?'}: resumed here from the recorded progress")
+
+    def _died_silently(self, run_id: str) -> bool:
+        """An ``interrupted`` run whose executor recorded no interruption: its process died (the store
+        reads it as interrupted; the Kubernetes store also writes phase Interrupted), so it is an
+        orphan to resume, unlike a run the engine itself stopped and recorded as interrupted."""
+        states = [e.data.get("state") for e in self.journal.events(run_id) if e.kind == "run.state"]
+        return not states or states[-1] != RunState.INTERRUPTED.value
 
     def _parked(self, run_id: str) -> bool:
         """The run's last recorded state is ``waiting-approval`` (whatever became of its owner)."""

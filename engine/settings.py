@@ -10,14 +10,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from engine.errors import KubeError, UsageError
 
 if TYPE_CHECKING:
-    from engine.connectors.base import KubeAPI, NodeAutomation
-    from engine.journal import Journal
+    from engine.connectors.base import KubeAPI, NodeAutomation, ObjectAPI
     from engine.run_guards import GuardConfig
+    from engine.store import RunStore
 
 
 @dataclass
@@ -27,6 +27,8 @@ class Settings:
     inventory: Path | None = None
     runbooks_dir: Path | None = None
     journal: Path | None = None
+    store: str = "sqlite"  # where runs are recorded: ``sqlite`` (the journal file) or ``kubernetes``
+    store_namespace: str = "runbook-system"  # the RemediationRuns' namespace (``--store kubernetes``)
     become_password_file: Path | None = None
     ask_become_pass: bool = False
     debug: bool = False
@@ -73,6 +75,10 @@ class Settings:
             except KubeError as e:
                 raise UsageError(f"{e}\n{self.kube_hint()}") from None
         return self._cache["kube"]
+
+    def objects(self) -> ObjectAPI:
+        """The same connector as ``kube()``, for objects of any kind (the RemediationRuns)."""
+        return cast("ObjectAPI", self.kube())
 
     def kubeconfig_used(self) -> str:
         """The kubeconfig this command reads, as a person would name it."""
@@ -126,11 +132,20 @@ class Settings:
             self._cache["guards"] = load_guard_config(self.guards_config)
         return self._cache["guards"]
 
-    def open_journal(self) -> Journal:
+    def open_journal(self) -> RunStore:
+        """The run store of this command (``--store``): the SQLite journal, or RemediationRuns."""
         if "journal" not in self._cache:
-            from engine.journal import Journal
+            j: RunStore
+            if self.store == "kubernetes":
+                from engine.kube_store import KubeRunStore
 
-            j = Journal(self.journal)
+                j = KubeRunStore(self.objects(), self.store_namespace)
+            elif self.store == "sqlite":
+                from engine.journal import Journal
+
+                j = Journal(self.journal)
+            else:
+                raise UsageError(f"--store {self.store}: unknown store (sqlite or kubernetes)")
             j.add_secret(self.become_password() if "become" in self._cache else
                          os.environ.get("RUNBOOK_BECOME_PASSWORD"))
             self._cache["journal"] = j

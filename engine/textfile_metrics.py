@@ -1,7 +1,7 @@
 """Metrics of CLI runs for node_exporter's textfile collector (``--metrics-textfile PATH``).
 
 A CLI process does not live long enough to be scraped, so after a command that runs runbooks
-(``run``, ``apply``, ``resume``) the whole file is rewritten from the journal, atomically (a
+(``run``, ``apply``, ``resume``) the whole file is rewritten from the run store (``--store``), atomically (a
 temporary file renamed over it: node_exporter never reads half a file). Being derived from the
 journal, the counters only grow, whatever process wrote the file last. Only runs with source
 ``cli`` are counted (``runbook serve`` exposes its own runs on ``/metrics``).
@@ -30,7 +30,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from engine.errors import UsageError
-from engine.journal import FINAL_STATES, Journal, RunRecord
+from engine.store import FINAL_STATES, RunRecord, RunStore, opened
 
 SOURCE = "cli"
 _MAX_RUNS = 1_000_000
@@ -47,7 +47,7 @@ def check_textfile_path(path: str | Path) -> Path:
 
 
 class _JournalRuns(Collector):
-    def __init__(self, journal: Journal, now: float) -> None:
+    def __init__(self, journal: RunStore, now: float) -> None:
         self.journal, self.now = journal, now
 
     def collect(self) -> Iterator[Metric]:
@@ -94,12 +94,10 @@ class _JournalRuns(Collector):
         yield written
 
 
-def write_textfile(path: Path, journal_path: Path | None, *, now: float | None = None) -> None:
-    """Rewrite ``path`` from the journal (atomically). Errors propagate to the caller."""
-    journal = Journal(journal_path)
-    try:
+def write_textfile(path: Path, store: RunStore | Path | None, *, now: float | None = None) -> None:
+    """Rewrite ``path`` from the run store (or the SQLite journal at that path), atomically.
+    Errors propagate to the caller."""
+    with opened(store) as journal:
         registry = CollectorRegistry(auto_describe=False)
         registry.register(_JournalRuns(journal, time.time() if now is None else now))
         write_to_textfile(str(path), registry)
-    finally:
-        journal.close()

@@ -136,6 +136,9 @@ class FakeKube:
         self.on_patch: Callable[[str, Any], None] | None = None  # e.g. an operator that reverts a label
         self.eviction_api = "policy/v1"  # what eviction_version() discovers
         self.pods_linger = 0.0  # seconds an evicted/deleted pod stays (terminating) before it is gone
+        # replace_object calls it with the body before checking it (a concurrent writer, for conflicts)
+        self.before_write: Callable[[dict[str, Any]], None] | None = None
+        self.writes: list[dict[str, Any]] = []  # every object replace_object wrote, in order
         self._lock = threading.Lock()
 
     # -- state helpers for tests --
@@ -320,6 +323,78 @@ class FakeKube:
                 self.clock.advance_to(deadline)
                 return False, self.nodes.get(name)
             self.clock.advance_to(nxt)
+
+    # -- objects (the run store's RemediationRuns): an API server's semantics, in memory --
+    def _find(self, api_version: str, kind_plural: str, namespace: str, name: str) -> tuple[int, Any]:
+        objs = self.objects.setdefault((api_version, kind_plural), [])
+        for i, o in enumerate(objs):
+            meta = o.get("metadata") or {}
+            if meta.get("namespace") == namespace and meta.get("name") == name:
+                return i, o
+        return -1, None
+
+    def _next_rv(self) -> str:
+        self._rv = getattr(self, "_rv", 100) + 1
+        return str(self._rv)
+
+    def read_object(self, api_version: str, kind_plural: str, namespace: str, name: str) -> dict[str, Any] | None:
+        self.calls.append(("read_object", (api_version, kind_plural, namespace, name)))
+        _raise_scripted(self.fail, "read_object")
+        _, obj = self._find(api_version, kind_plural, namespace, name)
+        return copy.deepcopy(dict(obj)) if obj is not None else None
+
+    def create_object(self, api_version: str, kind_plural: str, namespace: str,
+                      body: Mapping[str, Any]) -> dict[str, Any]:
+        self.calls.append(("create_object", (api_version, kind_plural, namespace)))
+        _raise_scripted(self.fail, "create_object")
+        obj = copy.deepcopy(dict(body))
+        obj.pop("status", None)  # a status subresource: POST ignores the status
+        name = obj["metadata"]["name"]
+        with self._lock:
+            if self._find(api_version, kind_plural, namespace, name)[1] is not None:
+                raise Conflict(f"{kind_plural} {name!r} already exists", status=409)
+            obj["metadata"].update({"namespace": namespace, "resourceVersion": self._next_rv(),
+                                    "creationTimestamp": "2026-01-01T00:00:00Z"})
+            self.objects.setdefault((api_version, kind_plural), []).append(obj)
+        return copy.deepcopy(obj)
+
+    def replace_object(self, api_version: str, kind_plural: str, namespace: str, body: Mapping[str, Any], *,
+                       subresource: str | None = None) -> dict[str, Any]:
+        self.calls.append(("replace_object", (api_version, kind_plural, namespace, subresource)))
+        _raise_scripted(self.fail, "replace_object")
+        if self.before_write is not None:
+            self.before_write(dict(body))  # e.g. another writer getting there first
+        name = body["metadata"]["name"]
+        with self._lock:
+            i, cur = self._find(api_version, kind_plural, namespace, name)
+            if cur is None:
+                raise NotFound(f"{kind_plural} {name!r} not found", status=404)
+            rv = (body.get("metadata") or {}).get("resourceVersion")
+            if rv and rv != cur["metadata"]["resourceVersion"]:
+                raise Conflict(f"Operation cannot be fulfilled on {kind_plural} {name!r}: the object has been "
+                               "modified; please apply your changes to the latest version and try again", status=409)
+            new = copy.deepcopy(dict(cur))
+            if subresource == "status":
+                new["status"] = copy.deepcopy(body.get("status"))
+            else:  # the main resource: status changes are ignored
+                new["spec"] = copy.deepcopy(body.get("spec"))
+            new["metadata"]["resourceVersion"] = self._next_rv()
+            self.objects[(api_version, kind_plural)][i] = new
+            self.writes.append(copy.deepcopy(new))
+        return copy.deepcopy(new)
+
+    def delete_object(self, api_version: str, kind_plural: str, namespace: str, name: str, *,
+                      resource_version: str | None = None) -> bool:
+        self.calls.append(("delete_object", (api_version, kind_plural, namespace, name)))
+        _raise_scripted(self.fail, "delete_object")
+        with self._lock:
+            i, cur = self._find(api_version, kind_plural, namespace, name)
+            if cur is None:
+                return False
+            if resource_version and resource_version != cur["metadata"]["resourceVersion"]:
+                raise Conflict(f"precondition failed for {name}", status=409)
+            del self.objects[(api_version, kind_plural)][i]
+        return True
 
     # -- leases --
     def read_lease(self, namespace: str, name: str) -> LeaseRecord | None:

@@ -163,6 +163,48 @@ class KubeAPI(Protocol):
         ...
 
 
+class IdentityAPI(Protocol):
+    """Who the Kubernetes credential in use is and what it may do (``runbook approve`` in cluster mode)."""
+
+    def self_access_review(self, verb: str, group: str, resource: str, *, namespace: str = "",
+                           name: str = "", subresource: str = "") -> tuple[bool, str]:
+        """SelfSubjectAccessReview: (allowed, the authorizer's reason)."""
+        ...
+
+    def authenticated_user(self) -> str:
+        """The username the API server authenticates the credential as (never the kubeconfig's text)."""
+        ...
+
+
+class ObjectAPI(Protocol):
+    """Namespaced objects of one kind (custom resources: the run store, ``engine.kube_store``) as
+    plain JSON documents. Errors are ``engine.errors.KubeError`` (``Conflict`` for a stale
+    resourceVersion, ``Forbidden`` for RBAC)."""
+
+    def read_object(self, api_version: str, kind_plural: str, namespace: str, name: str) -> dict[str, Any] | None:
+        """The object, or None when it does not exist."""
+        ...
+
+    def list_objects(self, api_version: str, kind_plural: str, *, namespace: str | None = None,
+                     label_selector: str | None = None) -> list[Mapping[str, Any]]: ...
+
+    def create_object(self, api_version: str, kind_plural: str, namespace: str,
+                      body: Mapping[str, Any]) -> dict[str, Any]:
+        """POST; ``Conflict`` when an object of that name exists. Returns the created object."""
+        ...
+
+    def replace_object(self, api_version: str, kind_plural: str, namespace: str, body: Mapping[str, Any], *,
+                       subresource: str | None = None) -> dict[str, Any]:
+        """PUT the object (or its ``subresource``, e.g. ``status``) with the ``metadata.resourceVersion``
+        of ``body`` as precondition: ``Conflict`` (409) when it is stale. Returns the new object."""
+        ...
+
+    def delete_object(self, api_version: str, kind_plural: str, namespace: str, name: str, *,
+                      resource_version: str | None = None) -> bool:
+        """DELETE, only that version when given (``Conflict`` otherwise); False when already gone."""
+        ...
+
+
 TaskEvent = Mapping[str, Any]  # {"host", "task", "status": ok|changed|failed|skipped|unreachable, "msg"}
 
 

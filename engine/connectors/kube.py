@@ -472,6 +472,51 @@ class KubeConnector:
         obj = self._raw("GET", path, what, query=[("labelSelector", label_selector)])
         return [MappingProxyType(i) for i in obj.get("items") or ()]
 
+    @staticmethod
+    def _objects_path(api_version: str, kind_plural: str, namespace: str, name: str | None = None,
+                      subresource: str | None = None) -> str:
+        prefix = f"/api/{_q(api_version)}" if "/" not in api_version else (
+            "/apis/" + "/".join(_q(p) for p in api_version.split("/", 1)))
+        path = f"{prefix}/namespaces/{_q(namespace)}/{_q(kind_plural)}"
+        if name:
+            path += f"/{_q(name)}"
+        if subresource:
+            path += f"/{_q(subresource)}"
+        return path
+
+    def read_object(self, api_version: str, kind_plural: str, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return dict(self._raw("GET", self._objects_path(api_version, kind_plural, namespace, name),
+                                  f"read {kind_plural}.{api_version} {namespace}/{name}"))
+        except NotFound:
+            return None
+
+    def create_object(self, api_version: str, kind_plural: str, namespace: str,
+                      body: Mapping[str, Any]) -> dict[str, Any]:
+        name = (body.get("metadata") or {}).get("name", "")
+        return dict(self._raw("POST", self._objects_path(api_version, kind_plural, namespace),
+                              f"create {kind_plural}.{api_version} {namespace}/{name}", body=dict(body)))
+
+    def replace_object(self, api_version: str, kind_plural: str, namespace: str, body: Mapping[str, Any], *,
+                       subresource: str | None = None) -> dict[str, Any]:
+        """PUT with ``body``'s resourceVersion: a stale one gets ``Conflict`` (409), never a lost update."""
+        name = (body.get("metadata") or {}).get("name", "")
+        what = f"update {kind_plural}{'/' + subresource if subresource else ''}.{api_version} {namespace}/{name}"
+        return dict(self._raw("PUT", self._objects_path(api_version, kind_plural, namespace, name, subresource),
+                              what, body=dict(body)))
+
+    def delete_object(self, api_version: str, kind_plural: str, namespace: str, name: str, *,
+                      resource_version: str | None = None) -> bool:
+        body: dict[str, Any] = {"apiVersion": "v1", "kind": "DeleteOptions"}
+        if resource_version:
+            body["preconditions"] = {"resourceVersion": resource_version}
+        try:
+            self._raw("DELETE", self._objects_path(api_version, kind_plural, namespace, name),
+                      f"delete {kind_plural}.{api_version} {namespace}/{name}", body=body)
+        except NotFound:
+            return False
+        return True
+
     def served_resources(self, api_version: str) -> frozenset[str] | None:
         """Discovery (``/api/v1`` or ``/apis/<group>/<version>``): the plural names served there,
         subresources left out; None on 404 (the group/version is not served)."""
@@ -540,6 +585,64 @@ class KubeConnector:
                       f"delete lease {lease.namespace}/{lease.name}", body=body)
         except NotFound:
             return
+
+    # ------------------------------------------------------------------ who the caller is, what it may do
+
+    def self_access_review(self, verb: str, group: str, resource: str, *, namespace: str = "",
+                           name: str = "", subresource: str = "") -> tuple[bool, str]:
+        """SelfSubjectAccessReview (authorization.k8s.io/v1, served by every supported release and
+        allowed to every authenticated user): may *this connector's identity* do ``verb`` on the
+        resource? (allowed, the authorizer's reason or denial)."""
+        attrs = {k: v for k, v in (("verb", verb), ("group", group), ("resource", resource),
+                                   ("namespace", namespace), ("name", name), ("subresource", subresource)) if v}
+        body = {"apiVersion": "authorization.k8s.io/v1", "kind": "SelfSubjectAccessReview",
+                "spec": {"resourceAttributes": attrs}}
+        obj = self._raw("POST", "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews",
+                        f"review access to {verb} {resource}.{group}", body=body)
+        status = obj.get("status") or {}
+        return bool(status.get("allowed")) and not status.get("denied"), str(
+            status.get("reason") or status.get("evaluationError") or "")
+
+    def authenticated_user(self) -> str:
+        """The username the API server authenticates this connector's credential as.
+
+        1. SelfSubjectReview (``authentication.k8s.io`` v1 from Kubernetes 1.28, v1beta1 1.27, v1alpha1
+           1.26 when enabled): allowed to everyone, asks the server itself.
+        2. Older servers (the lab's 1.20) serve none of them. A bearer token is then sent to
+           TokenReview (``authentication.k8s.io/v1``), which answers for exactly that token; it needs
+           ``create`` on ``tokenreviews`` (``Forbidden`` names it otherwise). A client certificate
+           is authenticated by its subject's CN (the API server's x509 rule).
+        Never a name read from the kubeconfig's text: a ``KubeError`` when none of these can tell."""
+        for version in ("v1", "v1beta1", "v1alpha1"):
+            try:
+                obj = self._raw("POST", f"/apis/authentication.k8s.io/{version}/selfsubjectreviews",
+                                "review the caller's own identity",
+                                body={"apiVersion": f"authentication.k8s.io/{version}", "kind": "SelfSubjectReview"})
+            except (NotFound, Forbidden):
+                # Not served by this release: 404, or 403 where RBAC is asked before the route is
+                # found (1.20 answers 403 "cannot create resource selfsubjectreviews" to a non-admin).
+                continue
+            user = ((obj.get("status") or {}).get("userInfo") or {}).get("username")
+            if user:
+                return str(user)
+        cfg = self._api.configuration
+        token = str((cfg.api_key or {}).get("authorization") or (cfg.api_key or {}).get("BearerToken") or "")
+        token = token.removeprefix("Bearer ").removeprefix("bearer ").strip()
+        if token:
+            review: dict[str, Any] = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview",
+                                      "spec": {"token": token}}
+            obj = self._raw("POST", "/apis/authentication.k8s.io/v1/tokenreviews",
+                            "review the caller's own token (this server serves no SelfSubjectReview)", body=review)
+            status = obj.get("status") or {}
+            user = (status.get("user") or {}).get("username")
+            if not status.get("authenticated") or not user:
+                raise KubeError(f"the API server at {self.host} does not authenticate this kubeconfig's token: "
+                                f"{status.get('error') or 'not authenticated'}")
+            return str(user)
+        if cfg.cert_file:
+            return _certificate_user(cfg.cert_file)
+        raise KubeError(f"cannot tell who this kubeconfig authenticates as at {self.host}: no bearer token, no "
+                        "client certificate, and the server serves no SelfSubjectReview (Kubernetes < 1.26)")
 
     # ------------------------------------------------------------------ events
 
@@ -731,6 +834,22 @@ def _shutdown(resp: Any) -> None:
         resp.shutdown()
     with contextlib.suppress(Exception):
         resp.close()
+
+
+def _certificate_user(cert_file: str) -> str:
+    """The CN of a client certificate: the username the API server's x509 authenticator assigns."""
+    try:
+        from cryptography import x509
+        from cryptography.x509.oid import NameOID
+
+        with open(cert_file, "rb") as f:
+            cert = x509.load_pem_x509_certificate(f.read())
+        names = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    except (ImportError, OSError, ValueError) as e:
+        raise KubeError(f"cannot read the client certificate {cert_file}: {e}") from e
+    if not names:
+        raise KubeError(f"the client certificate {cert_file} has no CN: no username")
+    return str(names[0].value)
 
 
 def _q(segment: str) -> str:

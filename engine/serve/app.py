@@ -5,6 +5,7 @@ Routes (roles from ``engine.serve.access``)::
     POST /hooks/alertmanager   Alertmanager webhook v4                      sender
     POST /hooks/pagerduty      PagerDuty v3 webhook (signature, then fresh signed time, then replay)
     GET  /healthz              liveness + worker/breaker status             open
+    GET  /readyz               the store answers; leader or follower (503: not ready)  open
     GET  /metrics              Prometheus text format                       reads
     GET  /runs[?limit=N]       runs, newest first                           reads
     GET  /runs/{id}            one run (404 if unknown)                     reads
@@ -15,7 +16,7 @@ Routes (roles from ``engine.serve.access``)::
     GET  /, /ui/...            the web console (engine.serve.console)       session (login form)
 
 ("reads": open, or a reader/approver credential, per ``auth.reads``.) Every request but
-``/healthz`` must carry an allowed ``Host`` (and ``Origin``, when a browser sends one); every POST
+``/healthz`` and ``/readyz`` must carry an allowed ``Host`` (and ``Origin``, when a browser sends one); every POST
 must be ``application/json``. Each handler authenticates, reads a bounded body under a deadline and
 a server-wide byte budget, parses at the boundary off the event loop (bad input is a 4xx with a
 clear message, never a 500) and hands typed values to the ``Dispatcher`` in a thread, so the event
@@ -50,6 +51,7 @@ from engine.serve.console import console_routes
 from engine.serve.dispatcher import Decision, Dispatcher, NotFound, SelfApproval, summarize
 from engine.serve.guards import Guards, ReplayGuard
 from engine.serve.kube_identity import IdentityUnavailable, KubeIdentity
+from engine.serve.leader import LeaderElector
 from engine.serve.metrics import ServeMetrics
 from engine.serve.notify import Notifier
 from engine.serve.pagerduty import (
@@ -76,6 +78,7 @@ _SMALL_BODY = 64 * 1024
 # hop to a thread); larger ones in a worker thread, validated in pieces (see parse_alertmanager).
 _INLINE_PARSE_BYTES = 32 * 1024
 _HELD = "runbook.body_bytes"  # scope key: bytes of the byte budget this request holds
+_PROBES = frozenset({"/healthz", "/readyz"})
 _JSON_POSTS = frozenset({"/hooks/alertmanager", "/hooks/pagerduty", "/breaker/reset"})
 SWITCH_INTERVAL = 0.001  # seconds: the interpreter's thread switch interval while the server runs
 
@@ -203,14 +206,15 @@ def _answer(decisions: list[Decision], **extra: Any) -> tuple[JSONResponse, str]
 class HostGuard:
     """ASGI middleware: refuse requests whose ``Host`` (or browser ``Origin``) is not ours (DNS
     rebinding, cross-site posts), and POSTs that are not ``application/json`` (HTML forms can send
-    only form types without a CORS preflight). ``/healthz`` is exempt (probes use any address)."""
+    only form types without a CORS preflight). ``/healthz`` and ``/readyz`` are exempt (probes use any
+    address)."""
 
     def __init__(self, app: ASGIApp, access: Access) -> None:
         self.app = app
         self.access = access
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope.get("path") == "/healthz":
+        if scope["type"] != "http" or scope.get("path") in _PROBES:
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers", ())
@@ -387,6 +391,12 @@ class ServeApp:
     async def healthz(self, request: Request) -> Response:
         return JSONResponse({"status": "ok", **self.dispatcher.status()})
 
+    async def readyz(self, request: Request) -> Response:
+        """Ready: the store answered a read just now. Leader and follower are both ready (both serve)."""
+        state = await run_in_threadpool(self.dispatcher.readiness)
+        return JSONResponse({"status": "ready" if state["ready"] else "not-ready", **state},
+                            status_code=200 if state["ready"] else 503)
+
     async def _read_refused(self, request: Request) -> Response | None:
         if self.access.open_reads:
             return None
@@ -500,10 +510,12 @@ class ServeApp:
 def create_app(config: ServeConfig, starter: RunStarter, *, cluster: ClusterView,
                notifier: Notifier | None = None, metrics: ServeMetrics | None = None,
                clock: Callable[[], float] = time.time, sweep_interval: float = 30.0,
-               identity: KubeIdentity | None = None) -> Starlette:
+               identity: KubeIdentity | None = None, elector: LeaderElector | None = None) -> Starlette:
     """The ASGI app. Startup (lifespan) recovers runs from the journal; shutdown drains workers.
 
     ``identity``: the Kubernetes identity backend (required with ``auth.mode: kubernetes``).
+    ``elector``: several replicas share a store; it decides which one does the singleton duties
+    (started before the dispatcher, so a sole replica leads from its first second; given up last).
 
     ``app.state.dispatcher`` gives tests and the CLI the dispatcher (worker pool, guards, notifier).
     """
@@ -512,7 +524,9 @@ def create_app(config: ServeConfig, starter: RunStarter, *, cluster: ClusterView
     index = TriggerIndex(starter.trigger_index(), config.pagerduty.mappings)
     dispatcher = Dispatcher(config, starter, cluster, index=index, guards=Guards(config, clock=clock),
                             worker=WorkerPool(config.workers, config.queue_size), notifier=notifier,
-                            metrics=metrics, clock=clock)
+                            metrics=metrics, clock=clock, leadership=elector)
+    if elector is not None:
+        elector.on_change = dispatcher.on_leadership
     pd = config.pagerduty
     # Why this window: an older delivery is refused by its signed time anyway, so remembering
     # content keys longer buys nothing; X-Webhook-Id values share the same bounded memory.
@@ -527,17 +541,23 @@ def create_app(config: ServeConfig, starter: RunStarter, *, cluster: ClusterView
         # switch interval a webhook's answer waits up to 5 ms at each hand-over of the GIL from a busy
         # worker; 1 ms halves the answers' latency under such load (docs/performance.md, P8).
         sys.setswitchinterval(min(previous, SWITCH_INTERVAL))
+        if elector is not None:
+            await run_in_threadpool(elector.try_once)
+            elector.start()
         await run_in_threadpool(dispatcher.start, sweep_interval=sweep_interval)
         try:
             yield
         finally:
             await run_in_threadpool(dispatcher.stop)
             sys.setswitchinterval(previous)
+            if elector is not None:
+                await run_in_threadpool(elector.stop)
 
     routes = [
         Route("/hooks/alertmanager", handlers.alertmanager, methods=["POST"]),
         Route("/hooks/pagerduty", handlers.pagerduty, methods=["POST"]),
         Route("/healthz", handlers.healthz, methods=["GET"]),
+        Route("/readyz", handlers.readyz, methods=["GET"]),
         Route("/metrics", handlers.metrics_endpoint, methods=["GET"]),
         Route("/runs", handlers.runs, methods=["GET"]),
         Route("/runs/{run_id}", handlers.run, methods=["GET"]),

@@ -29,8 +29,10 @@ from engine.settings import Settings
 
 def load_run_starter(settings: Settings, config: ServeConfig) -> RunStarter:
     """The engine's ``RunStarter``: automatic runs through the run service, under the run guards
-    of the server's configuration (never overridden)."""
-    return JournalRunStarter(settings, guards=config.run_guards())
+    of the server's configuration (never overridden). Replicas sharing a store (``--store
+    kubernetes``) share the webhook dedup through it."""
+    shared = config.dedup.fingerprint_window if settings.store == "kubernetes" else None
+    return JournalRunStarter(settings, guards=config.run_guards(), shared_dedup_window=shared)
 
 
 INSECURE_BANNER = """\
@@ -71,7 +73,16 @@ def build_app(settings: Settings, config_file: Path | None, listen: str | None, 
     starter = load_run_starter(settings, config)
     cluster = KubeClusterView(settings.kube, config.run_guards(), ttl=config.cluster_cache_ttl,
                               refresh=config.cluster_refresh)
-    return create_app(config, starter, cluster=cluster, identity=kube_identity(settings, config)), config
+    identity = kube_identity(settings, config)
+    if settings.store != "kubernetes":
+        return create_app(config, starter, cluster=cluster, identity=identity), config
+    from engine.serve.leader import LeaderElector
+
+    # Replicas share the store: one of them (the Lease's holder) does the singleton duties, at
+    # least once per Lease duration, so an orphaned run is resumed within two Lease durations.
+    elector = LeaderElector(settings.kube, namespace=settings.store_namespace, ttl=config.replicas.lease_duration)
+    return create_app(config, starter, cluster=cluster, identity=identity, elector=elector,
+                      sweep_interval=min(30.0, float(config.replicas.lease_duration))), config
 
 
 def kube_identity(settings: Settings, config: ServeConfig) -> KubeIdentity | None:

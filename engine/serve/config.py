@@ -70,6 +70,19 @@ class BreakerConfig(_Section):
     state_file: Path | None = None  # where node-breaker resets are kept (default: memory only)
 
 
+class RetentionConfig(_Section):
+    """What the leader prunes at each sweep (``RunStore.prune``): finished runs only."""
+
+    keep: int = Field(default=1000, ge=1)  # the newest finished runs kept
+    max_age: Seconds | None = 30 * 86400.0  # finished longer ago than this: pruned (null: by count only)
+
+
+class ReplicasConfig(_Section):
+    """Leader election among replicas sharing a store (``--store kubernetes``)."""
+
+    lease_duration: int = Field(default=15, ge=2, le=600)  # seconds; renewed at 1/3, lost at 2/3
+
+
 def _check_http_url(v: str | None, key: str) -> str | None:
     if v is not None and not re.match(r"^https?://[^\s/]+", v):
         raise ValueError(f"{key} must be an http(s) URL")
@@ -235,6 +248,8 @@ class ServeConfig(_Section):
     pagerduty: PagerDutyConfig = Field(default_factory=PagerDutyConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    retention: RetentionConfig = Field(default_factory=RetentionConfig)
+    replicas: ReplicasConfig = Field(default_factory=ReplicasConfig)
     @field_validator("public_url")
     @classmethod
     def _public_url(cls, v: str | None) -> str | None:

@@ -13,8 +13,12 @@ For every firing alert (or incident) and every trigger it matches, in this order
 
 Outcomes of runs come back through ``_finish``: notifications, metrics, and the node breaker for a
 failed automatic run. A *resolved* alert whose firing started a run is recorded against that run
-(event ``alert.resolved``), once; it never starts or stops anything. This module holds no HTTP and
-no parsing; it must never block on a run.
+(event ``alert.resolved``), once; it never starts or stops anything.
+
+Singleton duties (resuming orphaned runs, retention pruning) run only while ``leadership`` says this
+replica leads (``engine.serve.leader``): once at start and, with an elected leader, at every sweep
+and at once when leadership is won. A single replica (no election) resumes its orphans at start only.
+This module holds no HTTP and no parsing; it must never block on a run.
 """
 
 from __future__ import annotations
@@ -34,10 +38,11 @@ from engine.serve.alertmanager import Alert, WebhookPayload
 from engine.serve.cluster import ClusterSnapshot, ClusterUnavailable, ClusterView, RefreshingClusterView
 from engine.serve.config import ServeConfig
 from engine.serve.guards import Guards, Reservation
+from engine.serve.leader import Leadership, SingleReplica
 from engine.serve.metrics import ServeMetrics
 from engine.serve.notify import Notification, Notifier, RefusalDigest, run_report, step_outcomes
 from engine.serve.pagerduty import Incident
-from engine.serve.starter import WEBHOOK_SOURCES, Mode, RunOutcome, RunRequest, RunStarter
+from engine.serve.starter import WEBHOOK_SOURCES, AlreadyStarted, Mode, RunOutcome, RunRequest, RunStarter
 from engine.serve.triggers import Candidate, Matches, TriggerIndex
 from engine.serve.worker import WorkerPool
 
@@ -130,8 +135,10 @@ def node_of(summary: Mapping[str, Any]) -> str | None:
 class Dispatcher:
     def __init__(self, config: ServeConfig, starter: RunStarter, cluster: ClusterView, *,
                  index: TriggerIndex, guards: Guards, worker: WorkerPool, notifier: Notifier,
-                 metrics: ServeMetrics, clock: Callable[[], float] = time.time) -> None:
+                 metrics: ServeMetrics, clock: Callable[[], float] = time.time,
+                 leadership: Leadership | None = None) -> None:
         self.config = config
+        self.leadership: Leadership = leadership or SingleReplica()
         self.starter = starter
         self.cluster = cluster
         self.index = index
@@ -146,6 +153,7 @@ class Dispatcher:
         self._last_cluster: ClusterSnapshot | None = None
         self._alert_runs: dict[str, str] = {}  # alert dedup key -> the run its firing started
         self._stop = threading.Event()
+        self._wake = threading.Event()  # leadership won: do the singleton duties now
         self._sweeper: threading.Thread | None = None
         self.digest = RefusalDigest(config.dedup.node_cooldown, clock=clock)
 
@@ -154,10 +162,11 @@ class Dispatcher:
     def start(self, *, sweep_interval: float = 30.0) -> None:
         """Claim what a previous server left, rebuild dedup/breaker windows from the journal, start
         queued runs, and start the sweeper that notices approvals timing out. A cluster view that
-        refreshes itself starts refreshing first, so the first page finds a snapshot ready."""
+        refreshes itself starts refreshing first, so the first page finds a snapshot ready.
+        Only the leader (every server when it elects nothing) claims and resumes runs."""
         if isinstance(self.cluster, RefreshingClusterView):
             self.cluster.start()
-        queue_ids = list(self.starter.recover())
+        queue_ids = list(self.starter.recover()) if self.leadership.is_leader() else []
         now = self._clock()
         for s in self.starter.runs(limit=500):
             if s.get("source") not in WEBHOOK_SOURCES:
@@ -197,17 +206,82 @@ class Dispatcher:
         self._stop.set()
         if isinstance(self.cluster, RefreshingClusterView):
             self.cluster.stop()
+        self._wake.set()
         self.worker.shutdown(self.config.shutdown_grace)
         self.notifier.flush(timeout=2.0)
         self.notifier.close(timeout=2.0)
 
     def _sweep_loop(self, interval: float) -> None:
-        while not self._stop.wait(interval):
+        while True:
+            self._wake.wait(interval)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             try:
                 self.reconcile()
                 self.flush_refusals()
             except Exception:
                 log.exception("reconcile failed")
+            if self.leadership.describe().get("role") != "single":
+                try:
+                    self.singleton_duties()
+                except Exception:
+                    log.exception("singleton duties failed")
+
+    def on_leadership(self, leading: bool) -> None:
+        """The elector's callback: a new leader does its singleton duties at once."""
+        if leading:
+            self._wake.set()
+
+    def singleton_duties(self) -> dict[str, Any]:
+        """The leader's duties (nothing on a follower): queue the runs nobody executes any more
+        (``RunStarter.recover``: pending or interrupted runs whose owner is gone), then prune the
+        store by the retention (``retention.keep`` / ``retention.max_age``). What was done."""
+        if not self.leadership.is_leader():
+            return {"leader": False}
+        queued = []
+        for run_id in self.starter.recover():
+            with self._lock:
+                if run_id in self._runs:
+                    continue  # already queued or executing here
+            try:
+                s = self.starter.run(run_id)
+            except RunbookError:
+                continue
+            if s.get("state") in _FINAL and s.get("state") != "interrupted":
+                continue  # finished meanwhile (by whoever executed it)
+            node = node_of(s)
+            mode: Mode = "approve" if s.get("approval_required") else "auto"
+            with self._lock:
+                self._runs[run_id] = _RunMeta(str(s.get("runbook")), node, mode, state=str(s.get("state")),
+                                              approved=bool(s.get("approved_by")),
+                                              plan_digest=s.get("plan_digest"), source=str(s.get("source", "")))
+            self.guards.track_active(node, run_id, approve=mode == "approve")
+            if self.worker.submit(functools.partial(self._execute, run_id), reserved=False):
+                queued.append(run_id)
+                log.warning("resuming orphaned run %s (its executor is gone)", run_id)
+            else:
+                with self._lock:
+                    self._runs.pop(run_id, None)
+        pruned: Sequence[str] = ()
+        try:
+            pruned = self.starter.prune(self.config.retention.keep, self.config.retention.max_age)
+        except Exception as e:  # Why: retention failing must not stop the resumption of orphans
+            log.warning("retention pruning failed: %s", e)
+        if pruned:
+            log.info("retention: pruned %d finished runs", len(pruned))
+        return {"leader": True, "resumed": queued, "pruned": list(pruned)}
+
+    def readiness(self) -> dict[str, Any]:
+        """``/readyz``: the store answers (one read), and this replica's role (leader or follower)."""
+        out: dict[str, Any] = {**self.leadership.describe()}
+        try:
+            self.starter.runs(limit=1)
+        except Exception as e:
+            out.update(ready=False, store=f"unreachable: {type(e).__name__}: {str(e)[:300]}")
+            return out
+        out.update(ready=True, store="ok")
+        return out
 
     def flush_refusals(self, *, force: bool = False) -> None:
         """Send the aggregate "N alerts refused" notification when its window is over."""
@@ -392,6 +466,10 @@ class Dispatcher:
                              requested_by=requested_by)
         try:
             ticket = self.starter.submit(request)
+        except AlreadyStarted as e:  # another replica took this page first (shared store)
+            self.worker.release()
+            self._undo(c, auto_slot, mode)
+            return Decision("duplicate", str(e), runbook=c.runbook, node=c.node, run_id=e.run_id, mode=mode)
         except RunbookError as e:
             self.worker.release()
             self._undo(c, auto_slot, mode)
@@ -571,7 +649,7 @@ class Dispatcher:
         with self._lock:
             owned = len(self._runs)
         return {"triggers": len(self.index), "runs_tracked": owned, "workers": self.worker.stats(),
-                "breaker": self.guards.state()}
+                "breaker": self.guards.state(), "leadership": self.leadership.describe()}
 
 
 def summarize(decisions: Sequence[Decision]) -> tuple[int, str]:

@@ -27,6 +27,8 @@ Rules every implementation must keep:
 * ``submit`` must not plan, gather facts or touch the cluster: it runs on the request path.
   It raises ``engine.errors.UsageError`` for an unknown runbook or invalid params (params are
   validated like any param: ``engine.params.resolve_params``); the server answers with the reason.
+* ``submit`` raises ``AlreadyStarted`` when replicas share the store and the same page (runbook and
+  dedup key) already started a run within the fingerprint window, wherever it arrived.
 * ``submit`` records ``request.warnings`` (breaker warnings) and ``request.reason`` with the run, so
   the reviewer of an ``approve``-mode plan sees why it was not automatic.
 * ``execute`` never raises for a run that failed or was blocked: it returns a ``RunOutcome`` with the
@@ -102,6 +104,14 @@ class RunOutcome:
     extra: Mapping[str, Any] = field(default_factory=dict)
 
 
+class AlreadyStarted(Exception):
+    """``submit``: the same page already started this run (at another replica sharing the store)."""
+
+    def __init__(self, run_id: str, reason: str) -> None:
+        super().__init__(reason)
+        self.run_id = run_id
+
+
 @runtime_checkable
 class RunStarter(Protocol):
     """The run machinery as ``runbook serve`` sees it. All methods are called from threads."""
@@ -150,6 +160,11 @@ class RunStarter(Protocol):
         live facts and dry-run previews, recorded nowhere, changing nothing (``runbook plan``).
         Blocking (seconds: it gathers facts over SSH). ``UsageError`` for an unknown runbook or
         invalid params."""
+        ...
+
+    def prune(self, keep: int, max_age: float | None) -> Sequence[str]:
+        """Retention (the leader's duty): delete finished runs beyond the ``keep`` newest and those
+        finished more than ``max_age`` seconds ago (``RunStore.prune``); the deleted ids."""
         ...
 
     def recover(self) -> Sequence[str]:

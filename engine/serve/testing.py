@@ -201,6 +201,16 @@ class FakeRunStarter:
             self._runs[run_id].setdefault("events", []).append({"kind": kind, **dict(data)})
             self._cond.notify_all()
 
+    def prune(self, keep: int, max_age: float | None) -> Sequence[str]:
+        """Finished runs beyond the ``keep`` newest (the fake keeps no finish times: ``max_age`` unused)."""
+        with self._cond:
+            finished = [r for r in reversed(list(self._runs.values()))
+                        if r["state"] in ("succeeded", "failed", "blocked", "cancelled")]
+            gone = [r["id"] for r in finished[keep:]]
+            for run_id in gone:
+                del self._runs[run_id]
+            return gone
+
     def recover(self) -> Sequence[str]:
         return list(self._recover)
 
@@ -347,13 +357,14 @@ class Served:
 def served(mode: str = "auto", *, token: str | None = TOKEN, nodes: Iterable[NodeFacts] | None = None,
            starter: FakeRunStarter | None = None, env: Mapping[str, str] | None = None,
            clock: Callable[[], float] = time.time, notify_from_config: bool = False,
-           identity: Any = None, **cfg: Any) -> Iterator[Served]:
+           identity: Any = None, elector: Any = None, sweep_interval: float = 0, **cfg: Any) -> Iterator[Served]:
     """The app over fakes: trigger KubeNodeNotReady/Unreachable on ``node=~"omen.*"`` in ``mode``;
     eight healthy nodes omen1..omen8 unless ``nodes``; ``cfg`` overrides the configuration. The
     sender's token is ``token`` (``AUTH``), approver ``alice`` has ``APPROVE``, reader ``grafana``
     has ``READ``; the TestClient's Host ``testserver`` is allowed. ``notify_from_config``: the
     configuration's ``notify:`` section sends the notifications (real HTTP), not the capture.
-    ``identity``: a ``KubeIdentity``: ``auth.mode: kubernetes``, no approver or reader credential."""
+    ``identity``: a ``KubeIdentity``: ``auth.mode: kubernetes``, no approver or reader credential.
+    ``elector``: a ``LeaderElector`` (replicas); ``sweep_interval`` 0: no sweeper thread."""
     import httpx
     from starlette.testclient import TestClient
 
@@ -377,7 +388,7 @@ def served(mode: str = "auto", *, token: str | None = TOKEN, nodes: Iterable[Nod
     cluster = StaticClusterView(INCIDENT_NODES if nodes is None else nodes)
     notifier = None if notify_from_config else Notifier("http://127.0.0.1:9/notify",
                                                         transport=httpx.MockTransport(receive))
-    app = create_app(config, starter, cluster=cluster, notifier=notifier, sweep_interval=0, clock=clock,
-                     identity=identity)
+    app = create_app(config, starter, cluster=cluster, notifier=notifier, sweep_interval=sweep_interval,
+                     clock=clock, identity=identity, elector=elector)
     with TestClient(app) as client:
         yield Served(client, starter, cluster, sent)

@@ -263,3 +263,25 @@ def test_reads_can_be_protected_by_the_token_too() -> None:
             assert s.client.get(path, headers=READ).status_code in (200, 404)
             assert s.client.get(path, headers=APPROVE).status_code in (200, 404)
         assert s.client.get("/healthz").status_code == 200
+
+
+class _StoreDown(FakeRunStarter):
+    broken = False
+
+    def runs(self, limit: int = 100) -> list[dict[str, object]]:
+        if self.broken:
+            raise OSError("the store went away")
+        return list(super().runs(limit))
+
+
+def test_readyz_is_ready_while_the_store_answers_and_503_naming_the_cause_when_it_does_not() -> None:
+    starter = _StoreDown([trigger_spec(mode="auto", matchers=('node=~"omen.*"',))])
+    with served(starter=starter) as s:
+        ok = s.client.get("/readyz", headers={"Host": "10.1.2.3:8080"})  # probes use the pod address
+        assert ok.status_code == 200
+        assert ok.json() | {"status": "ready", "ready": True, "store": "ok", "role": "single"} == ok.json()
+        starter.broken = True
+        down = s.client.get("/readyz")
+        assert down.status_code == 503
+        assert down.json()["status"] == "not-ready" and "the store went away" in down.json()["store"]
+        assert s.client.get("/healthz").status_code == 200  # alive all the same: not restarted for it

@@ -1,0 +1,476 @@
+"""The Kubernetes run store (``--store kubernetes``): each run a ``RemediationRun`` custom resource.
+
+A run is ``remediationruns.runbook.io/v1alpha1`` in the store namespace (``runbook-system`` by
+default), named by its run id. ``spec`` is what was asked (runbook, node, params, source, mode) and
+is written once, at creation; everything that changes (phase, owner, plan, approval, step summary,
+the event log) lives in the **status subresource**. Every write is a PUT of the status with the
+resourceVersion last seen as precondition: a conflict (409: another writer got there first) is
+re-read and the change re-applied to what is there now, never written over it (an event gets the
+next sequence number after the events already recorded). A write returns once the API server has
+committed it, so ``action.intent`` is in etcd before the effect it announces starts; a write that
+fails raises and the executor never takes that action.
+
+Size: an object must stay far below etcd's request limit (1.5 MiB). Strings in event data are cut
+at ``STRING_MAX`` characters, one event's data at ``EVENT_MAX`` bytes (the largest values are
+replaced by a note saying how much was dropped), and when the whole object would pass
+``OBJECT_BUDGET`` bytes the oldest events' data are compacted to what a resume and a report read
+(status, ok, rollback, state, reason). A plan larger than ``PLAN_MAX`` is refused (it must be kept
+whole: a resume checks its digest).
+
+Ownership is as in the SQLite journal: the owning process (host, pid, start time); a run whose
+owner on this machine is gone reads ``interrupted``, and the reader records that phase
+(``Interrupted``) so ``kubectl get rr`` shows it too (a conditional write: it never races a resume
+that claimed the run meanwhile). Retention: ``prune``.
+
+This module talks to the API server only through ``engine.connectors.base.ObjectAPI`` (our Kubernetes
+connector); it never imports ``kubernetes`` and decides nothing about runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from datetime import UTC, datetime
+from typing import Any, TypeVar
+
+from engine.connectors.base import ObjectAPI
+from engine.errors import Conflict, JournalError, KubeError, StalePlan, UsageError
+from engine.journal import (
+    ACTIVE_STATES,
+    FINAL_STATES,
+    RESUMABLE_STATES,
+    EventRecord,
+    RunRecord,
+    StepProgress,
+    current_owner,
+    new_run_id,
+    process_alive,
+    progress_from_events,
+    redact,
+)
+
+API_VERSION = "runbook.io/v1alpha1"
+KIND = "RemediationRun"
+PLURAL = "remediationruns"
+PHASES: Mapping[str, str] = {
+    "pending": "Pending", "waiting-approval": "WaitingApproval", "running": "Running", "succeeded": "Succeeded",
+    "failed": "Failed", "blocked": "Blocked", "cancelled": "Cancelled", "interrupted": "Interrupted",
+}
+STATES: Mapping[str, str] = {v: k for k, v in PHASES.items()}
+STRING_MAX = 2000  # characters of one string in an event's data
+EVENT_MAX = 8 * 1024  # bytes of one event's data (JSON)
+COMPACT_EVENT_MAX = 512  # bytes of an old event's data once the object is over budget
+OBJECT_BUDGET = 512 * 1024  # bytes of the whole object: etcd refuses requests over 1.5 MiB
+PLAN_MAX = 256 * 1024  # bytes of a plan (kept whole)
+MESSAGE_MAX = 1024
+CONFLICT_RETRIES = 50
+# what a resume, the server and the reports read from old events: kept when compacting
+KEPT_KEYS = ("status", "ok", "rollback", "state", "exit_code", "reason", "error", "by", "approved_by",
+             "plan_digest", "started_at", "finished_at", "completed", "started_without_outcome")
+_OUTCOME_EVENTS = ("run.blocked", "run.failed", "run.cancelled", "run.error", "run.finish", "run.resumable",
+                   "approval.waiting", "approval.granted", "approval.rejected")
+
+T = TypeVar("T")
+
+
+def format_time(epoch: float) -> str:
+    """RFC 3339 with microseconds, UTC (the CRD's ``date-time``)."""
+    return datetime.fromtimestamp(epoch, tz=UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def parse_time(value: Any) -> float | None:
+    if not value:
+        return None
+    try:
+        return datetime.fromisoformat(str(value).replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+def _label_value(value: str) -> str | None:
+    """``value`` when it is a valid label value (63 characters, alphanumerics and ``-_.``), else None."""
+    ok = 0 < len(value) <= 63 and value[0].isalnum() and value[-1].isalnum() and \
+        all(c.isalnum() or c in "-_." for c in value) and value.isascii()
+    return value if ok else None
+
+
+def _size(value: Any) -> int:
+    return len(json.dumps(value, default=str, separators=(",", ":")))
+
+
+def bound(value: Any, string_max: int = STRING_MAX) -> Any:
+    """``value`` with long strings cut (saying how much was dropped); plain JSON types only."""
+    if isinstance(value, Mapping):
+        return {str(k): bound(v, string_max) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [bound(v, string_max) for v in value]
+    if isinstance(value, str):
+        if len(value) > string_max:
+            return value[:string_max] + f"... [{len(value) - string_max} characters truncated]"
+        return value
+    if value is None or isinstance(value, bool | int | float):
+        return value
+    return bound(str(value), string_max)
+
+
+def shrink(data: Mapping[str, Any], limit: int) -> dict[str, Any]:
+    """``data`` (JSON) within ``limit`` bytes: the largest values replaced by a truncation note, the
+    kept keys (``KEPT_KEYS``) last of all."""
+    out = dict(data)
+    if _size(out) <= limit:
+        return out
+    order = sorted(out, key=lambda k: (k in KEPT_KEYS, -_size(out[k])))
+    for key in order:
+        if _size(out) <= limit:
+            break
+        n = _size(out[key])
+        if key in KEPT_KEYS and isinstance(out[key], str):
+            out[key] = bound(out[key], 200)
+        else:
+            out[key] = f"[truncated: {n} bytes]"
+    out["truncated"] = True
+    return out
+
+
+class KubeRunStore:
+    """``engine.store.RunStore`` over RemediationRun objects in one namespace. Thread-safe."""
+
+    def __init__(self, api: ObjectAPI, namespace: str = "runbook-system", *,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.api = api
+        self.namespace = namespace
+        self.clock = clock
+        self._secrets: set[str] = set()
+        self._cache: dict[str, dict[str, Any]] = {}  # run id -> the object as last written/read
+        self._locks: dict[str, threading.Lock] = {}
+        self._guard = threading.Lock()
+
+    # -- secrets ------------------------------------------------------------------------------
+
+    def add_secret(self, value: str | None) -> None:
+        if value:
+            self._secrets.add(value)
+
+    def redact(self, value: Any) -> Any:
+        return redact(value, frozenset(self._secrets))
+
+    def _clean(self, value: Any) -> Any:
+        """As it is stored: masked, plain JSON."""
+        return json.loads(json.dumps(self.redact(value), default=str, sort_keys=True))
+
+    def close(self) -> None:
+        """Nothing to release: the connector belongs to the caller."""
+
+    # -- plumbing -----------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _locked(self, run_id: str) -> Iterator[None]:
+        with self._guard:
+            lock = self._locks.setdefault(run_id, threading.Lock())
+        with lock:
+            yield
+
+    def _read(self, run_id: str) -> dict[str, Any]:
+        obj = self.api.read_object(API_VERSION, PLURAL, self.namespace, run_id)
+        if obj is None:
+            raise UsageError(f"unknown run id {run_id!r} (no RemediationRun {run_id} in namespace "
+                             f"{self.namespace}; --store-namespace chooses another)")
+        return obj
+
+    def _update(self, run_id: str, mutate: Callable[[dict[str, Any]], tuple[bool, T]], *, fresh: bool = False) -> T:
+        """Apply ``mutate`` to a copy of the run's status and write it with the resourceVersion it was
+        read at; on a conflict, read again and apply it again to what is there now. ``mutate``
+        returns (write?, result) and may raise (nothing is written then). ``fresh``: read first (a
+        decision that may not write must not rest on this process's last copy)."""
+        with self._locked(run_id):
+            obj = (None if fresh else self._cache.get(run_id)) or self._read(run_id)
+            for _ in range(CONFLICT_RETRIES):
+                status = json.loads(json.dumps(obj.get("status") or {}))  # a deep copy, faster
+                write, result = mutate(status)
+                if not write:
+                    return result
+                self._fit(run_id, status)
+                body = {**obj, "status": status}
+                try:
+                    obj = self.api.replace_object(API_VERSION, PLURAL, self.namespace, body, subresource="status")
+                except Conflict:
+                    obj = self._read(run_id)
+                    continue
+                self._cache[run_id] = obj
+                return result
+        raise KubeError(f"RemediationRun {self.namespace}/{run_id}: still changed by other writers after "
+                        f"{CONFLICT_RETRIES} attempts; nothing written", retryable=True)
+
+    def _fit(self, run_id: str, status: dict[str, Any]) -> None:
+        """Keep the object within ``OBJECT_BUDGET``: compact old events' data, oldest first."""
+        target = OBJECT_BUDGET - 16 * 1024  # room for metadata and spec
+        total = _size(status)
+        if total <= target:
+            return
+        events = status.get("events") or []
+        for e in events[:-1]:
+            if not isinstance(e.get("data"), dict) or e["data"].get("compacted"):
+                continue
+            before = _size(e["data"])
+            if before <= COMPACT_EVENT_MAX:
+                continue
+            e["data"] = {**shrink({k: v for k, v in e["data"].items() if k in KEPT_KEYS}, COMPACT_EVENT_MAX),
+                         "compacted": True}
+            status["compactedEvents"] = int(status.get("compactedEvents") or 0) + 1
+            total -= before - _size(e["data"])
+            if total <= target:
+                return
+        if _size(status) > OBJECT_BUDGET:
+            raise JournalError(f"RemediationRun {self.namespace}/{run_id}: the run's record would pass "
+                               f"{OBJECT_BUDGET // 1024} KiB even with its old events compacted; not written")
+
+    def _event(self, status: dict[str, Any], kind: str, step: str | None, data: Mapping[str, Any]) -> int:
+        """Append one event to ``status`` (and the step summary, message, heartbeat); its seq."""
+        events = status.setdefault("events", [])
+        seq = int(events[-1].get("seq", len(events))) + 1 if events else 1
+        now = self.clock()
+        clean = self._clean(dict(data))
+        body = bound(clean)
+        if _size(body) > EVENT_MAX:
+            body = shrink(body, EVENT_MAX)
+        events.append({"seq": seq, "ts": now, "kind": kind, "step": step, "data": body})
+        status["heartbeatAt"] = format_time(now)
+        if step and kind in ("step.start", "step.outcome"):
+            steps = status.setdefault("steps", [])
+            entry = next((s for s in steps if s.get("id") == step), None)
+            if entry is None:
+                entry = {"id": step}
+                steps.append(entry)
+            if kind == "step.start":
+                entry.update({"status": "running", "startedAt": format_time(now)})
+                entry.pop("finishedAt", None)
+                entry.pop("reason", None)
+            else:
+                entry.update({"status": str(body.get("status", "")), "finishedAt": format_time(now),
+                              "reason": bound(str(body.get("reason") or ""), 500)})
+        if kind in _OUTCOME_EVENTS:
+            reason = body.get("reason") or body.get("error")
+            if reason:
+                status["message"] = bound(str(reason), MESSAGE_MAX)
+        return seq
+
+    # -- runs ---------------------------------------------------------------------------------
+
+    def create_run(self, runbook: str, params: Mapping[str, Any], nodes: list[str], *,
+                   source: str = "cli", state: str = "pending", run_id: str | None = None,
+                   approval_required: bool = False,
+                   events: Sequence[tuple[str, Mapping[str, Any]]] = ()) -> str:
+        run_id = run_id or new_run_id()
+        if state not in PHASES:
+            raise UsageError(f"unknown run state {state!r}")
+        node = nodes[0] if nodes else ""
+        labels = {"app.kubernetes.io/managed-by": "runbook"}
+        for key, value in (("runbook.io/runbook", runbook), ("runbook.io/node", node)):
+            if _label_value(value):
+                labels[key] = value
+        body = {
+            "apiVersion": API_VERSION, "kind": KIND,
+            "metadata": {"name": run_id, "namespace": self.namespace, "labels": labels},
+            "spec": {"runbook": runbook, "node": node or "-", "nodes": list(nodes), "params": self._clean(dict(params)),
+                     "source": source, "mode": "approve" if approval_required else "auto"},
+        }
+        obj = self.api.create_object(API_VERSION, PLURAL, self.namespace, body)
+        self._cache[run_id] = obj
+        host, pid, start = current_owner()
+        now = format_time(self.clock())
+
+        def init(status: dict[str, Any]) -> tuple[bool, None]:
+            status.update({"phase": PHASES[state], "createdAt": now, "heartbeatAt": now,
+                           "owner": {"host": host, "pid": pid, "start": start}, "claimedBy": f"{host}/{pid}"})
+            return True, None
+
+        self._update(run_id, init)
+        for kind, data in events:
+            self.append(run_id, kind, **dict(data))
+        return run_id
+
+    def claim(self, run_id: str) -> bool:
+        me = current_owner()
+
+        def take(status: dict[str, Any]) -> tuple[bool, bool]:
+            owner = status.get("owner") or {}
+            theirs = (owner.get("host"), owner.get("pid"), owner.get("start"))
+            if theirs != me and process_alive(*theirs) is True:
+                return False, False
+            status["owner"] = {"host": me[0], "pid": me[1], "start": me[2]}
+            status["claimedBy"] = f"{me[0]}/{me[1]}"
+            return True, True
+
+        return self._update(run_id, take, fresh=True)
+
+    def disown(self, run_id: str) -> None:
+        def let_go(status: dict[str, Any]) -> tuple[bool, None]:
+            owner = status.get("owner") or {}
+            status["owner"] = {"host": owner.get("host"), "pid": None, "start": None}
+            status.pop("claimedBy", None)
+            return True, None
+
+        self._update(run_id, let_go)
+
+    def set_plan(self, run_id: str, plan: Mapping[str, Any], digest: str) -> None:
+        clean = self._clean(dict(plan))
+        if _size(clean) > PLAN_MAX:
+            raise JournalError(f"RemediationRun {self.namespace}/{run_id}: the plan is {_size(clean) // 1024} KiB, "
+                               f"more than the {PLAN_MAX // 1024} KiB a run record keeps; not recorded")
+
+        def put(status: dict[str, Any]) -> tuple[bool, None]:
+            status.update({"plan": clean, "planDigest": digest})
+            return True, None
+
+        self._update(run_id, put)
+
+    def set_state(self, run_id: str, state: str, *, exit_code: int | None = None) -> None:
+        if state not in PHASES:
+            raise UsageError(f"unknown run state {state!r}")
+        now = format_time(self.clock())
+
+        def put(status: dict[str, Any]) -> tuple[bool, None]:
+            status["phase"] = PHASES[state]
+            if state == "running":
+                status.setdefault("startedAt", now)
+                status.pop("finishedAt", None)
+                status.pop("exitCode", None)
+            elif state in FINAL_STATES or state in RESUMABLE_STATES:
+                status["finishedAt"] = now
+                if exit_code is None:
+                    status.pop("exitCode", None)
+                else:
+                    status["exitCode"] = int(exit_code)
+                if state in RESUMABLE_STATES:  # stopped, and nobody executes it: any process may resume it
+                    owner = status.get("owner") or {}
+                    status["owner"] = {"host": owner.get("host"), "pid": None, "start": None}
+                    status.pop("claimedBy", None)
+            self._event(status, "run.state", None, {"state": state, "exit_code": exit_code})
+            return True, None
+
+        self._update(run_id, put)
+
+    def record_approval(self, run_id: str, digest: str, approved_by: str) -> RunRecord:
+        now = self.clock()
+
+        def approve(status: dict[str, Any]) -> tuple[bool, None]:
+            current = status.get("planDigest")
+            state = STATES.get(str(status.get("phase")), "pending")
+            if current is None or digest != current:
+                raise StalePlan(f"run {run_id}: approval names plan {digest!r}, but the run's plan is "
+                                f"{current!r}; re-read the plan and approve that digest")
+            if state != "waiting-approval":
+                raise StalePlan(f"run {run_id} is {state}, not waiting for approval")
+            status["approval"] = {"by": self._clean(approved_by), "at": format_time(now), "digest": digest}
+            self._event(status, "approval.granted", None, {"approved_by": approved_by, "plan_digest": digest})
+            return True, None
+
+        self._update(run_id, approve, fresh=True)
+        return self.get_run(run_id)
+
+    def get_run(self, run_id: str) -> RunRecord:
+        return self._record(self._read(run_id))
+
+    def list_runs(self, *, limit: int = 100, states: tuple[str, ...] | None = None) -> list[RunRecord]:
+        items = [dict(o) for o in self.api.list_objects(API_VERSION, PLURAL, namespace=self.namespace)]
+        if states:
+            items = [o for o in items if _stored_state(o) in states]
+        items.sort(key=lambda o: (_created(o), (o.get("metadata") or {}).get("name", "")), reverse=True)
+        return [self._record(o) for o in items[:limit]]
+
+    def _record(self, obj: dict[str, Any]) -> RunRecord:
+        meta, spec, status = obj.get("metadata") or {}, obj.get("spec") or {}, obj.get("status") or {}
+        state = _stored_state(obj)
+        owner = status.get("owner") or {}
+        host, pid, start = owner.get("host"), owner.get("pid"), owner.get("start")
+        if state in ACTIVE_STATES and process_alive(host, pid, start) is False:
+            state = "interrupted"  # the engine that owned it is gone, however it died
+            self._record_interrupted(obj)
+        approval = status.get("approval") or {}
+        nodes = spec.get("nodes")
+        return RunRecord(
+            id=meta.get("name", ""), runbook=spec.get("runbook", ""), params=dict(spec.get("params") or {}),
+            nodes=list(nodes) if isinstance(nodes, list) else [spec.get("node", "")], state=state,
+            source=spec.get("source", "cli"), plan_digest=status.get("planDigest"), plan=status.get("plan"),
+            approval_required=spec.get("mode") == "approve", approved_by=approval.get("by"),
+            approved_at=parse_time(approval.get("at")), approved_digest=approval.get("digest"),
+            created=_created(obj), started=parse_time(status.get("startedAt")),
+            finished=parse_time(status.get("finishedAt")), exit_code=status.get("exitCode"),
+            owner_host=host, owner_pid=pid, owner_start=start,
+        )
+
+    def _record_interrupted(self, obj: dict[str, Any]) -> None:
+        """Write phase ``Interrupted`` for a run whose owner is gone (for ``kubectl get rr``), only
+        if the object is unchanged since it was read: best effort, a reader may lack the right."""
+        status = copy.deepcopy(obj.get("status") or {})
+        owner = status.get("owner") or {}
+        status.update({"phase": PHASES["interrupted"], "finishedAt": format_time(self.clock()),
+                       "owner": {"host": owner.get("host"), "pid": None, "start": None},
+                       "message": f"its process ({owner.get('host')}, pid {owner.get('pid')}) is gone; "
+                                  f"`runbook resume {(obj.get('metadata') or {}).get('name')}` continues it"})
+        status.pop("claimedBy", None)
+        with contextlib.suppress(KubeError):  # Why: a stale read or a read-only identity changes nothing
+            self.api.replace_object(API_VERSION, PLURAL, self.namespace, {**obj, "status": status},
+                                    subresource="status")
+
+    def prune(self, *, keep: int, max_age: float | None = None, now: float | None = None) -> list[str]:
+        """Delete finished RemediationRuns beyond the ``keep`` newest and those finished more than
+        ``max_age`` seconds ago (each only at the version read: a run changed meanwhile stays)."""
+        if keep < 0 or (max_age is not None and max_age < 0):
+            raise UsageError(f"retention: keep ({keep}) and max_age ({max_age}) must not be negative")
+        now = self.clock() if now is None else now
+        items = [dict(o) for o in self.api.list_objects(API_VERSION, PLURAL, namespace=self.namespace)
+                 if _stored_state(o) in FINAL_STATES]
+        items.sort(key=lambda o: (_created(o), (o.get("metadata") or {}).get("name", "")), reverse=True)
+        deleted = []
+        for i, obj in enumerate(items):
+            status = obj.get("status") or {}
+            end = parse_time(status.get("finishedAt")) or _created(obj)
+            if i < keep and (max_age is None or now - end <= max_age):
+                continue
+            meta = obj.get("metadata") or {}
+            try:
+                gone = self.api.delete_object(API_VERSION, PLURAL, self.namespace, meta.get("name", ""),
+                                              resource_version=meta.get("resourceVersion"))
+            except Conflict:
+                continue  # changed since it was listed: left for the next round
+            if gone:
+                deleted.append(meta.get("name", ""))
+                self._cache.pop(meta.get("name", ""), None)
+        return deleted
+
+    # -- events -------------------------------------------------------------------------------
+
+    def append(self, run_id: str, kind: str, step: str | None = None, **data: Any) -> int:
+        def add(status: dict[str, Any]) -> tuple[bool, int]:
+            return True, self._event(status, kind, step, data)
+
+        return self._update(run_id, add)
+
+    def events(self, run_id: str) -> list[EventRecord]:
+        status = self._read(run_id).get("status") or {}
+        return [EventRecord(run_id, int(e.get("seq", 0)), float(e.get("ts", 0.0)), str(e.get("kind", "")),
+                            e.get("step"), dict(e.get("data") or {}))
+                for e in status.get("events") or ()]
+
+    def progress(self, run_id: str) -> StepProgress:
+        return progress_from_events(self.events(run_id))
+
+    def step_progress(self, run_id: str) -> tuple[set[str], str | None]:
+        p = self.progress(run_id)
+        return set(p.completed), p.interrupted_step
+
+
+def _stored_state(obj: Mapping[str, Any]) -> str:
+    """The run state its phase records (no phase yet: ``pending``)."""
+    return STATES.get(str((obj.get("status") or {}).get("phase")), "pending")
+
+
+def _created(obj: Mapping[str, Any]) -> float:
+    return (parse_time((obj.get("status") or {}).get("createdAt"))
+            or parse_time((obj.get("metadata") or {}).get("creationTimestamp")) or 0.0)
+
