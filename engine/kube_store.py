@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -75,6 +76,7 @@ _OUTCOME_EVENTS = ("run.blocked", "run.failed", "run.cancelled", "run.error", "r
                    "approval.waiting", "approval.granted", "approval.rejected")
 
 T = TypeVar("T")
+log = logging.getLogger("runbook.store")
 
 
 def format_time(epoch: float) -> str:
@@ -410,9 +412,13 @@ class KubeRunStore:
                        "message": f"its process ({owner.get('host')}, pid {owner.get('pid')}) is gone; "
                                   f"`runbook resume {(obj.get('metadata') or {}).get('name')}` continues it"})
         status.pop("claimedBy", None)
-        with contextlib.suppress(KubeError):  # Why: a stale read or a read-only identity changes nothing
+        try:
             self.api.replace_object(API_VERSION, PLURAL, self.namespace, {**obj, "status": status},
                                     subresource="status")
+        except Conflict:
+            return  # changed since it was read (a resume claimed it): that writer knows better
+        except KubeError as e:  # Why: a read-only identity or an outage must not fail a read
+            log.warning("run %s: could not record phase Interrupted: %s", (obj.get("metadata") or {}).get("name"), e)
 
     def prune(self, *, keep: int, max_age: float | None = None, now: float | None = None) -> list[str]:
         """Delete finished RemediationRuns beyond the ``keep`` newest and those finished more than
