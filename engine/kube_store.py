@@ -29,8 +29,8 @@ connector); it never imports ``kubernetes`` and decides nothing about runs.
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -75,6 +75,7 @@ _OUTCOME_EVENTS = ("run.blocked", "run.failed", "run.cancelled", "run.error", "r
                    "approval.waiting", "approval.granted", "approval.rejected")
 
 T = TypeVar("T")
+log = logging.getLogger("runbook.store")
 
 
 def format_time(epoch: float) -> str:
@@ -404,18 +405,28 @@ class KubeRunStore:
         )
 
     def _record_interrupted(self, obj: dict[str, Any]) -> None:
-        """Write phase ``Interrupted`` for a run whose owner is gone (for ``kubectl get rr``), only
-        if the object is unchanged since it was read: best effort, a reader may lack the right."""
-        status = copy.deepcopy(obj.get("status") or {})
-        owner = status.get("owner") or {}
-        status.update({"phase": PHASES["interrupted"], "finishedAt": format_time(self.clock()),
-                       "owner": {"host": owner.get("host"), "pid": None, "start": None},
-                       "message": f"its process ({owner.get('host')}, pid {owner.get('pid')}) is gone; "
-                                  f"`runbook resume {(obj.get('metadata') or {}).get('name')}` continues it"})
-        status.pop("claimedBy", None)
-        with contextlib.suppress(KubeError):  # Why: a stale read or a read-only identity changes nothing
-            self.api.replace_object(API_VERSION, PLURAL, self.namespace, {**obj, "status": status},
-                                    subresource="status")
+        """Write phase ``Interrupted`` for a run whose owner is gone (for ``kubectl get rr``). A
+        conditional write, re-checked on every re-read: a run a resume claimed meanwhile, or that
+        ended, is left alone. Best effort: a reader may lack the right, the API may be gone."""
+        run_id = (obj.get("metadata") or {}).get("name", "")
+
+        def mark(status: dict[str, Any]) -> tuple[bool, None]:
+            owner = status.get("owner") or {}
+            gone = process_alive(owner.get("host"), owner.get("pid"), owner.get("start")) is False
+            if STATES.get(str(status.get("phase")), "pending") not in ACTIVE_STATES or not gone:
+                return False, None
+            status.update({"phase": PHASES["interrupted"], "finishedAt": format_time(self.clock()),
+                           "owner": {"host": owner.get("host"), "pid": None, "start": None},
+                           "message": f"its process ({owner.get('host')}, pid {owner.get('pid')}) is gone; "
+                                      f"`runbook resume {run_id}` continues it"})
+            status.pop("claimedBy", None)
+            return True, None
+
+        self._cache[run_id] = obj  # the version just read: no second read unless it changed since
+        try:
+            self._update(run_id, mark)
+        except KubeError as e:  # Why: a read-only identity or an outage must not fail a read
+            log.warning("run %s: could not record phase Interrupted: %s", run_id, e)
 
     def prune(self, *, keep: int, max_age: float | None = None, now: float | None = None) -> list[str]:
         """Delete finished RemediationRuns beyond the ``keep`` newest and those finished more than

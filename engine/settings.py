@@ -8,6 +8,7 @@ prompt; it is never written anywhere.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -139,6 +140,9 @@ class Settings:
             if self.store == "kubernetes":
                 from engine.kube_store import KubeRunStore
 
+                if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", self.store_namespace):
+                    raise UsageError(f"--store-namespace {self.store_namespace!r}: not a namespace name (lower-case "
+                                     f"letters, digits and '-', at most 63; env RUNBOOK_STORE_NAMESPACE)")
                 j = KubeRunStore(self.objects(), self.store_namespace)
             elif self.store == "sqlite":
                 from engine.journal import Journal

@@ -134,3 +134,18 @@ def test_retention_deletes_only_finished_runs_past_the_count_or_age(crd: Control
     with pytest.raises(Conflict):  # a delete at a stale version is refused: a changed run is never lost
         kube.delete_object(API_VERSION, PLURAL, "retention-test", ids[3],
                            resource_version=stale["metadata"]["resourceVersion"])
+
+
+def test_a_run_whose_owner_died_is_recorded_interrupted_by_its_reader_for_kubectl(
+        crd: ControlPlane, kubectl: Kubectl) -> None:
+    kube = connector(crd)
+    store = KubeRunStore(kube, NS)
+    run_id = store.create_run("gpu-node-recovery", {"node": "omen2"}, ["omen2"], state="running")
+    obj = kube.read_object(API_VERSION, PLURAL, NS, run_id)
+    assert obj is not None
+    obj["status"]["owner"]["start"] = "a-boot-long-gone/1"  # the owner is gone (another boot)
+    kube.replace_object(API_VERSION, PLURAL, NS, obj, subresource="status")
+    reader = KubeRunStore(connector(crd), NS)
+    assert {r.id: r.state for r in reader.list_runs()}[run_id] == "interrupted"
+    st = kubectl.json("get", "rr", run_id, "-n", NS)["status"]
+    assert st["phase"] == "Interrupted" and st["owner"]["pid"] is None and "runbook resume" in st["message"]

@@ -400,3 +400,12 @@ def test_serve_records_paged_runs_as_remediation_runs_with_the_kubernetes_store(
     assert [r["id"] for r in starter.runs()] == [ticket.run_id]
     assert starter.run(ticket.run_id)["reason"] == "alertmanager: KubeNodeNotReady{node=omen2}"
     assert not (tmp_path / "unused.sqlite").exists()
+
+
+def test_a_store_namespace_that_is_no_namespace_name_is_a_usage_error_before_any_request() -> None:
+    kube = FakeKube()
+    settings = Settings(store="kubernetes", store_namespace="Runbook_System")
+    settings._cache.update(kube=kube)
+    with pytest.raises(UsageError, match="--store-namespace 'Runbook_System': not a namespace name"):
+        settings.open_journal()
+    assert kube.calls == []
