@@ -544,8 +544,8 @@ def status(lab_dir: Path | str | None = None) -> dict[str, Any]:
     return Lab(lab_dir).status()
 
 
-def job(node: str, action: str, lab_dir: Path | str | None = None) -> dict[str, Any]:
-    return Lab(lab_dir).job(node, action)
+def job(node: str, action: str, lab_dir: Path | str | None = None, gpu: str | None = None) -> dict[str, Any]:
+    return Lab(lab_dir).job(node, action, gpu)
 
 
 def reset(lab_dir: Path | str | None = None, **kw: Any) -> dict[str, Any]:
