@@ -31,7 +31,17 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from engine.facts import Condition, Facts, FileFacts, HostFacts, NodeFacts, ServiceFacts, SwapDevice, Taint
+from engine.facts import (
+    Condition,
+    Facts,
+    FileFacts,
+    GpuDevice,
+    HostFacts,
+    NodeFacts,
+    ServiceFacts,
+    SwapDevice,
+    Taint,
+)
 from engine.model import (
     AllCheck,
     AllocatableCheck,
@@ -231,6 +241,8 @@ def describe(check: Any) -> str:
     if isinstance(c, NodeConditionCheck):
         return f"condition {c.node_condition.type} = {c.node_condition.status}"
     if isinstance(c, AllocatableCheck):
+        if c.allocatable.equals_host_gpus:
+            return f"allocatable {c.allocatable.resource} equals the host's NVIDIA GPUs"
         return f"allocatable {c.allocatable.resource} >= {c.allocatable.min}"
     if isinstance(c, ObjectsCheck):
         s = c.objects
@@ -257,7 +269,7 @@ def describe(check: Any) -> str:
     if isinstance(c, JournalContainsCheck):
         return f"journal of {c.journal_contains.unit} contains {c.journal_contains.text!r}"
     if isinstance(c, GpuDriverCheck):
-        return f"GPU driver is {c.gpu_driver}"
+        return f"every GPU's driver is {c.driver}" if c.every_gpu else f"GPU driver is {c.driver}"
     if isinstance(c, CudaProcessesCheck):
         s = c.cuda_processes
         parts = ([f">= {s.min}"] if s.min is not None else []) + ([f"<= {s.max}"] if s.max is not None else [])
@@ -337,6 +349,8 @@ def _evaluate(c: Any, facts: Facts, params: Mapping[str, Any], baseline: Mapping
         return _evaluate_combinator(c, facts, params, baseline)
     if isinstance(c, CudaProcessesCheck) and c.cuda_processes.none_killed:
         return _evaluate_cuda_survivors(c, facts, baseline)
+    if isinstance(c, AllocatableCheck) and c.allocatable.equals_host_gpus:
+        return _evaluate_allocatable_host_gpus(c, facts)
     if isinstance(c, NODE_CHECKS):
         return _evaluate_node(c, facts)
     if isinstance(c, HOST_CHECKS):
@@ -457,7 +471,9 @@ def _evaluate_host(c: Any, facts: Facts) -> CheckResult:
             f"{s.unit} journal does not contain {s.text!r}"
         return _result(holds, observed, None, journal_line=line.strip()[:500])  # volatile: no reads
     if isinstance(c, GpuDriverCheck):
-        return _result(host.gpu_driver == c.gpu_driver, f"GPU driver {host.gpu_driver}",
+        if c.every_gpu:
+            return _evaluate_every_gpu_driver(c.driver, host)
+        return _result(host.gpu_driver == c.driver, f"GPU driver {host.gpu_driver}",
                        {"host.gpu_driver": host.gpu_driver})
     if isinstance(c, CudaProcessesCheck):
         s = c.cuda_processes
@@ -484,6 +500,50 @@ def _evaluate_host(c: Any, facts: Facts) -> CheckResult:
             observed = f"file {f.path} {'exists' if ff.exists else 'does not exist'}"
         return _result(holds, observed, reads, sha256=ff.sha256)
     raise TypeError(f"not a host check: {c!r}")
+
+
+def _gpu_text(g: GpuDevice) -> str:
+    return f"{g.slot} {g.name} ({g.driver})" if g.name else f"{g.slot} {g.vendor_device} ({g.driver})"
+
+
+def _evaluate_every_gpu_driver(driver: str, host: HostFacts) -> CheckResult:
+    """``gpu_driver: {driver: D, all: true}``: every GPU the host lists is on D, and it lists one."""
+    drivers = {g.slot: g.driver for g in host.gpus}
+    reads = {"host.gpus[].driver": drivers}
+    gpus = [{"slot": g.slot, "model": g.vendor_device, "name": g.name, "driver": g.driver} for g in host.gpus]
+    if not host.gpus:
+        return _result(False, "the host lists no NVIDIA GPU (lspci -nnk -d 10de:)", reads, gpus=gpus)
+    off = host.gpus_not_on(driver)
+    if not off:
+        return _result(True, f"all {len(host.gpus)} GPU{'s' if len(host.gpus) != 1 else ''} on {driver}", reads,
+                       gpus=gpus)
+    return _result(False, f"GPUs not on {driver}: " + ", ".join(_gpu_text(g) for g in off), reads,
+                   gpus=gpus, not_on_driver=[g.slot for g in off])
+
+
+def _evaluate_allocatable_host_gpus(c: AllocatableCheck, facts: Facts) -> CheckResult:
+    """``allocatable: {resource, equals_host_gpus: true}``: the node advertises as many as the host lists."""
+    node, host = facts.node, facts.host
+    if node is None:
+        return _unknown("node", facts, NODE)
+    if host is None:
+        return _unknown("host facts", facts, HOST)
+    if not node.exists:
+        return CheckResult(None, f"node {node.name} does not exist", {"error": "node does not exist"},
+                           {"node.exists": False})
+    s = c.allocatable
+    raw = node.allocatable.get(s.resource)
+    have = parse_quantity(raw) if raw is not None else Decimal(0)
+    n = len(host.gpus)
+    reads = {f"node.allocatable[{s.resource}]": raw, "host.gpus": n}
+    observed = (f"allocatable {s.resource} {raw if raw is not None else 0}, the host lists {n} NVIDIA "
+                f"GPU{'s' if n != 1 else ''}")
+    holds = have == n
+    off = host.gpus_not_on("nvidia")
+    if not holds and off:
+        observed += "; not on nvidia: " + ", ".join(f"{g.slot} ({g.driver})" for g in off)
+    return _result(holds, observed, reads, host_gpus=[g.slot for g in host.gpus],
+                   not_on_nvidia=[g.slot for g in off])
 
 
 def _evaluate_cuda_survivors(c: CudaProcessesCheck, facts: Facts, baseline: Mapping[str, Any] | None) -> CheckResult:
@@ -632,6 +692,11 @@ def establish(check: Any, facts: Facts, params: Mapping[str, Any] | None = None,
         return _establish_objects(c, facts)
     if isinstance(c, AnyCheck | NotCheck | ExprCheck | JournalContainsCheck | NodeExistsCheck):
         return facts
+    if isinstance(c, AllocatableCheck) and c.allocatable.equals_host_gpus:
+        if facts.node is None or not facts.node.exists or facts.host is None:
+            return facts
+        alloc = {**facts.node.allocatable, c.allocatable.resource: str(len(facts.host.gpus))}
+        return replace(facts, node=replace(facts.node, allocatable=MappingProxyType(alloc)))
     if isinstance(c, NODE_CHECKS):
         node = facts.node
         if node is None or not node.exists:
@@ -724,9 +789,11 @@ def _establish_host(c: Any, host: HostFacts) -> HostFacts:
         services[s.name] = ServiceFacts(s.name, s.states[0], journal_tail=old.journal_tail)
         return replace(host, services=services)
     if isinstance(c, GpuDriverCheck):
-        if not host.gpus or host.gpu_driver == c.gpu_driver:
+        if c.every_gpu:  # GPUs cannot be invented: a host that lists none stays so
+            return replace(host, gpus=tuple(replace(g, driver=c.driver) for g in host.gpus))
+        if not host.gpus or host.gpu_driver == c.driver:
             return host
-        first = replace(host.gpus[0], driver=c.gpu_driver)
+        first = replace(host.gpus[0], driver=c.driver)
         return replace(host, gpus=(first, *host.gpus[1:]))
     if isinstance(c, FileCheck):
         f = c.file
@@ -772,6 +839,8 @@ def _collect_probes(c: Any, params: Mapping[str, Any], out: set[Probe]) -> None:
         _collect_probes(c.not_, params, out)
     elif isinstance(c, NODE_CHECKS):
         out.add(NODE)
+        if isinstance(c, AllocatableCheck) and c.allocatable.equals_host_gpus:
+            out.add(HOST)
     elif isinstance(c, FileCheck):
         out.add(HOST)
         path = c.file.path

@@ -131,6 +131,25 @@ class NodeConditionSpec(_Model):
 class AllocatableSpec(_Model):
     resource: str = Field(min_length=1)
     min: int | str = 1  # a Kubernetes quantity: 1, "500m", "4Gi"
+    # true: allocatable equals the number of NVIDIA GPUs the host lists (reads the node and the host)
+    equals_host_gpus: bool = False
+
+    @model_validator(mode="after")
+    def _one_bound(self) -> AllocatableSpec:
+        if self.equals_host_gpus and "min" in self.model_fields_set:
+            raise ValueError("allocatable takes 'min' or 'equals_host_gpus: true', not both")
+        return self
+
+
+GpuDriverName = Literal["nvidia", "vfio-pci", "none"]
+
+
+class GpuDriverSpec(_Model):
+    """``gpu_driver: {driver: nvidia, all: true}``: every GPU the host lists is on ``driver`` (and it
+    lists at least one); ``all: false`` (the default, like ``gpu_driver: nvidia``): the first GPU."""
+
+    driver: GpuDriverName
+    all: bool = False
 
 
 class ObjectsSpec(_Model):
@@ -265,7 +284,15 @@ class JournalContainsCheck(_Model):
 
 class GpuDriverCheck(_Model):
     KEY: ClassVar[str] = "gpu_driver"
-    gpu_driver: Literal["nvidia", "vfio-pci", "none"]
+    gpu_driver: GpuDriverName | GpuDriverSpec
+
+    @property
+    def driver(self) -> str:
+        return self.gpu_driver if isinstance(self.gpu_driver, str) else self.gpu_driver.driver
+
+    @property
+    def every_gpu(self) -> bool:
+        return not isinstance(self.gpu_driver, str) and self.gpu_driver.all
 
 
 class CudaProcessesCheck(_Model):

@@ -522,10 +522,12 @@ def facts_data(facts: Facts | None) -> dict[str, Any]:
             "unhandled_swap_sources": list(h.unhandled_swap_sources),
             "services": {k: {"name": s.name, "state": s.state, "journal_tail": s.journal_tail}
                          for k, s in h.services.items()},
-            "gpus": [{"slot": g.slot, "vendor_device": g.vendor_device, "name": g.name, "driver": g.driver}
+            "gpus": [{"slot": g.slot, "vendor_device": g.vendor_device, "name": g.name, "driver": g.driver,
+                      "cuda_processes": [p.pid for p in h.processes_on(g)]}
                      for g in h.gpus],
+            "gpu_count": len(h.gpus),
             "gpu_driver": h.gpu_driver,
-            "cuda_processes": [{"pid": p.pid, "name": p.name} for p in h.cuda_processes],
+            "cuda_processes": [{"pid": p.pid, "name": p.name, "gpu": p.gpu} for p in h.cuda_processes],
             "cuda_process_count": len(h.cuda_processes),
         }
     return {

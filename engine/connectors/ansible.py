@@ -180,13 +180,31 @@ def parse_lspci(text: str) -> tuple[GpuDevice, ...]:
     return tuple(gpus)
 
 
+_BUS_ID = re.compile(r"^(?:([0-9a-fA-F]{4,8}):)?([0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7])$")
+
+
+def pci_slot(bus_id: str) -> str:
+    """nvidia-smi's ``00000000:01:00.0`` -> lspci's ``01:00.0`` (``0001:01:00.0`` outside domain 0)."""
+    m = _BUS_ID.match(bus_id.strip())
+    if not m:
+        return ""
+    domain = int(m.group(1) or "0", 16)
+    return (f"{domain:04x}:" if domain else "") + m.group(2).lower()
+
+
 def parse_cuda_processes(text: str) -> tuple[CudaProcess, ...]:
-    """``nvidia-smi --query-compute-apps=pid,process_name --format=csv,noheader`` -> processes."""
+    """``nvidia-smi --query-compute-apps=pid,process_name,gpu_bus_id --format=csv,noheader`` ->
+    processes, each with the PCI slot of its GPU (the older two-column form still parses, GPU unknown)."""
     procs = []
     for line in text.splitlines():
-        pid, _, name = line.partition(",")
-        if pid.strip().isdigit():
-            procs.append(CudaProcess(pid=int(pid.strip()), name=name.strip()))
+        pid, _, rest = line.partition(",")
+        if not pid.strip().isdigit():
+            continue
+        name, _, bus_id = rest.rpartition(",")
+        gpu = pci_slot(bus_id)
+        if not gpu and not bus_id.strip().startswith("["):  # "[N/A]": no bus id, the name stands
+            name = rest  # the older two-column form: all of it is the name
+        procs.append(CudaProcess(pid=int(pid.strip()), name=name.strip(), gpu=gpu))
     return tuple(procs)
 
 
