@@ -19,6 +19,7 @@ import json
 import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from decimal import Decimal
 from types import MappingProxyType
 from typing import Any
 
@@ -40,6 +41,7 @@ from engine.model import (
     KubeWait,
     PodSelectorSpec,
 )
+from engine.resources import parse_quantity
 
 
 @dataclass(frozen=True)
@@ -222,18 +224,12 @@ def select_pods(selector: PodSelectorSpec, pods: list[PodRef]) -> list[PodRef]:
     return [p for p in pods if p.phase not in ("Succeeded", "Failed") and _asked(p, selector.resource) > 0]
 
 
-def _asked(pod: PodRef, resource: str) -> Any:
-    from decimal import Decimal
-
-    from engine.checks import parse_quantity
-
-    total = Decimal(0)
-    for part in str(pod.requests.get(resource, "0")).split("+"):
-        try:
-            total += parse_quantity(part)
-        except ValueError:
-            continue
-    return total
+def _asked(pod: PodRef, resource: str) -> Decimal:
+    """How much of ``resource`` the pod asks for (``PodRef.requests``, from ``engine.resources``)."""
+    try:
+        return parse_quantity(pod.requests.get(resource, "0"))
+    except ValueError:
+        return Decimal(0)
 
 
 def _leaf_count(body: Mapping[str, Any]) -> int:

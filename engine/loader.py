@@ -28,8 +28,9 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from engine import checks as chk
 from engine.errors import LoadError, Location
-from engine.model import ACTION_KEYS, CHECK_KEYS, KUBE_VERBS, Plan, Runbook
+from engine.model import ACTION_KEYS, KUBE_VERBS, Plan, Runbook
 
 MAX_BYTES = 1 << 20  # 1 MiB: a runbook is a page or two
 MAX_NODES = 20_000  # values built, counting every alias expansion
@@ -307,7 +308,11 @@ def _noun(expected: str, path: Path_) -> str:
     return "check"
 
 
-_NOUN_KEYS = {"check": CHECK_KEYS, "action": ACTION_KEYS, "kube action": KUBE_VERBS}
+def _noun_keys(noun: str) -> tuple[str, ...]:
+    """The keys a noun may take: the registered check kinds, the actions, the kube verbs."""
+    if noun == "check":
+        return chk.check_keys()
+    return {"action": ACTION_KEYS, "kube action": KUBE_VERBS}.get(noun, ())
 
 
 def _message(err: Mapping[str, Any], path: Path_) -> str:
@@ -322,9 +327,9 @@ def _message(err: Mapping[str, Any], path: Path_) -> str:
     if kind == "union_tag_invalid":
         noun = _noun(str(ctx.get("expected_tags", "")), path)
         tag = str(ctx.get("tag"))
-        near = difflib.get_close_matches(tag, _NOUN_KEYS.get(noun, ()), n=1)
+        near = difflib.get_close_matches(tag, _noun_keys(noun), n=1)
         hint = f" (did you mean {near[0]!r}?)" if near else \
-            f" (one of: {', '.join(_NOUN_KEYS.get(noun, ()))})"
+            f" (one of: {', '.join(_noun_keys(noun))})"
         return f"unknown {noun} {tag!r}{hint}"
     if kind == "union_tag_not_found":
         noun = _noun("", path)
@@ -332,7 +337,7 @@ def _message(err: Mapping[str, Any], path: Path_) -> str:
             return "on_failure is 'stop' or {rollback: [actions]}"
         if isinstance(inp, Mapping):
             if not inp:
-                return f"empty {noun}: expected exactly one key like {{{_NOUN_KEYS.get(noun, ('...',))[0]}: ...}}"
+                return f"empty {noun}: expected exactly one key like {{{(_noun_keys(noun) or ('...',))[0]}: ...}}"
             article = "an" if noun[0] in "aeiou" else "a"
             return f"{article} {noun} has exactly one key, found {len(inp)}: {', '.join(map(repr, inp))}"
         return f"expected a {noun} (a mapping with one key), got {_short(inp)}"
@@ -428,7 +433,6 @@ def _walk_strings(value: Any, path: Path_) -> Iterable[tuple[Path_, str]]:
 
 def _semantic_problems(rb: Runbook, data: Mapping[str, Any], *, stem: str | None,
                        playbooks_dir: Path | None) -> list[tuple[Path_, str]]:
-    from engine import checks as chk
     from engine.model import AnsibleAction as _Ansible
     from engine.model import KubeAction
     from engine.templating import template_problems

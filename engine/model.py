@@ -22,15 +22,15 @@ from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
-    BaseModel,
     BeforeValidator,
-    ConfigDict,
     Discriminator,
     Field,
     Tag,
     field_validator,
     model_validator,
 )
+
+from engine.checkkind import Check, FormatModel
 
 API_VERSION = "runbook/v1"
 PLAN_FORMAT = "runbook-plan/v1"
@@ -82,15 +82,7 @@ def _coerce_duration(value: Any) -> Any:
 Duration = Annotated[str, BeforeValidator(_coerce_duration)]
 
 
-def _bool_to_status(value: Any) -> Any:
-    # YAML reads `status: True` as a boolean; Kubernetes condition statuses are strings.
-    if isinstance(value, bool):
-        return "True" if value else "False"
-    return value
-
-
-class _Model(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+_Model = FormatModel
 
 
 def _single_key(value: Any) -> str | None:
@@ -101,263 +93,9 @@ def _single_key(value: Any) -> str | None:
 
 
 # --------------------------------------------------------------------------------------------
-# Checks
+# Checks: ``Check`` is any kind registered in ``engine.checkkind`` (the built-in kinds are in
+# ``engine.checks``, one class each); the format does not enumerate them.
 # --------------------------------------------------------------------------------------------
-
-
-class NodeLabelSpec(_Model):
-    key: str = Field(min_length=1)
-    equals: str | None = None
-    absent: bool | None = None
-
-    @model_validator(mode="after")
-    def _one_condition(self) -> NodeLabelSpec:
-        if (self.equals is None) == (self.absent is None):
-            raise ValueError("node_label needs exactly one of 'equals' or 'absent'")
-        return self
-
-
-class NodeTaintSpec(_Model):
-    key: str = Field(min_length=1)
-    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
-    present: bool = True
-
-
-class NodeConditionSpec(_Model):
-    type: str = Field(min_length=1)
-    status: Annotated[Literal["True", "False", "Unknown"], BeforeValidator(_bool_to_status)]
-
-
-class AllocatableSpec(_Model):
-    resource: str = Field(min_length=1)
-    min: int | str = 1  # a Kubernetes quantity: 1, "500m", "4Gi"
-    # true: allocatable equals the number of NVIDIA GPUs the host lists (reads the node and the host)
-    equals_host_gpus: bool = False
-
-    @model_validator(mode="after")
-    def _one_bound(self) -> AllocatableSpec:
-        if self.equals_host_gpus and "min" in self.model_fields_set:
-            raise ValueError("allocatable takes 'min' or 'equals_host_gpus: true', not both")
-        return self
-
-
-GpuDriverName = Literal["nvidia", "vfio-pci", "none"]
-
-
-class GpuDriverSpec(_Model):
-    """``gpu_driver: {driver: nvidia, all: true}``: every GPU the host lists is on ``driver`` (and it
-    lists at least one); ``all: false`` (the default, like ``gpu_driver: nvidia``): the first GPU."""
-
-    driver: GpuDriverName
-    all: bool = False
-
-
-class ObjectsSpec(_Model):
-    """Objects of any listable kind, e.g. KubeVirt VirtualMachines by ``status.printableStatus``."""
-
-    api_version: str = Field(min_length=1)  # "kubevirt.io/v1", "v1"
-    kind: str = Field(min_length=1)  # "VirtualMachine"
-    plural: str | None = None  # defaults to lower(kind) + "s"
-    namespace: str | None = None  # all namespaces when omitted
-    selector: str | None = None  # label selector
-    resource: str | None = None  # only objects asking for this extended resource (pods, VMs, VMIs)
-    field: str | None = None  # dotted path into each object; all listed objects match when omitted
-    equals: str | int | bool | None = None
-    count: int | None = Field(default=None, ge=0)
-    min: int | None = Field(default=None, ge=0)
-    max: int | None = Field(default=None, ge=0)
-
-    @model_validator(mode="after")
-    def _bounds(self) -> ObjectsSpec:
-        if self.field is not None and self.equals is None:
-            raise ValueError("objects: 'field' needs 'equals'")
-        if self.count is not None and (self.min is not None or self.max is not None):
-            raise ValueError("objects: use either 'count' or 'min'/'max'")
-        return self
-
-    @property
-    def plural_name(self) -> str:
-        return self.plural or self.kind.lower() + "s"
-
-
-class ServiceSpec(_Model):
-    name: str = Field(min_length=1)
-    state: str | tuple[str, ...]  # systemctl is-active output; a list means any of them
-
-    @property
-    def states(self) -> tuple[str, ...]:
-        return (self.state,) if isinstance(self.state, str) else self.state
-
-
-class JournalSpec(_Model):
-    unit: str = Field(min_length=1)
-    text: str = Field(min_length=1)
-
-
-class CudaProcessesSpec(_Model):
-    min: int | None = Field(default=None, ge=0)
-    max: int | None = Field(default=None, ge=0)
-    # Every host CUDA process of the plan's baseline (the facts the plan was made from) still runs,
-    # by pid: "no host CUDA job killed". Unknown without a baseline (fail closed).
-    none_killed: Literal[True] | None = None
-
-    @model_validator(mode="after")
-    def _some_bound(self) -> CudaProcessesSpec:
-        if self.min is None and self.max is None and self.none_killed is None:
-            raise ValueError("cuda_processes needs 'min', 'max' or 'none_killed: true'")
-        return self
-
-
-class FileSpec(_Model):
-    path: str = Field(min_length=2)  # absolute path on the node host
-    exists: bool | None = None  # defaults to true when 'contains' is not given
-    contains: str | None = None  # substring of the file's text (first 64 KiB)
-
-    @field_validator("path")
-    @classmethod
-    def _absolute(cls, v: str) -> str:
-        if not v.startswith("/") and not v.startswith("{{"):
-            raise ValueError(f"file path must be absolute, got {v!r}")
-        return v
-
-    @model_validator(mode="after")
-    def _consistent(self) -> FileSpec:
-        if self.contains is not None and self.exists is False:
-            raise ValueError("file: 'contains' with 'exists: false' can never hold")
-        return self
-
-
-class NodeExistsCheck(_Model):
-    KEY: ClassVar[str] = "node_exists"
-    node_exists: bool
-
-
-class NodeReadyCheck(_Model):
-    KEY: ClassVar[str] = "node_ready"
-    node_ready: bool
-
-
-class NodeLabelCheck(_Model):
-    KEY: ClassVar[str] = "node_label"
-    node_label: NodeLabelSpec
-
-
-class NodeTaintCheck(_Model):
-    KEY: ClassVar[str] = "node_taint"
-    node_taint: NodeTaintSpec
-
-
-class NodeConditionCheck(_Model):
-    KEY: ClassVar[str] = "node_condition"
-    node_condition: NodeConditionSpec
-
-
-class AllocatableCheck(_Model):
-    KEY: ClassVar[str] = "allocatable"
-    allocatable: AllocatableSpec
-
-
-class ObjectsCheck(_Model):
-    KEY: ClassVar[str] = "objects"
-    objects: ObjectsSpec
-
-
-class SwapActiveCheck(_Model):
-    KEY: ClassVar[str] = "swap_active"
-    swap_active: bool
-
-
-class FstabActiveSwapCheck(_Model):
-    KEY: ClassVar[str] = "fstab_active_swap"
-    fstab_active_swap: bool
-
-
-class ServiceCheck(_Model):
-    KEY: ClassVar[str] = "service"
-    service: ServiceSpec
-
-
-class JournalContainsCheck(_Model):
-    KEY: ClassVar[str] = "journal_contains"
-    journal_contains: JournalSpec
-
-
-class GpuDriverCheck(_Model):
-    KEY: ClassVar[str] = "gpu_driver"
-    gpu_driver: GpuDriverName | GpuDriverSpec
-
-    @property
-    def driver(self) -> str:
-        return self.gpu_driver if isinstance(self.gpu_driver, str) else self.gpu_driver.driver
-
-    @property
-    def every_gpu(self) -> bool:
-        return not isinstance(self.gpu_driver, str) and self.gpu_driver.all
-
-
-class CudaProcessesCheck(_Model):
-    KEY: ClassVar[str] = "cuda_processes"
-    cuda_processes: CudaProcessesSpec
-
-
-class FileCheck(_Model):
-    KEY: ClassVar[str] = "file"
-    file: FileSpec
-
-
-class ExprCheck(_Model):
-    KEY: ClassVar[str] = "expr"
-    expr: str = Field(min_length=1)  # a Jinja2 expression (no braces), truthy = holds
-
-
-class AllCheck(_Model):
-    KEY: ClassVar[str] = "all"
-    all_: tuple[Check, ...] = Field(alias="all", min_length=1)
-
-
-class AnyCheck(_Model):
-    KEY: ClassVar[str] = "any"
-    any_: tuple[Check, ...] = Field(alias="any", min_length=1)
-
-
-class NotCheck(_Model):
-    KEY: ClassVar[str] = "not"
-    not_: Check = Field(alias="not")
-
-
-CHECK_TYPES: tuple[type[_Model], ...] = (
-    NodeExistsCheck, NodeReadyCheck, NodeLabelCheck, NodeTaintCheck, NodeConditionCheck,
-    AllocatableCheck, ObjectsCheck, SwapActiveCheck, FstabActiveSwapCheck, ServiceCheck,
-    JournalContainsCheck, GpuDriverCheck, CudaProcessesCheck, FileCheck, ExprCheck, AllCheck, AnyCheck,
-    NotCheck,
-)
-CHECK_KEYS: tuple[str, ...] = tuple(t.KEY for t in CHECK_TYPES)  # type: ignore[attr-defined]
-
-Check = Annotated[
-    Annotated[NodeExistsCheck, Tag("node_exists")]
-    | Annotated[NodeReadyCheck, Tag("node_ready")]
-    | Annotated[NodeLabelCheck, Tag("node_label")]
-    | Annotated[NodeTaintCheck, Tag("node_taint")]
-    | Annotated[NodeConditionCheck, Tag("node_condition")]
-    | Annotated[AllocatableCheck, Tag("allocatable")]
-    | Annotated[ObjectsCheck, Tag("objects")]
-    | Annotated[SwapActiveCheck, Tag("swap_active")]
-    | Annotated[FstabActiveSwapCheck, Tag("fstab_active_swap")]
-    | Annotated[ServiceCheck, Tag("service")]
-    | Annotated[JournalContainsCheck, Tag("journal_contains")]
-    | Annotated[GpuDriverCheck, Tag("gpu_driver")]
-    | Annotated[CudaProcessesCheck, Tag("cuda_processes")]
-    | Annotated[FileCheck, Tag("file")]
-    | Annotated[ExprCheck, Tag("expr")]
-    | Annotated[AllCheck, Tag("all")]
-    | Annotated[AnyCheck, Tag("any")]
-    | Annotated[NotCheck, Tag("not")],
-    Discriminator(_single_key),
-]
-
-AllCheck.model_rebuild()
-AnyCheck.model_rebuild()
-NotCheck.model_rebuild()
 
 # --------------------------------------------------------------------------------------------
 # Actions

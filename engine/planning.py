@@ -101,9 +101,7 @@ def _runbook_templates(runbook: Runbook) -> list[tuple[str, bool, bool]]:
     def walk(value: Any, in_check: bool) -> None:
         from pydantic import BaseModel
 
-        from engine.model import ExprCheck
-
-        if isinstance(value, ExprCheck):
+        if isinstance(value, chk.ExprCheck):
             out.append((value.expr, True, True))
         elif isinstance(value, str):
             if "{{" in value or "{%" in value:

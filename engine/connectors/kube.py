@@ -40,6 +40,7 @@ from urllib.parse import quote
 from engine.connectors.base import LeaseRecord, NodeEvent, PatchType, PodRef
 from engine.errors import Conflict, Forbidden, KubeError, NotFound
 from engine.facts import Condition, NodeFacts, Taint
+from engine.resources import format_quantity, pod_spec_requests
 
 MICROTIME_FORMAT = "%Y-%m-%dT%H:%M:%S.%fZ"
 
@@ -108,18 +109,9 @@ def pod_ref_from_dict(obj: Mapping[str, Any]) -> PodRef:
 
 
 def _pod_requests(spec: Mapping[str, Any]) -> Mapping[str, str]:
-    """What the pod's containers ask for, resource -> quantity: per container its request, else its
-    limit. Several containers: whole numbers are summed (extended resources such as nvidia.com/gpu
-    are always whole); other quantities are joined with ``+`` (``"500m+1"``) for the engine to sum."""
-    asked: dict[str, list[str]] = {}
-    for c in spec.get("containers") or ():
-        res = (c or {}).get("resources") or {}
-        for k, v in {**(res.get("limits") or {}), **(res.get("requests") or {})}.items():
-            asked.setdefault(str(k), []).append(str(v).strip())
-    out: dict[str, str] = {}
-    for k, values in asked.items():
-        out[k] = str(sum(int(v) for v in values)) if all(v.isdigit() for v in values) else "+".join(values)
-    return MappingProxyType(out)
+    """What the pod asks for, resource -> quantity (``engine.resources.pod_spec_requests``: the
+    scheduler's effective request), as plain decimal strings."""
+    return MappingProxyType({k: format_quantity(v) for k, v in pod_spec_requests(spec).items()})
 
 
 def lease_record_from_dict(obj: Mapping[str, Any]) -> LeaseRecord:

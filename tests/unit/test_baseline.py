@@ -26,13 +26,11 @@ from fakes import (
 
 from engine import checks as chk
 from engine import probes
+from engine.checks import CudaProcessesCheck, CudaProcessesSpec, ExprCheck
 from engine.execution import Executor
 from engine.facts import CudaProcess, Facts
 from engine.loader import parse_runbook
 from engine.model import (
-    CudaProcessesCheck,
-    CudaProcessesSpec,
-    ExprCheck,
     Plan,
     PlanState,
     Runbook,

@@ -10,9 +10,8 @@ from fakes import make_host, make_node
 from pydantic import TypeAdapter
 
 from engine import checks
-from engine.checks import HOST, NODE, HostFile, ObjectsQuery, parse_quantity
+from engine.checks import HOST, NODE, Check, HostFile, ObjectsQuery, parse_quantity
 from engine.facts import Facts, FileFacts, ProbeError, Taint
-from engine.model import Check
 
 CHECK = TypeAdapter(Check)
 

@@ -311,4 +311,4 @@ def test_a_pod_as_the_api_serves_it_becomes_a_pod_ref_with_what_it_asks_for() ->
     assert (pod.namespace, pod.name, pod.node, pod.phase) == ("ml", "train", "omen2", "Running")
     assert pod.labels["app"] == "torch"
     assert pod.requests["nvidia.com/gpu"] == "2"  # a limit-only extended resource counts
-    assert pod.requests["cpu"] == "500m+1"
+    assert pod.requests["cpu"] == "1.5"  # summed by engine.resources (500m + 1)

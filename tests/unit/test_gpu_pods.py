@@ -13,12 +13,13 @@ from fakes import FakeClock, FakeKube, FakeNodes, RecordingSink, healthy_host, h
 from engine import checks as chk
 from engine import probes
 from engine.actions import kube_effect, select_pods
+from engine.checks import ObjectsCheck, ObjectsSpec
 from engine.connectors.base import PodRef
 from engine.connectors.kube import pod_ref_from_dict
 from engine.execution import Executor
 from engine.facts import Facts, NodeFacts
 from engine.loader import parse_runbook
-from engine.model import KubeDeletePods, KubeEvict, ObjectsCheck, ObjectsSpec, PodSelectorSpec, RunState, StepStatus
+from engine.model import KubeDeletePods, KubeEvict, PodSelectorSpec, RunState, StepStatus
 from engine.planning import plan_run
 
 PLAYBOOKS = Path(__file__).parent / "data" / "playbooks"
@@ -58,13 +59,13 @@ def test_pod_refs_carry_what_their_containers_ask_for_requests_else_limits() -> 
         {"name": "b", "resources": {"requests": {GPU: "2", "cpu": "1"}, "limits": {GPU: "2"}}},
         {"name": "c"},
     ]))
-    assert dict(ref.requests) == {GPU: "3", "cpu": "500m+1"}
+    assert dict(ref.requests) == {GPU: "3", "cpu": "1.5"}  # engine.resources sums 500m + 1
     assert ref.node == "omen2" and ref.phase == "Running"
 
 
 def test_eviction_by_resource_selects_only_live_pods_asking_for_it() -> None:
     pods = [pod("train", {GPU: "1"}), pod("web", {"cpu": "1"}), pod("zero", {GPU: "0"}),
-            pod("done", {GPU: "1"}, phase="Succeeded"), pod("vm", {RTX: "1"}), pod("split", {GPU: "500m+500m"})]
+            pod("done", {GPU: "1"}, phase="Succeeded"), pod("vm", {RTX: "1"}), pod("split", {GPU: "1.0"})]
     chosen = select_pods(PodSelectorSpec(resource=GPU), pods)
     assert [p.name for p in chosen] == ["train", "split"]
     assert [p.name for p in select_pods(PodSelectorSpec(resource=RTX), pods)] == ["vm"]

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from engine.checks import AllCheck, NodeLabelCheck
 from engine.errors import LoadError
 from engine.loader import (
     default_runbooks_dir,
@@ -20,7 +21,7 @@ from engine.loader import (
     runbook_json_schema,
     validate_paths,
 )
-from engine.model import AllCheck, AnsibleAction, KubeAction, KubeLabel, NodeLabelCheck, Rollback
+from engine.model import AnsibleAction, KubeAction, KubeLabel, Rollback
 
 DATA = Path(__file__).parent / "data"
 BAD = DATA / "bad"
