@@ -102,9 +102,8 @@ def _service(settings: Settings, *, live: bool = True, lock_wait: float = 0.0) -
 
 def _stop_live(service: RunService) -> None:
     """End the live display (its last frame stays) before the closing table is printed."""
-    stop = getattr(service.live, "stop", None)
-    if stop is not None:
-        stop()
+    if service.live is not None:
+        service.live.stop()
 
 
 def plan(settings: Settings, name: str, *, node: str | None, selector: str | None, raw_params: Sequence[str],
@@ -209,9 +208,8 @@ def _run_planned(service: RunService, targets: list[PreparedRun], plans: list[Pl
         confirm(f"Apply {len(changing)} plan{'s' if len(changing) > 1 else ''} "
                 f"({', '.join(p.node for p in changing)})?", yes)
 
-    expect = getattr(service.live, "expect", None)
-    if expect is not None:
-        expect(plans, max_parallel)
+    if service.live is not None:
+        service.live.expect(plans, max_parallel)
     try:
         with cancellation(on_abort=service.settings.abort_actions) as cancel:
             done = service.run_targets(targets, plans, max_parallel=max_parallel, settle=settle,
@@ -333,9 +331,8 @@ def resume(settings: Settings, run_id: str, *, yes: bool, output: str,
 
             return bool(click.confirm(f"step {step}: {why}. Run it again?", default=False, err=True))
 
-        expect = getattr(service.live, "expect", None)
-        if expect is not None:
-            expect([the_plan])
+        if service.live is not None:
+            service.live.expect([the_plan])
         try:
             with cancellation(on_abort=settings.abort_actions) as cancel:
                 result = service.execute(run_id, prepared, the_plan, cancel=cancel, approved=approved, resume=True,

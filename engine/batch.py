@@ -84,13 +84,18 @@ class SharedPlaybooks:
         self._hosts: dict[str, str] = {}
         self._gathers: dict[tuple[str, ...], _Gather] = {}
 
-    def __getattr__(self, name: str) -> Any:
-        # Everything else (facts_become, cancel, ...) is the connector's own.
-        if name in ("inner", "members", "processes", "gather_window") or name.startswith("_"):
-            raise AttributeError(name)
-        return getattr(self.inner, name)
-
     # -- NodeAutomation ---------------------------------------------------------------------
+
+    @property
+    def facts_become(self) -> bool | None:
+        return self.inner.facts_become
+
+    def recent_facts(self, nodes: Sequence[str], *, max_age: float,
+                     files: Sequence[str] = ()) -> Mapping[str, tuple[HostFacts, float]]:
+        return self.inner.recent_facts(nodes, max_age=max_age, files=files)
+
+    def cancel(self) -> None:
+        self.inner.cancel()
 
     def inventory_host(self, node: str) -> str:
         return self.inner.inventory_host(node)

@@ -215,9 +215,7 @@ def iter_checks(check: CheckKind) -> Iterator[CheckKind]:
 def _validate_check(value: Any) -> CheckKind:
     if isinstance(value, CheckKind):
         return value
-    if not isinstance(value, Mapping):
-        raise PydanticKnownError("model_type", {"class_name": "Check"})
-    if len(value) != 1:
+    if not isinstance(value, Mapping) or len(value) != 1:  # as a union tagged by its single key
         raise PydanticKnownError("union_tag_not_found", {"discriminator": "_single_key()"})
     key = next(iter(value))
     kind = _KINDS.get(key) if isinstance(key, str) else None
@@ -242,7 +240,8 @@ class _CheckType:
         nests checks) is referred to, not generated again (no endless recursion)."""
         busy = _GENERATING.get()
         kinds = check_kinds()
-        choices: list[core_schema.CoreSchema | tuple[core_schema.CoreSchema, str]] = [_ref_schema(kind) if kind in busy else kind.__pydantic_core_schema__ for kind in kinds]
+        choices: list[core_schema.CoreSchema | tuple[core_schema.CoreSchema, str]] = [
+            _ref_schema(kind) if kind in busy else kind.__pydantic_core_schema__ for kind in kinds]
         token = _GENERATING.set(busy | set(kinds))
         try:
             # A union's members are generated as definitions (``$defs``) and referred to by ``$ref``.

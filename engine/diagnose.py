@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from engine import checks as chk
 from engine.errors import ExitCode, LoadError, RunbookError
 from engine.facts import Facts, HostFacts, NodeFacts
+from engine.resources import object_resources, parse_quantity
 
 if TYPE_CHECKING:
     from engine.connectors.base import KubeAPI, NodeAutomation
@@ -128,11 +129,8 @@ class Diagnosis:
 
 
 def _devices(vm: Mapping[str, Any]) -> list[str]:
-    """The device resources a VirtualMachine asks for (hostDevices and gpus, by deviceName)."""
-    spec = ((vm.get("spec") or {}).get("template") or {}).get("spec") or {}
-    devices = ((spec.get("domain") or {}).get("devices") or {})
-    return [str(d.get("deviceName")) for d in [*(devices.get("hostDevices") or ()), *(devices.get("gpus") or ())]
-            if isinstance(d, Mapping) and d.get("deviceName")]
+    """The resources a VirtualMachine asks for (``engine.resources``: hostDevices and gpus by deviceName)."""
+    return [name for name, qty in object_resources(vm).items() if qty > 0]
 
 
 def node_gpu_resources(node: NodeFacts, host: HostFacts | None,
@@ -212,7 +210,7 @@ def gpu_less(node: NodeFacts) -> bool:
     if node.labels.get(WORKLOAD_LABEL) != "container":
         return False
     try:
-        return chk.parse_quantity(node.allocatable.get("nvidia.com/gpu", "0")) < 1
+        return parse_quantity(node.allocatable.get("nvidia.com/gpu", "0")) < 1
     except ValueError:
         return True
 

@@ -1,4 +1,8 @@
-"""One root error, a subclass per phase; each maps to a CLI exit code.
+"""One root error, a subclass per kind of failure raised; each maps to a CLI exit code.
+
+Blocked preconditions and guards, failed actions and failed verifications are not exceptions: they
+are values (a blocked ``Plan``, a ``StepOutcome``, a ``RunResult`` with its exit code), so no error
+class stands for them.
 
 Exit codes are a contract (README, issue #3): 0 success, 1 failed, 2 usage/invalid,
 3 blocked, 4 cancelled, 5 stale plan or invalid approval, 6 the journal cannot be read or written
@@ -64,34 +68,10 @@ class PlanError(RunbookError):
     exit_code = ExitCode.USAGE
 
 
-class PreconditionFailed(RunbookError):
-    """A precondition does not hold or could not be evaluated (fail closed)."""
-
-    exit_code = ExitCode.BLOCKED
-
-
-class GuardBlocked(RunbookError):
-    """A guard re-read just before acting does not hold, or could not be evaluated."""
-
-    exit_code = ExitCode.BLOCKED
-
-
 class LockHeld(RunbookError):
     """Another run holds the node's remediation Lease."""
 
     exit_code = ExitCode.BLOCKED
-
-
-class ActionFailed(RunbookError):
-    """An action reported failure (API error, playbook failed, host unreachable)."""
-
-    exit_code = ExitCode.FAILED
-
-
-class VerificationFailed(RunbookError):
-    """Reality differs from the plan after a step: a verify check did not pass in time."""
-
-    exit_code = ExitCode.FAILED
 
 
 class Cancelled(RunbookError):

@@ -48,7 +48,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -103,6 +103,18 @@ class EventSink(Protocol):
     """
 
     def emit(self, kind: str, **data: Any) -> None: ...
+
+
+class Progress(EventSink, Protocol):
+    """The terminal's view of runs (``engine.live``): every event, plus what the front end tells it."""
+
+    def expect(self, plans: Sequence[Plan], max_parallel: int = 1) -> None:
+        """The runs about to start (their nodes and steps), before the first event."""
+        ...
+
+    def stop(self) -> None:
+        """End the display (its last frame stays) before the closing table is printed."""
+        ...
 
 
 class NullSink:

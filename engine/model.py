@@ -285,6 +285,30 @@ def action_kind(action: KubeAction | AnsibleAction | CheckAction) -> Literal["ku
 
 ParamValue = str | int | bool
 
+# Why fullmatch everywhere: ``$`` also matches before a trailing newline, so ``re.match(r"^...$")``
+# let ``omen2\n`` through as a node name.
+_NODE_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+# Printable text without shell, quoting or template metacharacters; a param that needs more
+# declares its own `pattern`.
+_SAFE_STRING = re.compile(r"[A-Za-z0-9 _.,:/@+=%#-]*")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
+_MAX_STRING = 1024
+_TRUE = {"true", "yes", "on", "1"}
+_FALSE = {"false", "no", "off", "0"}
+
+
+def is_node_name(value: str) -> bool:
+    """An RFC 1123 subdomain: lowercase, <= 253 characters, dot-separated labels of <= 63."""
+    if not value or len(value) > 253:
+        return False
+    return all(len(part) <= 63 and _NODE_LABEL.fullmatch(part) for part in value.split("."))
+
+
+def control_character(value: str) -> str | None:
+    """Where ``value`` holds a control character (or a lone surrogate): ``"U+000A at position 5"``."""
+    m = _CONTROL.search(value)
+    return None if m is None else f"U+{ord(m.group()):04X} at position {m.start()}"
+
 
 class Param(_Model):
     type: Literal["string", "int", "bool", "enum", "node"] = "string"
@@ -314,10 +338,55 @@ class Param(_Model):
         if self.required and self.default is not None:
             raise ValueError("a required param has no default")
         if self.default is not None:
-            from engine.params import coerce_value  # lazy: params imports this module
-
-            coerce_value("default", self, self.default)
+            self.coerce("default", self.default)
         return self
+
+    def coerce(self, name: str, value: Any) -> ParamValue:
+        """One value (a CLI string or a typed value from YAML/JSON) -> this param's type, or ValueError."""
+        kind = self.type
+        if kind == "bool":
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+                return value.strip().lower() in _TRUE
+            raise ValueError(f"param {name}: expected true or false, got {value!r}")
+        if kind == "int":
+            if isinstance(value, bool):
+                raise ValueError(f"param {name}: expected an integer, got {value!r}")
+            if isinstance(value, int):
+                n = value
+            elif isinstance(value, str) and re.fullmatch(r"[-+]?\d{1,18}", value.strip()):
+                n = int(value.strip())
+            else:
+                raise ValueError(f"param {name}: expected an integer, got {value!r}")
+            if self.min is not None and n < self.min:
+                raise ValueError(f"param {name}: {n} is less than the minimum {self.min}")
+            if self.max is not None and n > self.max:
+                raise ValueError(f"param {name}: {n} is more than the maximum {self.max}")
+            return n
+        if not isinstance(value, str):
+            raise ValueError(f"param {name}: expected a string, got {value!r}")
+        bad = control_character(value)
+        if bad is not None:  # Why: a newline or escape in a param reaches logs, Ansible limits and API paths
+            raise ValueError(f"param {name}: {value[:80]!r} contains a control character ({bad})")
+        if kind == "enum":
+            assert self.values is not None
+            if value not in self.values:
+                raise ValueError(f"param {name}: {value!r} is not one of {', '.join(self.values)}")
+            return value
+        if kind == "node":
+            if not is_node_name(value):
+                raise ValueError(f"param {name}: {value!r} is not a valid node name "
+                                 "(RFC 1123: lowercase letters, digits, '-' and '.', at most 253 characters)")
+        elif len(value) > _MAX_STRING:
+            raise ValueError(f"param {name}: longer than {_MAX_STRING} characters")
+        if self.pattern is not None:
+            if not re.fullmatch(self.pattern, value):
+                raise ValueError(f"param {name}: {value!r} does not match {self.pattern}")
+        elif kind == "string" and not _SAFE_STRING.fullmatch(value):
+            raise ValueError(f"param {name}: {value!r} contains characters a string param without a "
+                             "'pattern' does not accept (quotes, shell or template metacharacters)")
+        return value
 
 
 class Precondition(_Model):

@@ -91,7 +91,7 @@ def early_previews(prepared: PreparedRun, nodes: NodeAutomation | None) -> dict[
     files = plan_host_files(prepared)
     if nodes is None or files is None:
         return {}  # the plan reads no host facts: previews wait for the plan (changing steps only)
-    facts_become = getattr(nodes, "facts_become", None)
+    facts_become = nodes.facts_become
     jobs: dict[str, AnsibleAction] = {}
     for step in prepared.runbook.steps:
         if not isinstance(step.action, AnsibleAction) or not step.action.ansible.preview:

@@ -8,7 +8,6 @@ facts (one Ansible run, batched over all hosts of a fleet), and object lists.
 
 from __future__ import annotations
 
-import inspect
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -60,10 +59,8 @@ def _host_files(probes: Iterable[Probe]) -> tuple[str, ...]:
 
 def gather_host_facts(nodes: NodeAutomation, names: Sequence[str],
                       files: Sequence[str] = ()) -> Mapping[str, HostFacts | Exception]:
-    """One read-only facts run for all ``names``; asks about ``files`` when the connector can."""
-    if files and "files" in inspect.signature(nodes.gather_facts).parameters:
-        return nodes.gather_facts(list(names), files=list(files))
-    return nodes.gather_facts(list(names))
+    """One read-only facts run for all ``names``, reporting on ``files`` too."""
+    return nodes.gather_facts(list(names), list(files))
 
 
 def recent_host_facts(nodes: NodeAutomation, names: Sequence[str], max_age: float,
@@ -71,10 +68,9 @@ def recent_host_facts(nodes: NodeAutomation, names: Sequence[str], max_age: floa
     """Host facts at most ``max_age`` seconds old that the connector already holds (the facts the
     previous playbook published at its end, or the last facts run), with their age in seconds:
     {} when it keeps none."""
-    recent = getattr(nodes, "recent_facts", None)
-    if max_age <= 0 or recent is None:
+    if max_age <= 0:
         return {}
-    return dict(recent(list(names), max_age=max_age, files=list(files)))
+    return dict(nodes.recent_facts(list(names), max_age=max_age, files=list(files)))
 
 
 def _read_node(kube: KubeAPI, node: str) -> NodeFacts:

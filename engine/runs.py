@@ -48,7 +48,7 @@ from engine import loader, planning, previews, probes
 from engine.batch import SharedPlaybooks
 from engine.checks import HOST
 from engine.errors import ExitCode, LockHeld, RunbookError, StalePlan, UsageError
-from engine.execution import Executor
+from engine.execution import Executor, Progress
 from engine.journal import Journal, JournalSink, StepProgress
 from engine.loader import LoadedRunbook
 from engine.locks import DEFAULT_NAMESPACE, DEFAULT_TTL_SECONDS, NodeLock, acquire_node_lock
@@ -247,7 +247,7 @@ class RunService:
     """
 
     settings: Settings
-    live: Any = None  # an extra EventSink (the terminal's live view)
+    live: Progress | None = None  # an extra EventSink (the terminal's live view)
     lock_wait: float = 0.0
     lock_ttl: int = DEFAULT_TTL_SECONDS
     approval_timeout: float = 3600.0

@@ -140,7 +140,7 @@ class Settings:
         """Stop the running playbook now (its whole process tree); later playbooks are refused.
         Safe to call from a signal handler."""
         nodes = self._cache.get("nodes")
-        if nodes is not None and hasattr(nodes, "cancel"):
+        if nodes is not None:
             nodes.cancel()
 
     def close(self) -> None:

@@ -43,6 +43,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
 from engine.errors import RunbookError
 from engine.facts import Facts
+from engine.hostfacts import host_data
 
 MAX_OUTPUT = 100_000  # characters of rendered output
 MAX_STRING = 1_000_000  # characters of any string a template builds on the way
@@ -512,24 +513,7 @@ def facts_data(facts: Facts | None) -> dict[str, Any]:
         }
     host: dict[str, Any] | None = None
     if facts.host is not None:
-        h = facts.host
-        host = {
-            "host": h.host,
-            "swap_active": h.swap_active,
-            "swap_devices": [{"name": d.name, "type": d.type, "size_bytes": d.size_bytes}
-                             for d in h.swap_devices],
-            "fstab_active_swap": list(h.fstab_active_swap),
-            "unhandled_swap_sources": list(h.unhandled_swap_sources),
-            "services": {k: {"name": s.name, "state": s.state, "journal_tail": s.journal_tail}
-                         for k, s in h.services.items()},
-            "gpus": [{"slot": g.slot, "vendor_device": g.vendor_device, "name": g.name, "driver": g.driver,
-                      "cuda_processes": [p.pid for p in h.processes_on(g)]}
-                     for g in h.gpus],
-            "gpu_count": len(h.gpus),
-            "gpu_driver": h.gpu_driver,
-            "cuda_processes": [{"pid": p.pid, "name": p.name, "gpu": p.gpu} for p in h.cuda_processes],
-            "cuda_process_count": len(h.cuda_processes),
-        }
+        host = host_data(facts.host)
     return {
         "node_name": facts.node_name,
         "node": node,

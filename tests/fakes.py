@@ -360,6 +360,8 @@ class FakeNodes:
         self.files: dict[str, dict[str, str]] = {}  # host -> path -> content
         self.fail: dict[str, Any] = {}
         self.closed = False
+        self.cancelled = False
+        self.facts_become: bool | None = None  # facts do not depend on privilege
 
     def inventory_host(self, node: str) -> str:
         if node not in self.hosts and node not in self.inventory:
@@ -415,6 +417,13 @@ class FakeNodes:
         return PlaybookResult(status="successful" if not unreachable else "failed", rc=0 if not unreachable else 4,
                               changed=dict.fromkeys(facts, not check), unreachable_hosts=unreachable,
                               host_facts=facts)
+
+    def recent_facts(self, nodes: Sequence[str], *, max_age: float,
+                     files: Sequence[str] = ()) -> Mapping[str, tuple[HostFacts, float]]:
+        return {}  # keeps none (subclasses in tests keep some)
+
+    def cancel(self) -> None:
+        self.cancelled = True
 
     def close(self) -> None:
         self.closed = True

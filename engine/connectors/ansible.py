@@ -33,8 +33,6 @@ What it must not do: import ``kubernetes``, keep artifacts, or disable host key 
 
 from __future__ import annotations
 
-import base64
-import binascii
 import contextlib
 import difflib
 import os
@@ -57,10 +55,10 @@ from typing import Any
 from engine.connectors.base import PlaybookResult, TaskEvent
 from engine.connectors.inventory import Inventory, load_inventory
 from engine.errors import HostError
-from engine.facts import CudaProcess, FileFacts, GpuDevice, HostFacts, ServiceFacts, SwapDevice
+from engine.facts import HostFacts
+from engine.hostfacts import parse_host_facts
 
 FACTS_PLAYBOOK = "node-facts.yml"
-FACTS_FORMAT_VERSION = 1
 RUN_MARKER = "RUNBOOK_ANSIBLE_RUN"  # in the environment of every process of one run
 # The only variables of the engine's own environment that reach Ansible's processes (plus LC_*):
 # what ansible-playbook, Python, ssh, sudo's prompt matching and the locale need. RUNBOOK_TEST_TAG
@@ -78,218 +76,6 @@ _RUNNER_ENV = frozenset({
 _BECOME_PROMPT = r"BECOME password[^:\n]*:\s*$"
 DIR_PREFIX = "runbook-ansible-"
 OWNER_FILE = "owner"  # "<pid> <start time>" of the process that made a private data dir
-
-# ============================================================================ facts (pure)
-
-
-def decode_probes(lines: Iterable[str]) -> dict[str, tuple[int, str]]:
-    """``NAME RC BASE64`` lines (tasks/facts.yml) -> {name: (rc, stdout)}. Bad lines are skipped."""
-    probes: dict[str, tuple[int, str]] = {}
-    for line in lines:
-        parts = line.strip().split(" ")
-        if len(parts) not in (2, 3):
-            continue
-        name, rc_text = parts[0], parts[1]
-        try:
-            rc = int(rc_text)
-            text = base64.b64decode(parts[2] if len(parts) == 3 else "", validate=True)
-        except (ValueError, binascii.Error):
-            continue
-        probes[name] = (rc, text.decode("utf-8", "replace"))
-    return probes
-
-
-def _unescape_raw(value: str) -> str:
-    r"""util-linux ``--raw`` output escapes unsafe characters as ``\xNN``."""
-    return re.sub(r"\\x([0-9a-fA-F]{2})", lambda m: chr(int(m.group(1), 16)), value)
-
-
-def parse_swapon(text: str) -> tuple[SwapDevice, ...]:
-    """``swapon --show --noheadings --raw --bytes`` (NAME TYPE SIZE USED PRIO) -> devices."""
-    devices = []
-    for line in text.splitlines():
-        fields = line.split()
-        if not fields:
-            continue
-        size = int(fields[2]) if len(fields) > 2 and fields[2].isdigit() else 0
-        devices.append(SwapDevice(name=_unescape_raw(fields[0]),
-                                  type=fields[1] if len(fields) > 1 else "file", size_bytes=size))
-    return tuple(devices)
-
-
-def parse_proc_swaps(text: str) -> tuple[SwapDevice, ...]:
-    """``/proc/swaps`` (a header, then Filename Type Size(KiB) Used Priority) -> devices."""
-    devices = []
-    for line in text.splitlines()[1:]:
-        fields = line.split()
-        if len(fields) < 3:
-            continue
-        # the kernel escapes spaces etc. in names as octal \040
-        name = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[0])
-        size = int(fields[2]) * 1024 if fields[2].isdigit() else 0
-        devices.append(SwapDevice(name=name, type=fields[1], size_bytes=size))
-    return tuple(devices)
-
-
-def fstab_active_swap(text: str) -> tuple[str, ...]:
-    """The active swap entries of an fstab: not comments, and the third field (type) is ``swap``.
-
-    Lines that merely mention swap (a comment, ``/data/swapfiles-backup`` on ext4) are not
-    entries of type swap. The same rule as the ``replace`` regexp in ``swap-off.yml``.
-    """
-    entries = []
-    for line in text.splitlines():
-        fields = line.split()
-        if len(fields) >= 3 and not fields[0].startswith("#") and fields[2] == "swap":
-            entries.append(line.strip())
-    return tuple(entries)
-
-
-_LSPCI_DEVICE = re.compile(
-    r"^(?P<slot>[0-9a-fA-F:.]+)\s+(?P<cls>.+?)\s+\[(?P<code>[0-9a-fA-F]{4})\]:\s+(?P<name>.*?)"
-    r"\s+\[(?P<vd>[0-9a-fA-F]{4}:[0-9a-fA-F]{4})\](?:\s+\(rev [^)]*\))?\s*$")
-_GPU_CLASSES = ("0300", "0302")  # VGA compatible controller, 3D controller
-
-
-def parse_lspci(text: str) -> tuple[GpuDevice, ...]:
-    """``lspci -nnk -d 10de:`` -> the NVIDIA display devices with their bound driver.
-
-    A device's ``Kernel driver in use:`` line names its driver (``nvidia``, ``vfio-pci``, ...);
-    none means "none". Other functions of the card (HDMI audio, USB-C) are not GPUs.
-    """
-    gpus: list[GpuDevice] = []
-    current: dict[str, str] | None = None
-
-    def flush() -> None:
-        if current is not None and current["code"] in _GPU_CLASSES:
-            gpus.append(GpuDevice(slot=current["slot"], vendor_device=current["vd"].lower(),
-                                  name=current["name"], driver=current.get("driver", "none")))
-
-    for line in text.splitlines():
-        if not line.strip():
-            continue
-        if not line[0].isspace():
-            flush()
-            m = _LSPCI_DEVICE.match(line.strip())
-            current = m.groupdict() if m else None
-            if current is not None:
-                current = {k: v for k, v in current.items() if k != "cls"}
-        elif current is not None and line.strip().startswith("Kernel driver in use:"):
-            current["driver"] = line.split(":", 1)[1].strip() or "none"
-    flush()
-    return tuple(gpus)
-
-
-_BUS_ID = re.compile(r"^(?:([0-9a-fA-F]{4,8}):)?([0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7])$")
-
-
-def pci_slot(bus_id: str) -> str:
-    """nvidia-smi's ``00000000:01:00.0`` -> lspci's ``01:00.0`` (``0001:01:00.0`` outside domain 0)."""
-    m = _BUS_ID.match(bus_id.strip())
-    if not m:
-        return ""
-    domain = int(m.group(1) or "0", 16)
-    return (f"{domain:04x}:" if domain else "") + m.group(2).lower()
-
-
-def parse_cuda_processes(text: str) -> tuple[CudaProcess, ...]:
-    """``nvidia-smi --query-compute-apps=pid,process_name,gpu_bus_id --format=csv,noheader`` ->
-    processes, each with the PCI slot of its GPU (the older two-column form still parses, GPU unknown)."""
-    procs = []
-    for line in text.splitlines():
-        pid, _, rest = line.partition(",")
-        if not pid.strip().isdigit():
-            continue
-        name, _, bus_id = rest.rpartition(",")
-        gpu = pci_slot(bus_id)
-        if not gpu and not bus_id.strip().startswith("["):  # "[N/A]": no bus id, the name stands
-            name = rest  # the older two-column form: all of it is the name
-        procs.append(CudaProcess(pid=int(pid.strip()), name=name.strip(), gpu=gpu))
-    return tuple(procs)
-
-
-def parse_unit_properties(text: str) -> list[dict[str, str]]:
-    """``systemctl show --property=...`` of several units: blocks of ``Key=Value``, blank-separated."""
-    blocks: list[dict[str, str]] = []
-    block: dict[str, str] = {}
-    for line in [*text.splitlines(), ""]:
-        if not line.strip():
-            if block:
-                blocks.append(block)
-                block = {}
-            continue
-        key, sep, value = line.partition("=")
-        if sep:
-            block[key.strip()] = value.strip()
-    return blocks
-
-
-def unhandled_swap_sources(devices: Sequence[SwapDevice],
-                           unit_properties: Sequence[Mapping[str, str]]) -> tuple[str, ...]:
-    """Swap that ``swap-off.yml`` cannot keep off; the same rule as its refusal.
-
-    * an active zram device (zram-generator or zramswap recreate it at boot);
-    * a ``.swap`` unit with a unit file (``FragmentPath``) that is not generated from
-      /etc/fstab (``SourcePath``): it would switch swap on again at boot. Units systemd makes
-      for fstab entries, or on the fly for active devices and their aliases, are ours to handle.
-    """
-    found = [f"zram device {d.name}" for d in devices if d.name.startswith("/dev/zram")]
-    for unit in unit_properties:
-        name = unit.get("Id", "")
-        if name.endswith(".swap") and unit.get("FragmentPath") and \
-                unit.get("SourcePath", "") != "/etc/fstab":
-            found.append(f"systemd unit {name} ({unit['FragmentPath']})")
-    return tuple(found)
-
-
-def parse_runbook_facts(host: str, facts: Mapping[str, Any]) -> HostFacts:
-    """The ``runbook_facts`` stat of tasks/facts.yml -> ``HostFacts`` (the parse boundary)."""
-    version = facts.get("version")
-    if version != FACTS_FORMAT_VERSION:
-        raise HostError(f"{host}: runbook_facts version {version!r} not understood "
-                        f"(expected {FACTS_FORMAT_VERSION}): playbooks and engine differ", host=host)
-    probes = decode_probes(facts.get("probes") or ())
-
-    def out(name: str, ok_rcs: tuple[int, ...] = (0,)) -> str | None:
-        rc, text = probes.get(name, (127, ""))
-        return text if rc in ok_rcs else None
-
-    swapon = out("swapon")
-    proc_swaps = out("proc_swaps")
-    if swapon is not None:
-        devices = parse_swapon(swapon)
-    elif proc_swaps is not None:
-        devices = parse_proc_swaps(proc_swaps)
-    else:
-        raise HostError(f"{host}: cannot read the swap state (swapon and /proc/swaps both failed)",
-                        host=host)
-    units = parse_unit_properties(out("swap_unit_props") or "")
-    services: dict[str, ServiceFacts] = {}
-    for name in facts.get("services") or ():
-        rc, state = probes.get(f"active:{name}", (127, ""))
-        first = state.strip().splitlines()[0].strip() if state.strip() else ""
-        # is-active exits 3 for activating/inactive/failed: the word is the answer, not the rc.
-        services[name] = ServiceFacts(name=name, state=first if rc != 127 and first else "unknown",
-                                      journal_tail=out(f"journal:{name}") or "")
-    files: dict[str, FileFacts] = {}
-    for i, path in enumerate(facts.get("files") or ()):
-        digest = out(f"sha256:{i}")
-        content = out(f"file:{i}")
-        exists = digest is not None and content is not None
-        files[str(path)] = FileFacts(path=str(path), exists=exists,
-                                     content=content or "" if exists else "",
-                                     sha256=(digest or "").split(" ")[0] if exists else "")
-    return HostFacts(
-        host=host,
-        swap_devices=devices,
-        fstab_active_swap=fstab_active_swap(out("fstab") or ""),
-        unhandled_swap_sources=unhandled_swap_sources(devices, units),
-        services=MappingProxyType(services),
-        gpus=parse_lspci(out("lspci") or ""),
-        cuda_processes=parse_cuda_processes(out("nvidia_smi") or ""),
-        files=MappingProxyType(files),
-    )
-
 
 # ============================================================================ events (pure)
 
@@ -649,7 +435,7 @@ class AnsibleConnector:
         facts: dict[str, HostFacts] = {}
         for node, data in state.facts.items():
             try:
-                facts[node] = parse_runbook_facts(str(data.get("host") or node), data)
+                facts[node] = parse_host_facts(str(data.get("host") or node), data)
             except HostError as e:
                 state.failed.setdefault(node, str(e))
         if outcome[0] not in ("timeout", "canceled"):  # a killed run may change hosts after its facts

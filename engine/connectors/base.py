@@ -24,8 +24,8 @@ class PodRef:
     node: str = ""
     labels: Mapping[str, str] = field(default_factory=dict)
     phase: str = ""
-    # Resources the pod asks for (resource -> quantity, e.g. {"nvidia.com/gpu": "1"}): per container its
-    # request, or its limit where it gives none (extended resources are often limit-only), summed.
+    # Resources the pod asks for (resource -> quantity as a plain decimal, e.g. {"nvidia.com/gpu": "1",
+    # "cpu": "1.5"}): engine.resources.pod_spec_requests, the scheduler's effective request.
     requests: Mapping[str, str] = field(default_factory=dict)
 
 
@@ -130,7 +130,15 @@ class PlaybookResult:
 
 
 class NodeAutomation(Protocol):
-    """Sudo work and host facts on node hosts, through Ansible."""
+    """Sudo work and host facts on node hosts, through Ansible. Every member is one the core calls;
+    the core never probes an implementation for optional ones."""
+
+    @property
+    def facts_become(self) -> bool | None:
+        """Whether facts runs use sudo: a check-mode preview started before the plan must run with
+        the same privilege (its closing facts stand in for a facts run). None: any privilege will do
+        (a connector whose facts do not depend on it, such as the test fakes)."""
+        ...
 
     def inventory_host(self, node: str) -> str:
         """The inventory host for a Kubernetes node (hostvar ``k8s_node_name`` or same name).
@@ -145,6 +153,18 @@ class NodeAutomation(Protocol):
     def run_playbook(self, playbook: Path, nodes: Sequence[str], *, extravars: Mapping[str, Any] | None = None,
                      become: bool = True, timeout: float = 300, check: bool = False,
                      on_event: Callable[[TaskEvent], None] | None = None) -> PlaybookResult: ...
+
+    def recent_facts(self, nodes: Sequence[str], *, max_age: float,
+                     files: Sequence[str] = ()) -> Mapping[str, tuple[HostFacts, float]]:
+        """Facts at most ``max_age`` seconds old the connector already holds (from its last facts run
+        or the facts a playbook published at its end) reporting on every path in ``files``, with
+        their age in seconds; nodes without such facts are left out ({} when it keeps none)."""
+        ...
+
+    def cancel(self) -> None:
+        """Stop the running playbook now (its whole process tree); later playbooks are refused.
+        Safe to call from a signal handler."""
+        ...
 
     def close(self) -> None:
         """End SSH control masters and remove the private data dir (no artifacts kept)."""

@@ -19,8 +19,7 @@ from typing import Any
 
 from engine.errors import StalePlan, UsageError
 from engine.facts import Condition, NodeFacts
-from engine.model import Trigger
-from engine.params import is_node_name
+from engine.model import Trigger, is_node_name
 from engine.serve.cluster import ClusterSnapshot, ClusterUnavailable, snapshot_from
 from engine.serve.config import ExclusionConfig
 from engine.serve.starter import RunOutcome, RunRequest, RunTicket, TriggerSpec

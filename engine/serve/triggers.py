@@ -23,8 +23,7 @@ from typing import Any
 
 from engine import templating
 from engine.errors import UsageError
-from engine.model import ParamValue, is_template
-from engine.params import control_character, is_node_name
+from engine.model import ParamValue, control_character, is_node_name, is_template
 from engine.serve.alertmanager import Alert
 from engine.serve.config import PagerDutyMapping
 from engine.serve.matchers import Matcher, MatcherError, all_match, parse_all

@@ -10,20 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from engine.connectors.ansible import (
-    decode_probes,
-    explain_failure,
-    fstab_active_swap,
-    parse_cuda_processes,
-    parse_lspci,
-    parse_proc_swaps,
-    parse_runbook_facts,
-    parse_swapon,
-    parse_unit_properties,
-    task_message,
-    unhandled_swap_sources,
-    unified_diffs,
-)
+from engine.connectors.ansible import explain_failure, task_message, unified_diffs
 from engine.connectors.kube import (
     format_microtime,
     lease_record_from_dict,
@@ -33,6 +20,18 @@ from engine.connectors.kube import (
 )
 from engine.errors import HostError
 from engine.facts import SwapDevice
+from engine.hostfacts import (
+    decode_probes,
+    fstab_active_swap,
+    parse_cuda_processes,
+    parse_lspci,
+    parse_proc_swaps,
+    parse_swapon,
+    parse_unit_properties,
+    probe_task_file,
+    unhandled_swap_sources,
+)
+from engine.hostfacts import parse_host_facts as parse_runbook_facts
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -312,3 +311,12 @@ def test_a_pod_as_the_api_serves_it_becomes_a_pod_ref_with_what_it_asks_for() ->
     assert pod.labels["app"] == "torch"
     assert pod.requests["nvidia.com/gpu"] == "2"  # a limit-only extended resource counts
     assert pod.requests["cpu"] == "1.5"  # summed by engine.resources (500m + 1)
+
+
+def test_the_committed_facts_probe_task_is_what_the_host_fact_units_generate() -> None:
+    """tasks/facts-probe.yml is generated from engine/hostfacts.py: one raw task, each fact's lines."""
+    committed = (REPO / "playbooks/tasks/facts-probe.yml").read_text()
+    assert committed == probe_task_file(), \
+        "regenerate: python -m engine.hostfacts > playbooks/tasks/facts-probe.yml"
+    tasks = yaml.safe_load(committed)
+    assert len(tasks) == 1 and "ansible.builtin.raw" in tasks[0]  # still one SSH round trip

@@ -27,9 +27,9 @@ from pydantic import TypeAdapter, ValidationError
 
 from engine import checks, probes
 from engine.checks import HOST, NODE
-from engine.connectors.ansible import parse_cuda_processes, parse_lspci
 from engine.execution import Executor
 from engine.facts import CudaProcess, Facts, GpuDevice, HostFacts, ProbeError
+from engine.hostfacts import parse_cuda_processes, parse_lspci
 from engine.loader import load_runbook
 from engine.model import Check, PlanState, RunResult, RunState, StepStatus
 from engine.planning import plan_run
