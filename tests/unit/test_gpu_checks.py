@@ -181,7 +181,8 @@ PARAMS = {"node": "gpu-quad", "workload": "container", "ready_timeout": 120, "gp
 JOBS = (CudaProcess(41000, "python3", "01:00.0"), CudaProcess(41001, "train.py", "41:00.0"))
 
 
-def recover_quad(stuck: frozenset[str] = frozenset()) -> tuple[RunResult, GpuHostLog, FakeNodes, FakeKube]:
+def recover_quad(stuck: frozenset[str] = frozenset(),
+                 sink: RecordingSink | None = None) -> tuple[RunResult, GpuHostLog, FakeNodes, FakeKube]:
     """gpu-quad down for swap under vm-passthrough, 02:00.0 on vfio-pci and c1:00.0 without a driver
     (as quad_gpus), a CUDA job on 01:00.0 and 41:00.0; the shipped flagship, planned then run."""
     clock = FakeClock()
@@ -192,7 +193,7 @@ def recover_quad(stuck: frozenset[str] = frozenset()) -> tuple[RunResult, GpuHos
     facts = probes.gather(FLAGSHIP, PARAMS, "gpu-quad", kube, nodes, clock=clock.wall)
     plan = plan_run(FLAGSHIP, PARAMS, facts, runbook_digest="d" * 64, now=datetime(2026, 7, 10, tzinfo=UTC))
     assert plan.state is PlanState.READY, plan.blocked_reasons
-    executor = Executor(kube, nodes, events=RecordingSink(), playbooks_dir=REPO / "playbooks", clock=clock,
+    executor = Executor(kube, nodes, events=sink or RecordingSink(), playbooks_dir=REPO / "playbooks", clock=clock,
                         sleep=clock.sleep, wall=clock.wall, cancel=threading.Event())
     return executor.execute(plan, FLAGSHIP, PARAMS), log, nodes, kube
 
@@ -204,7 +205,8 @@ def host_of(nodes: FakeNodes) -> HostFacts:
 
 
 def test_the_flagship_binds_the_gpus_off_nvidia_before_kubelet_returns_and_verifies_all_four() -> None:
-    result, log, nodes, kube = recover_quad()
+    sink = RecordingSink()
+    result, log, nodes, kube = recover_quad(sink=sink)
     assert result.state is RunState.SUCCEEDED, result.reason
     assert [(o.step, o.status) for o in result.outcomes] == [
         ("relabel-container", StepStatus.SUCCEEDED), ("swap-off", StepStatus.SUCCEEDED),
@@ -217,6 +219,10 @@ def test_the_flagship_binds_the_gpus_off_nvidia_before_kubelet_returns_and_verif
     assert verified["allocatable nvidia.com/gpu equals the host's NVIDIA GPUs"] == \
         "allocatable nvidia.com/gpu 4, the host lists 4 NVIDIA GPUs"
     assert "GPUs on nvidia: 4 of 4; allocatable nvidia.com/gpu: 4" in result.report
+    # waited on the node's events (the host as restart-kubelet.yml left it), not by polling Ansible
+    sources = {a["source"] for a in sink.of("verify.attempt")
+               if a["check"] == "allocatable nvidia.com/gpu equals the host's NVIDIA GPUs"}
+    assert sources == {"watch"}
     assert "GPU 02:00.0 (NVIDIA Corporation GB202 [GeForce RTX 5090]) driver: vfio-pci -> nvidia" in result.report
 
 

@@ -134,8 +134,9 @@ def test_with_kubelet_stopped_the_runbook_restarts_it_after_the_relabel_and_the_
     result = json.loads(r.stdout)
     assert result["state"] == "succeeded"
     assert [(o["step"], o["status"]) for o in result["outcomes"]] == [
-        ("relabel-container", "succeeded"), ("swap-off", "succeeded"), ("restart-kubelet", "succeeded")]
-    restart = result["outcomes"][2]
+        ("relabel-container", "succeeded"), ("swap-off", "succeeded"), ("bind-gpus", "skipped"),
+        ("restart-kubelet", "succeeded")]
+    restart = result["outcomes"][3]
     verified = {v["check"]: v["holds"] for v in restart["evidence"]["verify"]}
     assert verified["no host CUDA process killed since the plan"] is True and verified["node is Ready"] is True
 

@@ -83,7 +83,8 @@ def test_the_plan_shows_the_four_steps_with_their_changes_and_changes_nothing(
     fences = [t for t in tokens if t.type == "fence"]
     diff = next(t.content for t in fences if t.info == "diff")
     assert "--- /etc/fstab" in diff and "+# /swapfile" in diff
-    assert any(t.info == "mermaid" and "s_swap_off --> s_restart_kubelet" in t.content for t in fences)
+    assert any(t.info == "mermaid" and "s_swap_off --> s_bind_gpus" in t.content
+               and "s_swap_off -. requires .-> s_restart_kubelet" in t.content for t in fences)
 
     plan = json.loads(saved.read_text())
     assert plan["format"] == "runbook-plan/v1" and plan["state"] == "ready" and len(plan["digest"]) == 64
