@@ -9,6 +9,8 @@ without a driver.
   (read from the host: the same pids; the shims' call log shows driverctl for the two GPUs only).
 * gpu-workload-switch moves all four GPUs to vm-passthrough (each model's resource advertised) and
   back to container (all four on nvidia, nvidia.com/gpu = 4).
+* The lab itself, recovered by hand without binding: once kubelet is back under container,
+  vfio-manager's preStop leaves 02:00.0 without a driver and both CUDA jobs on the other GPUs live.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from flagship_cli import LABEL, cuda_pids, kube_node, node_status, ready, runbook
+from flagship_cli import LABEL, cuda_pids, host_lines, kube_node, node_status, ready, runbook
+from lab_helpers import wait_for
 
 from engine.lab.assets import find_assets
 from engine.lab.hoststate import HostState
@@ -136,3 +139,23 @@ def test_gpu_workload_switch_moves_all_four_gpus_to_passthrough_and_back(
     assert kube_node(qsh, NODE)["status"]["allocatable"]["nvidia.com/gpu"] == "4"
     assert runbook(qsh, f"lab job start {NODE} --gpu c1:00.0").returncode == 0  # each serves the host again
     assert node_status(qsh, NODE)["cuda_jobs_killed"] == 0
+
+
+@pytest.mark.timeout(600)
+def test_by_hand_a_gpu_leaving_vfio_pci_kills_no_cuda_job_on_the_nodes_other_gpus(quad: Lab, qsh: Any) -> None:
+    quad.reset(timeout=120)
+    pids_before = cuda_pids(qsh, NODE)
+    assert len(pids_before) == 2
+    assert qsh(f"kubectl label node {NODE} {LABEL}=container --overwrite").returncode == 0
+    host_lines(qsh, NODE, "swapoff -a")  # kubelet's own restarts bring it back once swap is off
+    wait_for(lambda: ready(kube_node(qsh, NODE)) and drivers(qsh)["02:00.0"] == "none", 120,
+             "gpu-quad Ready with 02:00.0 unbound from vfio-pci")
+    assert drivers(qsh) == {"01:00.0": "nvidia", "02:00.0": "none", "41:00.0": "nvidia", "c1:00.0": "none"}
+    status = node_status(qsh, NODE)
+    assert (status["cuda_jobs_running"], status["cuda_jobs_killed"]) == (2, 0)
+    assert cuda_pids(qsh, NODE) == pids_before
+    assert [g["cuda_jobs"] for g in status["gpus"]] == [1, 0, 1, 0]
+    wait_for(lambda: kube_node(qsh, NODE)["status"]["allocatable"].get("nvidia.com/gpu") == "2", 60,
+             "the two GPUs on nvidia advertised")
+    no_gpu = runbook(qsh, f"lab job start {NODE} --gpu 02:00.0")
+    assert no_gpu.returncode != 0 and "no GPU on the nvidia driver (02:00.0 none)" in no_gpu.stderr
