@@ -719,12 +719,18 @@ class Executor:
             if last.holds is True:
                 return done(True, False)
 
-        if probes == {chk.NODE} and self.kube is not None:
+        # A check over the node and the host (allocatable equal to the host's GPUs) waits on the node's
+        # events with the host as the step's playbook just left it; when that wait ends without it, one
+        # poll on fresh facts (below) decides.
+        node_and_playbook_host = probes == {chk.NODE, chk.HOST} and host_facts is not None
+        if (probes == {chk.NODE} or node_and_playbook_host) and self.kube is not None:
             seen: list[chk.CheckResult] = []
+            fixed_host = host_facts if node_and_playbook_host else None
 
             def predicate(node: NodeFacts | None) -> bool:
                 nf = node if node is not None else NodeFacts(name=self._node, exists=False)
-                r = chk.evaluate(v.check, Facts(node_name=self._node, node=nf), params, baseline=self._baseline)
+                r = chk.evaluate(v.check, Facts(node_name=self._node, node=nf, host=fixed_host), params,
+                                 baseline=self._baseline)
                 seen.append(r)
                 return r.holds is True
 
@@ -745,11 +751,13 @@ class Executor:
                 if seen:
                     last = seen[-1]
                 elif node is not None:
-                    last = chk.evaluate(v.check, Facts(node_name=self._node, node=node), params,
+                    last = chk.evaluate(v.check, Facts(node_name=self._node, node=node, host=fixed_host), params,
                                         baseline=self._baseline)
                 report(last, "watch")
                 if ok:
                     return done(True, False)
+                if node_and_playbook_host and (self.clock() >= deadline or self.cancel.is_set()):
+                    break  # the host may have changed since its playbook ran: one fresh poll decides
                 if self.clock() >= deadline or self.cancel.is_set():
                     return done(False, timeout > 0)
 

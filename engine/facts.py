@@ -82,6 +82,22 @@ class GpuDevice:
 class CudaProcess:
     pid: int
     name: str
+    gpu: str = ""  # the PCI slot of its GPU, as lspci names it ("01:00.0"); "" when nvidia-smi did not say
+
+
+def same_pci_slot(a: str, b: str) -> bool:
+    """Whether two PCI addresses name one device: ``01:00.0``, ``0000:01:00.0`` (lspci -D) and
+    ``00000000:01:00.0`` (nvidia-smi) alike, hex digits in either case."""
+    def full(address: str) -> str:
+        parts = address.strip().lower().split(":")
+        if len(parts) == 2:
+            parts.insert(0, "0")
+        try:
+            return f"{int(parts[0], 16):04x}:" + ":".join(parts[1:])
+        except ValueError:
+            return address.strip().lower()
+
+    return bool(a) and bool(b) and full(a) == full(b)
 
 
 @dataclass(frozen=True)
@@ -115,6 +131,14 @@ class HostFacts:
     def gpu_driver(self) -> str:
         """The driver of the first NVIDIA GPU, or "none" when there is no GPU or no driver bound."""
         return self.gpus[0].driver if self.gpus else "none"
+
+    def gpus_not_on(self, driver: str) -> tuple[GpuDevice, ...]:
+        """The GPUs bound to another driver than ``driver`` (or to none)."""
+        return tuple(g for g in self.gpus if g.driver != driver)
+
+    def processes_on(self, gpu: GpuDevice) -> tuple[CudaProcess, ...]:
+        """The host CUDA processes on ``gpu`` (by PCI slot)."""
+        return tuple(p for p in self.cuda_processes if same_pci_slot(p.gpu, gpu.slot))
 
     def service(self, name: str) -> ServiceFacts:
         return self.services.get(name) or ServiceFacts(name=name, state="unknown")

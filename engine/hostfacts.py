@@ -316,7 +316,8 @@ def parse_lspci(text: str) -> tuple[GpuDevice, ...]:
 
 @register_host_fact
 class GpusFact(HostFact):
-    """The NVIDIA GPUs (lspci): PCI slot, vendor:device, name, bound driver. No lspci: no GPU."""
+    """The NVIDIA GPUs (lspci), every one: PCI slot, vendor:device, name, bound driver. No lspci: no
+    GPU. Templates see each with the pids of its CUDA processes, the count, and the first one's driver."""
 
     NAME = "gpus"
     SCRIPT = r"""emit lspci lspci -nnk -d 10de:
@@ -326,34 +327,54 @@ class GpusFact(HostFact):
         return {"gpus": parse_lspci(out(probes, "lspci") or "")}
 
     def data(self, facts: HostFacts) -> dict[str, Any]:
-        return {"gpus": [{"slot": g.slot, "vendor_device": g.vendor_device, "name": g.name, "driver": g.driver}
+        return {"gpus": [{"slot": g.slot, "vendor_device": g.vendor_device, "name": g.name, "driver": g.driver,
+                          "cuda_processes": [p.pid for p in facts.processes_on(g)]}
                          for g in facts.gpus],
+                "gpu_count": len(facts.gpus),
                 "gpu_driver": facts.gpu_driver}
 
 
+_BUS_ID = re.compile(r"^(?:([0-9a-fA-F]{4,8}):)?([0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7])$")
+
+
+def pci_slot(bus_id: str) -> str:
+    """nvidia-smi's ``00000000:01:00.0`` -> lspci's ``01:00.0`` (``0001:01:00.0`` outside domain 0)."""
+    m = _BUS_ID.match(bus_id.strip())
+    if not m:
+        return ""
+    domain = int(m.group(1) or "0", 16)
+    return (f"{domain:04x}:" if domain else "") + m.group(2).lower()
+
+
 def parse_cuda_processes(text: str) -> tuple[CudaProcess, ...]:
-    """``nvidia-smi --query-compute-apps=pid,process_name --format=csv,noheader`` -> processes."""
+    """``nvidia-smi --query-compute-apps=pid,process_name,gpu_bus_id --format=csv,noheader`` ->
+    processes, each with the PCI slot of its GPU (the older two-column form still parses, GPU unknown)."""
     procs = []
     for line in text.splitlines():
-        pid, _, name = line.partition(",")
-        if pid.strip().isdigit():
-            procs.append(CudaProcess(pid=int(pid.strip()), name=name.strip()))
+        pid, _, rest = line.partition(",")
+        if not pid.strip().isdigit():
+            continue
+        name, _, bus_id = rest.rpartition(",")
+        gpu = pci_slot(bus_id)
+        if not gpu and not bus_id.strip().startswith("["):  # "[N/A]": no bus id, the name stands
+            name = rest  # the older two-column form: all of it is the name
+        procs.append(CudaProcess(pid=int(pid.strip()), name=name.strip(), gpu=gpu))
     return tuple(procs)
 
 
 @register_host_fact
 class CudaProcessesFact(HostFact):
-    """The host's CUDA processes (nvidia-smi). No nvidia-smi: none."""
+    """The host's CUDA processes (nvidia-smi), each with the PCI slot of its GPU. No nvidia-smi: none."""
 
     NAME = "cuda_processes"
-    SCRIPT = r"""emit nvidia_smi nvidia-smi --query-compute-apps=pid,process_name --format=csv,noheader
+    SCRIPT = r"""emit nvidia_smi nvidia-smi --query-compute-apps=pid,process_name,gpu_bus_id --format=csv,noheader
 """
 
     def parse(self, host: str, probes: Probes, stat: Mapping[str, Any]) -> dict[str, Any]:
         return {"cuda_processes": parse_cuda_processes(out(probes, "nvidia_smi") or "")}
 
     def data(self, facts: HostFacts) -> dict[str, Any]:
-        return {"cuda_processes": [{"pid": p.pid, "name": p.name} for p in facts.cuda_processes],
+        return {"cuda_processes": [{"pid": p.pid, "name": p.name, "gpu": p.gpu} for p in facts.cuda_processes],
                 "cuda_process_count": len(facts.cuda_processes)}
 
 

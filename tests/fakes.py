@@ -444,6 +444,15 @@ def make_host(name: str = "omen2", *, swap: bool = False, fstab_swap: bool = Fal
     )
 
 
+def quad_gpus() -> tuple[GpuDevice, ...]:
+    """The GPUs of the lab's gpu-quad (engine/lab/scenarios/multi-gpu.yaml) after kubelet came back
+    under container: two RTX 5090s (one left on vfio-pci), an RTX 3090, an RTX 4090 without a driver."""
+    return (GpuDevice("01:00.0", "10de:2b85", "NVIDIA Corporation GB202 [GeForce RTX 5090]", "nvidia"),
+            GpuDevice("02:00.0", "10de:2b85", "NVIDIA Corporation GB202 [GeForce RTX 5090]", "vfio-pci"),
+            GpuDevice("41:00.0", "10de:2204", "NVIDIA Corporation GA102 [GeForce RTX 3090]", "nvidia"),
+            GpuDevice("c1:00.0", "10de:2684", "NVIDIA Corporation AD102 [GeForce RTX 4090]", "none"))
+
+
 PlaybookEffect = Callable[["FakeNodes", str, Mapping[str, Any]], PlaybookResult | None]
 
 
@@ -622,7 +631,8 @@ class GpuHostLog:
 
 
 def install_gpu_host(kube: FakeKube, nodes: FakeNodes, node: str = "omen2", *, auto_restart: bool,
-                     ready_after: float = 5.0, gpu_after: float = 10.0) -> GpuHostLog:
+                     ready_after: float = 5.0, gpu_after: float = 10.0,
+                     stuck: frozenset[str] = frozenset()) -> GpuHostLog:
     """What the shipped gpu-node-recovery's playbooks do to a fake omen2, and what the GPU Operator does next.
 
     * ``swap-off.yml``: swap off, fstab's swap entry commented out. With ``auto_restart`` kubelet's
@@ -630,9 +640,12 @@ def install_gpu_host(kube: FakeKube, nodes: FakeNodes, node: str = "omen2", *, a
       kubelet stays down (``systemctl stop kubelet``) until ``restart-kubelet.yml``.
     * ``restart-kubelet.yml``: kubelet comes back unless swap is still on (it refuses again).
     * Whenever kubelet comes back while the node's workload label is not ``container``, vfio-manager
-      rebinds the GPU to vfio-pci and kills every host CUDA job (the incident's danger); the node then
-      never advertises nvidia.com/gpu. Otherwise it turns Ready ``ready_after`` s later and
-      advertises its GPU ``gpu_after`` s later (fake time; 0: at once).
+      rebinds every GPU to vfio-pci and kills every host CUDA job on them (the incident's danger); the
+      node then never advertises nvidia.com/gpu. Otherwise a GPU left on vfio-pci loses its driver
+      (vfio-manager's preStop; no job dies: none runs on it), the node turns Ready ``ready_after`` s
+      later and advertises its GPUs on nvidia ``gpu_after`` s later (fake time; 0: at once).
+    * ``gpu-bind-driver.yml``: binds every GPU that is not on nvidia to nvidia, except the slots in
+      ``stuck`` (a GPU the driver does not take: the playbook reports no error, the GPU stays put).
 
     Returns the log, appended to as things happen (tests assert it, not only the run's outcome).
     """
@@ -652,11 +665,19 @@ def install_gpu_host(kube: FakeKube, nodes: FakeNodes, node: str = "omen2", *, a
         if label != "container":
             killed = tuple(p.pid for p in h.cuda_processes)
             changes.update(cuda_processes=(), gpus=tuple(replace(g, driver="vfio-pci") for g in h.gpus))
+        else:
+            changes.update(gpus=tuple(replace(g, driver="none") if g.driver == "vfio-pci" else g for g in h.gpus))
         fn.update(node, **changes)
         log.comebacks.append(KubeletComeback(cause, label, killed))
         fn.clock.after(ready_after, lambda: kube.set_ready(node, True))
+
+        def advertise() -> None:
+            now = fn.hosts[node]
+            assert isinstance(now, HostFacts)
+            kube.set_allocatable(node, "nvidia.com/gpu", str(len(now.gpus) - len(now.gpus_not_on("nvidia"))))
+
         if not killed:
-            fn.clock.after(gpu_after, lambda: kube.set_allocatable(node, "nvidia.com/gpu", "1"))
+            fn.clock.after(gpu_after, advertise)
 
     def swap_off(fn: FakeNodes, host: str, _: Mapping[str, Any]) -> None:
         log.effects.append("swap-off.yml")
@@ -671,7 +692,15 @@ def install_gpu_host(kube: FakeKube, nodes: FakeNodes, node: str = "omen2", *, a
         if not h.swap_active:
             come_back(fn, "restart-kubelet.yml")
 
+    def bind_gpus(fn: FakeNodes, host: str, evars: Mapping[str, Any]) -> None:
+        log.effects.append("gpu-bind-driver.yml")
+        h = fn.hosts[host]
+        assert isinstance(h, HostFacts)
+        driver = str(evars.get("driver", "nvidia"))
+        fn.update(host, gpus=tuple(g if g.slot in stuck else replace(g, driver=driver) for g in h.gpus))
+
     kube.on_patch = label_patched
     nodes.effects["swap-off.yml"] = swap_off
     nodes.effects["restart-kubelet.yml"] = restart_kubelet
+    nodes.effects["gpu-bind-driver.yml"] = bind_gpus
     return log

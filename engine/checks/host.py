@@ -1,5 +1,5 @@
 """Check kinds that read the node host's facts (``facts.host``, the one SSH facts probe): swap,
-fstab, services, journals, the GPU driver, CUDA processes, files.
+fstab, services, journals, the GPU driver (of the first GPU or of every GPU), CUDA processes, files.
 
 One class per kind: its spec, ``describe``, ``evaluate_host`` and ``establish_host``. ``HostCheck``
 does what they share: unknown without host facts; predictions only where the host was read. The
@@ -27,7 +27,7 @@ from engine.checkkind import (
     unknown,
 )
 from engine.checks.core import bind
-from engine.facts import Facts, FileFacts, HostFacts, ServiceFacts, SwapDevice
+from engine.facts import Facts, FileFacts, GpuDevice, HostFacts, ServiceFacts, SwapDevice
 from engine.model import is_template
 
 
@@ -154,23 +154,65 @@ class JournalContainsCheck(HostCheck):
         return result(holds, observed, None, journal_line=line.strip()[:500])  # volatile: no reads
 
 
+GpuDriverName = Literal["nvidia", "vfio-pci", "none"]
+
+
+class GpuDriverSpec(FormatModel):
+    """``gpu_driver: {driver: nvidia, all: true}``: every GPU the host lists is on ``driver`` (and it
+    lists at least one); ``all: false`` (the default, like ``gpu_driver: nvidia``): the first GPU."""
+
+    driver: GpuDriverName
+    all: bool = False
+
+
 @register_check
 class GpuDriverCheck(HostCheck):
+    """``gpu_driver: nvidia``: the host's first NVIDIA GPU is bound to that driver;
+    ``gpu_driver: {driver: nvidia, all: true}``: every one is, by PCI slot."""
+
     KEY: ClassVar[str] = "gpu_driver"
-    gpu_driver: Literal["nvidia", "vfio-pci", "none"]
+    gpu_driver: GpuDriverName | GpuDriverSpec
+
+    @property
+    def driver(self) -> str:
+        return self.gpu_driver if isinstance(self.gpu_driver, str) else self.gpu_driver.driver
+
+    @property
+    def every_gpu(self) -> bool:
+        return not isinstance(self.gpu_driver, str) and self.gpu_driver.all
 
     def describe(self) -> str:
-        return f"GPU driver is {self.gpu_driver}"
+        return f"every GPU's driver is {self.driver}" if self.every_gpu else f"GPU driver is {self.driver}"
 
     def evaluate_host(self, host: HostFacts, env: Env) -> CheckResult:
-        return result(host.gpu_driver == self.gpu_driver, f"GPU driver {host.gpu_driver}",
-                      {"host.gpu_driver": host.gpu_driver})
+        if not self.every_gpu:
+            return result(host.gpu_driver == self.driver, f"GPU driver {host.gpu_driver}",
+                          {"host.gpu_driver": host.gpu_driver})
+        reads = {"host.gpus[].driver": {g.slot: g.driver for g in host.gpus}}
+        gpus = [{"slot": g.slot, "model": g.vendor_device, "name": g.name, "driver": g.driver} for g in host.gpus]
+        if not host.gpus:
+            return result(False, "the host lists no NVIDIA GPU (lspci -nnk -d 10de:)", reads, gpus=gpus)
+        off = host.gpus_not_on(self.driver)
+        if not off:
+            n = len(host.gpus)
+            return result(True, f"all {n} GPU{'s' if n != 1 else ''} on {self.driver}", reads, gpus=gpus)
+        return result(False, f"GPUs not on {self.driver}: " + ", ".join(_gpu_text(g) for g in off), reads,
+                      gpus=gpus, not_on_driver=[g.slot for g in off])
 
     def establish_host(self, host: HostFacts) -> HostFacts:
-        if not host.gpus or host.gpu_driver == self.gpu_driver:
+        if self.every_gpu:  # GPUs cannot be invented: a host that lists none stays so
+            if not host.gpus_not_on(self.driver):
+                return host
+            return replace(host, gpus=tuple(replace(g, driver=self.driver) for g in host.gpus))
+        if not host.gpus or host.gpu_driver == self.driver:
             return host
-        first = replace(host.gpus[0], driver=self.gpu_driver)
+        first = replace(host.gpus[0], driver=self.driver)
         return replace(host, gpus=(first, *host.gpus[1:]))
+
+
+def _gpu_text(g: GpuDevice) -> str:
+    """``02:00.0 NVIDIA Corporation GB202 [GeForce RTX 5090] (vfio-pci)``: a GPU named in evidence."""
+    return f"{g.slot} {g.name or g.vendor_device} ({g.driver})"
 
 
 class CudaProcessesSpec(FormatModel):

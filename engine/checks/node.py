@@ -1,5 +1,5 @@
 """Check kinds that read the node object (``facts.node``): exists, Ready, labels, taints,
-conditions, allocatable.
+conditions, allocatable (``equals_host_gpus`` compares it with the host's GPUs: the host too).
 
 One class per kind: its spec, ``describe``, ``evaluate_node`` (against a node that exists),
 ``establish_node`` (the node once the check holds). ``NodeCheck`` does what they share: unknown
@@ -17,17 +17,19 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BeforeValidator, Field, model_validator
 
 from engine.checkkind import (
+    HOST,
     NODE,
     CheckKind,
     CheckResult,
     Env,
     FormatModel,
+    Probe,
     Reads,
     register_check,
     result,
     unknown,
 )
-from engine.facts import Condition, Facts, NodeFacts, Taint
+from engine.facts import Condition, Facts, HostFacts, NodeFacts, Taint
 from engine.resources import parse_quantity
 
 
@@ -221,15 +223,54 @@ class NodeConditionCheck(NodeCheck):
 class AllocatableSpec(FormatModel):
     resource: str = Field(min_length=1)
     min: int | str = 1  # a Kubernetes quantity: 1, "500m", "4Gi"
+    # true: allocatable equals the number of NVIDIA GPUs the host lists (reads the node and the host)
+    equals_host_gpus: bool = False
+
+    @model_validator(mode="after")
+    def _one_bound(self) -> AllocatableSpec:
+        if self.equals_host_gpus and "min" in self.model_fields_set:
+            raise ValueError("allocatable takes 'min' or 'equals_host_gpus: true', not both")
+        return self
 
 
 @register_check
 class AllocatableCheck(NodeCheck):
+    """``allocatable: {resource, min}``: at least ``min``; ``allocatable: {resource, equals_host_gpus:
+    true}``: exactly as many as the NVIDIA GPUs the host lists (lspci), whatever their driver, so
+    that a node back with one GPU of eight does not pass. That form reads the host too."""
+
     KEY: ClassVar[str] = "allocatable"
     allocatable: AllocatableSpec
 
     def describe(self) -> str:
+        if self.allocatable.equals_host_gpus:
+            return f"allocatable {self.allocatable.resource} equals the host's NVIDIA GPUs"
         return f"allocatable {self.allocatable.resource} >= {self.allocatable.min}"
+
+    def probes(self, env: Env) -> set[Probe]:
+        return {NODE, HOST} if self.allocatable.equals_host_gpus else {NODE}
+
+    def evaluate(self, facts: Facts, env: Env) -> CheckResult:
+        if self.allocatable.equals_host_gpus and facts.node is not None and facts.node.exists:
+            if facts.host is None:
+                return unknown("host facts", facts, HOST)
+            return self._equals_host_gpus(facts.node, facts.host)
+        return super().evaluate(facts, env)
+
+    def _equals_host_gpus(self, node: NodeFacts, host: HostFacts) -> CheckResult:
+        s = self.allocatable
+        raw = node.allocatable.get(s.resource)
+        have = parse_quantity(raw) if raw is not None else Decimal(0)
+        n = len(host.gpus)
+        reads = {f"node.allocatable[{s.resource}]": raw, "host.gpus": n}
+        observed = (f"allocatable {s.resource} {raw if raw is not None else 0}, the host lists {n} NVIDIA "
+                    f"GPU{'s' if n != 1 else ''}")
+        holds = have == n
+        off = host.gpus_not_on("nvidia")
+        if not holds and off:
+            observed += "; not on nvidia: " + ", ".join(f"{g.slot} ({g.driver})" for g in off)
+        return result(holds, observed, reads, host_gpus=[g.slot for g in host.gpus],
+                      not_on_nvidia=[g.slot for g in off])
 
     def evaluate_node(self, node: NodeFacts) -> CheckResult:
         s = self.allocatable
@@ -238,6 +279,15 @@ class AllocatableCheck(NodeCheck):
         have = parse_quantity(raw) if raw is not None else Decimal(0)
         want = parse_quantity(s.min)
         return result(have >= want, f"allocatable {s.resource}={raw if raw is not None else 0}", reads)
+
+    def establish(self, facts: Facts, env: Env) -> Facts:
+        if not self.allocatable.equals_host_gpus:
+            return super().establish(facts, env)
+        node, host = facts.node, facts.host
+        if node is None or not node.exists or host is None:
+            return facts  # unknown stays unknown
+        alloc = {**node.allocatable, self.allocatable.resource: str(len(host.gpus))}
+        return replace(facts, node=replace(node, allocatable=MappingProxyType(alloc)))
 
     def establish_node(self, node: NodeFacts) -> NodeFacts:
         s = self.allocatable

@@ -33,8 +33,13 @@ namespace it is bind-mounted at ``/run/runbook-lab``). It holds:
                "name": "GB202 [GeForce RTX 5090]", "subsystem": "NVIDIA Corporation Device [10de:2055]",
                "rev": "a1", "driver": "nvidia", "modules": ["nvidiafb", "nouveau", "nvidia_drm", "nvidia"],
                "display": true}, {"slot": "01:00.1", "class": "Audio device [0403]", ...}],
-     "cuda_jobs": [{"pid": 4242, "name": "python3", "used_memory_mib": 20480}],
+     "cuda_jobs": [{"pid": 4242, "name": "python3", "used_memory_mib": 20480,
+                    "gpu": "01:00.0"}],                      # the slot of the GPU it runs on
      "cuda_jobs_killed": 0}
+
+A CUDA job without ``gpu`` (a state written before GPUs were modelled one by one) runs on the first
+GPU bound to ``nvidia``. It dies (``cuda_jobs_killed`` grows) when its GPU leaves ``nvidia``; jobs on
+the node's other GPUs live on.
 
 ``units.<name>.start_error`` (optional, set by tests: ``{"status": 1, "lines": ["level=fatal ..."]}``)
 makes ``systemctl start/restart`` of that unit fail like systemd: its lines and systemd's in the

@@ -138,6 +138,9 @@ def status_command(lab: Any, output: str) -> None:
         click.echo(f"{n['name']:<14}{'yes' if n['ready'] else 'no':<7}{n['kubelet']:<12}"
                    f"{'on' if n['swap_active'] else 'off':<6}{n['workload'] or '-':<16}{n['gpu_driver']:<10}"
                    f"{n['cuda_jobs_running']:<6}{n['cuda_jobs_killed']:<7}{alloc or '-'}")
+        for gpu in n["gpus"] if len(n["gpus"]) > 1 else []:  # a node with several GPUs: one line each
+            click.echo(f"  gpu {gpu['slot']} {gpu['model']} {gpu['name']}: {gpu['driver']}, "
+                       f"{gpu['cuda_jobs']} CUDA job{'s' if gpu['cuda_jobs'] != 1 else ''}")
     for vm in data["vms"]:
         click.echo(f"vm {vm['namespace']}/{vm['name']}: {vm['status']}")
     monitoring = data.get("monitoring")
@@ -155,23 +158,30 @@ def status_command(lab: Any, output: str) -> None:
 
 @lab_group.group("job")
 def job_group() -> None:
-    """Start or stop the host CUDA job on a node."""
+    """Start or stop the host CUDA job on a node (one per GPU at most)."""
+
+
+_gpu_option = click.option("--gpu", "gpu", metavar="SLOT", default=None,
+                           help="The GPU's PCI slot, e.g. 02:00.0 (start: default the first GPU on nvidia; "
+                                "stop: default every GPU).")
 
 
 @job_group.command("start")
 @click.argument("node")
+@_gpu_option
 @_lab_dir_option
-def job_start(lab: Any, node: str) -> None:
-    result = lab.job(node, "start")
+def job_start(lab: Any, node: str, gpu: str | None) -> None:
+    result = lab.job(node, "start", gpu)
     click.echo(f"{node}: CUDA jobs {[j['pid'] for j in result['cuda_jobs']]}")
 
 
 @job_group.command("stop")
 @click.argument("node")
+@_gpu_option
 @_lab_dir_option
-def job_stop(lab: Any, node: str) -> None:
-    lab.job(node, "stop")
-    click.echo(f"{node}: no CUDA job")
+def job_stop(lab: Any, node: str, gpu: str | None) -> None:
+    result = lab.job(node, "stop", gpu)
+    click.echo(f"{node}: no CUDA job" + (f" on {gpu}" if gpu and result["cuda_jobs"] else ""))
 
 
 @lab_group.command("reset")

@@ -331,6 +331,11 @@ class Lab:
                 "name": node.name, "ready": conditions.get("Ready", {}).get("status") == "True",
                 "workload": (api.get("metadata", {}).get("labels") or {}).get(sim_gpu.WORKLOAD_LABEL),
                 "gpu_driver": displays[0]["driver"] if displays else "none",
+                "gpus": [{"slot": d["slot"], "model": d["vendor_device"], "name": d.get("name", ""),
+                          "driver": d.get("driver", "none"),
+                          "cuda_jobs": sum(1 for j in host.get("cuda_jobs", [])
+                                           if sim_gpu.job_gpu(host, j) == d["slot"])}
+                         for d in sorted(displays, key=lambda d: str(d["slot"]))],
                 "cuda_jobs_running": len(host.get("cuda_jobs", [])),
                 "cuda_jobs_killed": int(host.get("cuda_jobs_killed", 0)),
                 "kubelet": host["units"]["kubelet"]["active"], "swap_active": bool(host["swap"]["active"]),
@@ -358,8 +363,9 @@ class Lab:
                      "status": vm.get("status", {}).get("printableStatus", "")} for vm in vms],
         }
 
-    def job(self, node: str, action: str) -> dict[str, Any]:
-        """Start or stop the host CUDA job on ``node``; returns the node's jobs afterwards."""
+    def job(self, node: str, action: str, gpu: str | None = None) -> dict[str, Any]:
+        """Start or stop the host CUDA job on ``node`` (on the GPU in slot ``gpu``; default: the first
+        GPU on nvidia for start, every GPU for stop); returns the node's jobs afterwards."""
         record = self.record()
         if node not in record["nodes"]:
             raise LabError(f"no node {node!r} in this lab")
@@ -368,18 +374,25 @@ class Lab:
         host = HostState(record["nodes"][node]["state_dir"])
 
         def change(state: dict[str, Any]) -> None:
+            displays = sim_gpu.displays(state)
+            if gpu is not None and gpu not in {d["slot"] for d in displays}:
+                slots = ", ".join(sorted(str(d["slot"]) for d in displays)) or "none"
+                raise LabError(f"{node}: no GPU in slot {gpu} (its GPUs: {slots})")
             if action == "stop":
-                state["cuda_jobs"] = []
+                state["cuda_jobs"] = [j for j in state.get("cuda_jobs", [])
+                                      if gpu is not None and sim_gpu.job_gpu(state, j) != gpu]
                 return
-            gpus = [d for d in sim_gpu.displays(state) if d.get("driver") == "nvidia"]
-            if not gpus:
-                drivers = [str(d.get("driver")) for d in sim_gpu.displays(state)] or ["no GPU"]
-                raise LabError(f"{node}: no GPU on the nvidia driver ({', '.join(drivers)}): "
+            nvidia = [d for d in displays if d.get("driver") == "nvidia" and gpu in (None, d["slot"])]
+            if not nvidia:
+                drivers = [f"{d['slot']} {d.get('driver')}" for d in displays if gpu in (None, d["slot"])]
+                raise LabError(f"{node}: no GPU on the nvidia driver ({', '.join(drivers) or 'no GPU'}): "
                                "a CUDA job cannot start")
-            if not state.get("cuda_jobs"):
+            slot = str(nvidia[0]["slot"])
+            if not any(sim_gpu.job_gpu(state, j) == slot for j in state.get("cuda_jobs", [])):
                 pid = int(state.get("next_pid", 3000))
                 state["next_pid"] = pid + 1
-                state["cuda_jobs"] = [{"pid": pid + 40000, "name": "python3", "used_memory_mib": 21504}]
+                state["cuda_jobs"] = [*state.get("cuda_jobs", []),
+                                      {"pid": pid + 40000, "name": "python3", "used_memory_mib": 21504, "gpu": slot}]
 
         host.update(change)
         state = host.read()
@@ -531,8 +544,8 @@ def status(lab_dir: Path | str | None = None) -> dict[str, Any]:
     return Lab(lab_dir).status()
 
 
-def job(node: str, action: str, lab_dir: Path | str | None = None) -> dict[str, Any]:
-    return Lab(lab_dir).job(node, action)
+def job(node: str, action: str, lab_dir: Path | str | None = None, gpu: str | None = None) -> dict[str, Any]:
+    return Lab(lab_dir).job(node, action, gpu)
 
 
 def reset(lab_dir: Path | str | None = None, **kw: Any) -> dict[str, Any]:

@@ -77,9 +77,28 @@ BUILTIN_GPU_MODELS: dict[str, GpuModel] = {
 
 
 class Gpu(_Model):
+    """One GPU of a node: its model, PCI slot and the driver it is bound to when the scenario starts.
+
+    In a node's ``gpus`` list a GPU without ``slot`` gets ``NN:00.0`` with NN its position + 1 in hex
+    (``01:00.0``, ``02:00.0``, ...); slots are unique per node."""
+
     model: str = Field(pattern=r"^[0-9a-f]{4}:[0-9a-f]{4}$")  # PCI vendor:device
     slot: str = Field(default="01:00.0", pattern=r"^[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
     driver: Literal["nvidia", "vfio-pci", "none"] = "nvidia"
+
+
+def default_slot(index: int) -> str:
+    """The slot of the ``index``-th GPU of a node when the scenario names none."""
+    return f"{index + 1:02x}:00.0"
+
+
+def _fill_gpu_slots(data: Any) -> Any:
+    """A node's raw data with a default slot for each GPU that has none (by position)."""
+    if not isinstance(data, dict) or not isinstance(data.get("gpus"), list):
+        return data
+    gpus = [dict(g, slot=default_slot(i)) if isinstance(g, dict) and "slot" not in g else g
+            for i, g in enumerate(data["gpus"])]
+    return {**data, "gpus": gpus}
 
 
 # --- node hosts ------------------------------------------------------------------------------------
@@ -129,8 +148,12 @@ class Kubelet(_Model):
 
 
 class CudaJob(_Model):
+    """A CUDA process on the host driver. ``gpu``: the PCI slot of the GPU it runs on (default: the
+    node's first GPU on ``nvidia``); it dies when that GPU leaves the ``nvidia`` driver."""
+
     name: str = "python3"
     used_memory_mib: int = 20480
+    gpu: str | None = Field(default=None, pattern=r"^[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
 
 
 class Host(_Model):
@@ -166,6 +189,11 @@ class Node(_Model):
     host: Host = Host()
     operator_pods: dict[str, PodStatus] = {}  # initial status of operand pods (default Running)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _gpu_slots(cls, data: Any) -> Any:
+        return _fill_gpu_slots(data)
+
     @field_validator("memory")
     @classmethod
     def _memory(cls, value: str) -> str:
@@ -175,6 +203,12 @@ class Node(_Model):
     @property
     def workload(self) -> str | None:
         return self.labels.get("nvidia.com/gpu.workload.config")
+
+    def cuda_job_gpu(self, job: CudaJob) -> str | None:
+        """The slot of the GPU ``job`` runs on: its own, else the first GPU on ``nvidia`` (None: none)."""
+        if job.gpu is not None:
+            return job.gpu
+        return next((g.slot for g in self.gpus if g.driver == "nvidia"), None)
 
 
 class Generate(_Model):
@@ -191,6 +225,11 @@ class Generate(_Model):
     memory: str = "128Gi"
     ssh: bool = False
     host: Host | None = None  # given: each node's host (its own ``ssh`` wins over the one above)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _gpu_slots(cls, data: Any) -> Any:
+        return _fill_gpu_slots(data)
 
     def nodes(self) -> list[Node]:
         return [Node(name=f"{self.prefix}{i:03d}", zone=self.zones[(i - self.start) % len(self.zones)],
@@ -335,10 +374,7 @@ def _semantic_problems(sc: Scenario, data: Any, path: str,
         if node.name in seen:
             problems.append((at("nodes", i, "name"), f"duplicate node name {node.name!r}"))
         seen.add(node.name)
-        for j, gpu in enumerate(node.gpus):
-            if gpu.model not in {**BUILTIN_GPU_MODELS, **sc.gpu_models}:
-                problems.append((at("nodes", i, "gpus", j, "model"),
-                                 f"unknown GPU model {gpu.model!r}: add it under gpu_models"))
+        problems += _gpu_problems(node, sc, lambda *where, i=i: at("nodes", i, *where))
         workload = node.workload
         if workload is not None and workload not in WORKLOADS:
             problems.append((at("nodes", i, "labels"), f"workload label {workload!r} is not one of "
@@ -365,6 +401,30 @@ def _semantic_problems(sc: Scenario, data: Any, path: str,
     if not any(starts_ready(n) for n in sc.all_nodes):
         problems.append((at("nodes"), "every node starts NotReady: the node lifecycle controller then "
                          "stops tainting (master disruption mode); keep one healthy node"))
+    return problems
+
+
+def _gpu_problems(node: Node, sc: Scenario, at: Any) -> list[tuple[Location, str]]:
+    """A node's GPUs: known models, one GPU per slot; each CUDA job on one of them, bound to nvidia."""
+    problems: list[tuple[Location, str]] = []
+    slots: dict[str, Gpu] = {}
+    for j, gpu in enumerate(node.gpus):
+        if gpu.model not in {**BUILTIN_GPU_MODELS, **sc.gpu_models}:
+            problems.append((at("gpus", j, "model"), f"unknown GPU model {gpu.model!r}: add it under gpu_models"))
+        if gpu.slot in slots:
+            problems.append((at("gpus", j, "slot"), f"two GPUs in slot {gpu.slot}: give each GPU its own slot"))
+        slots[gpu.slot] = gpu
+    for j, job in enumerate(node.host.cuda_jobs):
+        slot = node.cuda_job_gpu(job)
+        if slot is None:
+            problems.append((at("host", "cuda_jobs", j), "a CUDA job needs a GPU on the nvidia driver, and "
+                             f"node {node.name!r} has none"))
+        elif slot not in slots:
+            problems.append((at("host", "cuda_jobs", j, "gpu"), f"node {node.name!r} has no GPU in slot "
+                             f"{slot} (its GPUs: {', '.join(slots) or 'none'})"))
+        elif slots[slot].driver != "nvidia":
+            problems.append((at("host", "cuda_jobs", j, "gpu"), f"the GPU in slot {slot} is on "
+                             f"{slots[slot].driver}: a CUDA job runs only on a GPU on the nvidia driver"))
     return problems
 
 

@@ -9,7 +9,8 @@
 * Operator: the workload label ``nvidia.com/gpu.workload.config`` (only honoured with sandbox
   workloads enabled; default workload otherwise) selects the ``nvidia.com/gpu.deploy.*`` labels,
   on NotReady nodes too, and the operand pods (one per node, like a DaemonSet). ``vm-passthrough``:
-  vfio-manager binds every NVIDIA display function to ``vfio-pci`` (host CUDA jobs die) and the
+  vfio-manager binds every NVIDIA display function to ``vfio-pci`` (the host CUDA jobs on a GPU it
+  takes from ``nvidia`` die; those on other GPUs live on) and the
   sandbox device plugin advertises ``nvidia.com/<PCI NAME>``; ``container``: the device plugin
   advertises ``nvidia.com/gpu`` for GPUs on ``nvidia``; a GPU left on ``vfio-pci`` loses its driver
   (vfio-manager's preStop unbinds and does not rebind).
@@ -20,6 +21,7 @@ Pure decisions over API dicts and host-state dicts; the simulator does the calls
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 from typing import Any
 
 from engine.lab.scenario import WORKLOADS, GpuOperator, Scenario
@@ -137,21 +139,45 @@ def gpu_resource_names(scenario: Scenario) -> set[str]:
     return names
 
 
-def driver_effects(host: dict[str, Any], workload: str, vfio_manager_running: bool) -> tuple[bool, int]:
-    """Apply vfio-manager's effect to ``host`` (in place). Returns (changed, CUDA jobs killed)."""
-    changed, killed = False, 0
+@dataclass(frozen=True)
+class Rebind:
+    """One GPU whose binding vfio-manager changed, and the host CUDA jobs (pids) that died with it."""
+
+    slot: str
+    before: str
+    after: str
+    killed: tuple[int, ...] = ()
+
+
+def job_gpu(host: dict[str, Any], job: dict[str, Any]) -> str | None:
+    """The slot of the GPU a host CUDA job runs on (a job without one: the first GPU on nvidia)."""
+    if job.get("gpu"):
+        return str(job["gpu"])
+    return next((str(d["slot"]) for d in displays(host) if d.get("driver") == "nvidia"), None)
+
+
+def driver_effects(host: dict[str, Any], workload: str, vfio_manager_running: bool) -> list[Rebind]:
+    """Apply vfio-manager's effect to ``host`` (in place), GPU by GPU; returns the GPUs it rebound.
+
+    Only the CUDA jobs on a GPU that leaves the ``nvidia`` driver die: the others keep their GPU."""
+    jobs = [(job_gpu(host, j), j) for j in host.get("cuda_jobs", [])]
+    changes: list[Rebind] = []
     for dev in displays(host):
-        if workload == "vm-passthrough" and vfio_manager_running and dev.get("driver") != "vfio-pci":
-            dev["driver"] = "vfio-pci"  # vfio-manage.sh bind --all
-            changed = True
-        elif workload != "vm-passthrough" and dev.get("driver") == "vfio-pci":
-            dev["driver"] = "none"  # vfio-manager's preStop unbound it; nothing rebinds to nvidia
-            changed = True
-    if changed and any(d.get("driver") != "nvidia" for d in displays(host)) and host.get("cuda_jobs"):
-        killed = len(host["cuda_jobs"])  # their GPU vanished from the nvidia driver under them
-        host["cuda_jobs"] = []
-        host["cuda_jobs_killed"] = int(host.get("cuda_jobs_killed", 0)) + killed
-    return changed, killed
+        before = str(dev.get("driver", "none"))
+        if workload == "vm-passthrough" and vfio_manager_running and before != "vfio-pci":
+            after = "vfio-pci"  # vfio-manage.sh bind --all
+        elif workload != "vm-passthrough" and before == "vfio-pci":
+            after = "none"  # vfio-manager's preStop unbound it; nothing rebinds to nvidia
+        else:
+            continue
+        dev["driver"] = after
+        killed = tuple(int(j["pid"]) for slot, j in jobs if slot == dev["slot"]) if before == "nvidia" else ()
+        changes.append(Rebind(str(dev["slot"]), before, after, killed))
+    dead = {pid for change in changes for pid in change.killed}
+    if dead:  # their GPU vanished from the nvidia driver under them
+        host["cuda_jobs"] = [j for _, j in jobs if int(j["pid"]) not in dead]
+        host["cuda_jobs_killed"] = int(host.get("cuda_jobs_killed", 0)) + len(dead)
+    return changes
 
 
 # -- pod manifests ------------------------------------------------------------------------------------

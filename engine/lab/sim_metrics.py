@@ -157,6 +157,11 @@ def model_name(device: Obj) -> str:
     return f"NVIDIA {inner}".strip()
 
 
+def job_slot(job: dict[str, Any], first_nvidia: str | None) -> str | None:
+    """The slot of the GPU a host CUDA job runs on (without one: the first GPU on nvidia)."""
+    return str(job["gpu"]) if job.get("gpu") else first_nvidia
+
+
 def dcgm_metrics(state: LabState) -> list[Metric]:
     names = ["gpu", "UUID", "pci_bus_id", "device", "modelName", "Hostname", "DCGM_FI_DRIVER_VERSION"]
     fb_used = GaugeMetricFamily("DCGM_FI_DEV_FB_USED", "Framebuffer memory used (in MiB).", labels=names)
@@ -167,6 +172,7 @@ def dcgm_metrics(state: LabState) -> list[Metric]:
     for host_name, host in sorted(state.hosts.items()):
         gpus = [d for d in host.get("pci_devices", []) if d.get("display")]
         jobs = host.get("cuda_jobs", [])
+        first = next((d["slot"] for d in sorted(gpus, key=lambda d: d["slot"]) if d.get("driver") == "nvidia"), None)
         index = 0
         for device in sorted(gpus, key=lambda d: d["slot"]):
             bus = f"00000000:{device['slot']}"
@@ -175,9 +181,9 @@ def dcgm_metrics(state: LabState) -> list[Metric]:
                 continue
             labels = [str(index), gpu_uuid(device), bus, f"nvidia{index}", model_name(device), host_name,
                       DRIVER_VERSION]
-            used = sum(int(j.get("used_memory_mib", 0)) for j in jobs) if index == 0 else 0
+            used = sum(int(j.get("used_memory_mib", 0)) for j in jobs if job_slot(j, first) == device["slot"])
             fb_used.add_metric(labels, float(used))
-            util.add_metric(labels, 100.0 if used and index == 0 else 0.0)
+            util.add_metric(labels, 100.0 if used else 0.0)
             index += 1
     return [fb_used, util, driver]
 

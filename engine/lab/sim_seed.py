@@ -85,7 +85,8 @@ def host_state(node: Node, scenario: Scenario, now: float) -> tuple[Obj, list[Ob
                     "fault": host.kubelet.fault.model_dump() if host.kubelet.fault else None,
                     "healthy": False, "evaluated_generation": 1},
         "pci_devices": pci_devices(node, scenario),
-        "cuda_jobs": [{"pid": CUDA_PID_BASE + i, **job.model_dump()} for i, job in enumerate(host.cuda_jobs)],
+        "cuda_jobs": [{"pid": CUDA_PID_BASE + i, **job.model_dump(), "gpu": node.cuda_job_gpu(job)}
+                      for i, job in enumerate(host.cuda_jobs)],
         "cuda_jobs_killed": 0,
     }
     if host.kubelet.stopped:

@@ -312,23 +312,23 @@ class Simulator:
 
     def _driver_effects(self, rt: NodeRuntime, workload: str, vfio_running: bool) -> None:
         probe = json.loads(json.dumps(rt.state))
-        changed, _ = sim_gpu.driver_effects(probe, workload, vfio_running)
-        if not changed:
+        if not sim_gpu.driver_effects(probe, workload, vfio_running):
             return
-        result: dict[str, Any] = {}
+        result: dict[str, list[sim_gpu.Rebind]] = {}
 
         def change(state: dict[str, Any]) -> None:
-            result["changed"], result["killed"] = sim_gpu.driver_effects(state, workload, vfio_running)
+            result["changes"] = sim_gpu.driver_effects(state, workload, vfio_running)
 
         rt.host.update(change)
         rt.state, rt.mtime = rt.host.read(), rt.host.mtime_ns()
-        drivers = [d["driver"] for d in sim_gpu.displays(rt.state)]
-        log.info("%s: GPU driver now %s; CUDA jobs killed: %s", rt.spec.name, drivers, result.get("killed"))
-        if result.get("killed"):
-            rt.host.append_entries([{"ts": time.time(), "unit": "kernel", "ident": "kernel", "pid": 0,
-                                     "msg": f"NVRM: GPU 0000:{d['slot']}: rebound to vfio-pci, "
-                                            f"{result['killed']} CUDA process(es) lost the device"}
-                                    for d in sim_gpu.displays(rt.state)])
+        changes = result.get("changes", [])
+        log.info("%s: GPU drivers now %s; rebound %s; CUDA jobs killed: %s", rt.spec.name,
+                 {d["slot"]: d["driver"] for d in sim_gpu.displays(rt.state)},
+                 [f"{c.slot} {c.before}->{c.after}" for c in changes], [p for c in changes for p in c.killed])
+        rt.host.append_entries([{"ts": time.time(), "unit": "kernel", "ident": "kernel", "pid": 0,
+                                 "msg": f"NVRM: GPU 0000:{c.slot}: rebound to {c.after}, "
+                                        f"{len(c.killed)} CUDA process(es) lost the device"}
+                                for c in changes if c.killed])
 
     # -- KubeVirt ----------------------------------------------------------------------------------------
     def _kubevirt(self, now: float) -> None:

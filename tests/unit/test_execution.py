@@ -438,12 +438,12 @@ def test_the_shipped_flagship_restarts_a_stopped_kubelet_after_relabel_and_swap_
     result = run_shipped(lab)
     assert result.state is RunState.SUCCEEDED and result.exit_code == 0, result.reason
     assert statuses(result) == [("relabel-container", StepStatus.SUCCEEDED), ("swap-off", StepStatus.SUCCEEDED),
-                                ("restart-kubelet", StepStatus.SUCCEEDED)]
+                                ("bind-gpus", StepStatus.SKIPPED), ("restart-kubelet", StepStatus.SUCCEEDED)]
     # the order, from the fakes' side: label PATCH, then swap off, then the restart that brought kubelet back
     assert log.effects == ["label=container", "swap-off.yml", "restart-kubelet.yml"]
     assert log.comebacks == [KubeletComeback("restart-kubelet.yml", "container", ())]
     assert cuda_pids(lab) == CUDA_PIDS
-    restart = result.outcomes[2]
+    restart = result.outcomes[3]
     checks = {v["check"]: (v["holds"], v["observed"]) for v in restart.evidence["verify"]}
     assert checks["no host CUDA process killed since the plan"] == (
         True, "1 CUDA process; all 1 from the plan still run")
@@ -456,8 +456,8 @@ def test_the_shipped_flagship_skips_the_restart_when_kubelet_came_back_by_itself
     result = run_shipped(lab)
     assert result.state is RunState.SUCCEEDED and result.exit_code == 0, result.reason
     assert statuses(result) == [("relabel-container", StepStatus.SUCCEEDED), ("swap-off", StepStatus.SUCCEEDED),
-                                ("restart-kubelet", StepStatus.SKIPPED)]
-    assert result.outcomes[2].reason.startswith("already done: ")
+                                ("bind-gpus", StepStatus.SKIPPED), ("restart-kubelet", StepStatus.SKIPPED)]
+    assert result.outcomes[3].reason.startswith("already done: ")
     assert log.effects == ["label=container", "swap-off.yml"]  # restart-kubelet.yml never ran
     assert log.comebacks == [KubeletComeback("auto-restart", "container", ())]
     assert cuda_pids(lab) == CUDA_PIDS
@@ -468,7 +468,7 @@ def test_the_shipped_flagship_restarts_a_kubelet_that_came_back_but_is_not_servi
     lab, log = shipped_omen2(auto_restart=True, ready_after=30.0, gpu_after=40.0)
     result = run_shipped(lab)
     assert result.state is RunState.SUCCEEDED, result.reason
-    assert statuses(result)[2] == ("restart-kubelet", StepStatus.SUCCEEDED)
+    assert statuses(result)[3] == ("restart-kubelet", StepStatus.SUCCEEDED)
     assert log.effects == ["label=container", "swap-off.yml", "restart-kubelet.yml"]
     assert [c.label for c in log.comebacks] == ["container", "container"]
     assert cuda_pids(lab) == CUDA_PIDS
@@ -486,6 +486,6 @@ def test_the_shipped_flagship_does_not_restart_kubelet_when_the_label_was_revert
     lab.nodes.effects["swap-off.yml"] = swap_off_then_revert
     result = run_shipped(lab)
     assert result.state is not RunState.SUCCEEDED and result.exit_code != 0
-    assert statuses(result)[2] == ("restart-kubelet", StepStatus.BLOCKED)
+    assert statuses(result)[3] == ("restart-kubelet", StepStatus.BLOCKED)
     assert "restart-kubelet.yml" not in log.effects and log.comebacks == []
     assert cuda_pids(lab) == CUDA_PIDS

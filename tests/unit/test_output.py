@@ -137,21 +137,22 @@ def test_the_shipped_flagships_plan_reads_relabel_then_swap_off_then_a_guarded_r
     plan = plan_run(SHIPPED, params, probes.gather(SHIPPED, params, "omen2", kube, nodes),
                     runbook_digest="d" * 64, now=NOW)
     lines = [ln.strip() for ln in output.plan_text(plan).splitlines()]
-    assert [ln for ln in lines if ln[:3] in ("1. ", "2. ", "3. ")] == [
+    assert [ln for ln in lines if ln[:3] in ("1. ", "2. ", "3. ", "4. ")] == [
         "1. [~] relabel-container (kube): label nvidia.com/gpu.workload.config: vm-passthrough -> container",
         "2. [~] swap-off (ansible): run playbook swap-off.yml on omen2 as root",
-        "3. [~] restart-kubelet (ansible): run playbook restart-kubelet.yml on omen2 as root",
+        "3. [=] bind-gpus (ansible): no-op: already done: all 1 GPU on nvidia",
+        "4. [~] restart-kubelet (ansible): run playbook restart-kubelet.yml on omen2 as root",
     ]
-    restart = lines[lines.index("3. [~] restart-kubelet (ansible): run playbook restart-kubelet.yml on omen2 as root"):]
+    restart = lines[lines.index("4. [~] restart-kubelet (ansible): run playbook restart-kubelet.yml on omen2 as root"):]
     assert [ln for ln in restart if ln.startswith(("guard:", "then verify:"))] == [
         "guard: label nvidia.com/gpu.workload.config = container = yes "
         "(label nvidia.com/gpu.workload.config=container)",
         "guard: swap is off = yes (swap off)",
         "then verify: service kubelet is active (within 60s)",
         "then verify: node is Ready (within 120s)",
-        "then verify: allocatable nvidia.com/gpu >= 1 (within 180s)",
+        "then verify: allocatable nvidia.com/gpu equals the host's NVIDIA GPUs (within 180s)",
         "then verify: label nvidia.com/gpu.workload.config = container (within 60s)",
-        "then verify: GPU driver is nvidia (within 30s)",
+        "then verify: every GPU's driver is nvidia (within 30s)",
         "then verify: no host CUDA process killed since the plan (within 30s)",
     ]
     assert [p["pid"] for p in plan.baseline["host"]["cuda_processes"]] == [1000]  # the job the check protects

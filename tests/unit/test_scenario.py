@@ -5,6 +5,7 @@ from __future__ import annotations
 import textwrap
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -12,6 +13,7 @@ from engine.errors import LoadError
 from engine.lab import sim_gpu, sim_kubevirt, sim_seed
 from engine.lab.scenario import load_scenario, parse_scenario, parse_size, starts_ready
 
+SCENARIOS = Path(__file__).resolve().parents[2] / "engine" / "lab" / "scenarios"
 MINIMAL = """\
 apiVersion: runbook.lab/v1
 name: tiny
@@ -202,10 +204,95 @@ def test_vfio_manager_rebinds_the_gpu_and_kills_host_cuda_jobs() -> None:
     sc = load_scenario()
     host, _ = sim_seed.host_state(sc.node("omen2"), sc, 1e9)
     assert sim_gpu.advertised(host, sc, "container", {"device-plugin"}) == {"nvidia.com/gpu": 1}
-    assert sim_gpu.driver_effects(host, "vm-passthrough", vfio_manager_running=True) == (True, 1)
+    assert sim_gpu.driver_effects(host, "vm-passthrough", vfio_manager_running=True) == [
+        sim_gpu.Rebind("01:00.0", "nvidia", "vfio-pci", (41000,))]
     assert host["cuda_jobs"] == [] and host["cuda_jobs_killed"] == 1
     assert sim_gpu.advertised(host, sc, "vm-passthrough", {"sandbox-device-plugin"}) == {
         "nvidia.com/GB202_GEFORCE_RTX_5090": 1}
     assert sim_gpu.advertised(host, sc, "container", {"device-plugin"}) == {"nvidia.com/gpu": 0}
-    assert sim_gpu.driver_effects(host, "container", vfio_manager_running=False) == (True, 0)
+    assert sim_gpu.driver_effects(host, "container", vfio_manager_running=False) == [
+        sim_gpu.Rebind("01:00.0", "vfio-pci", "none")]
     assert sim_gpu.displays(host)[0]["driver"] == "none"  # preStop unbound it; nothing rebinds nvidia
+
+
+def multi_gpu_host() -> tuple[Any, dict[str, Any]]:
+    sc = load_scenario(SCENARIOS / "multi-gpu.yaml")
+    host, _ = sim_seed.host_state(sc.node("gpu-quad"), sc, 1e9)
+    return sc, host
+
+
+def test_the_multi_gpu_scenario_models_four_gpus_one_by_one_with_a_cuda_job_on_two() -> None:
+    sc, host = multi_gpu_host()
+    node = sc.node("gpu-quad")
+    assert [(g.slot, g.model, g.driver) for g in node.gpus] == [
+        ("01:00.0", "10de:2b85", "nvidia"), ("02:00.0", "10de:2b85", "vfio-pci"),
+        ("41:00.0", "10de:2204", "nvidia"), ("c1:00.0", "10de:2684", "none")]
+    assert [(j["pid"], j["gpu"]) for j in host["cuda_jobs"]] == [(41000, "01:00.0"), (41001, "41:00.0")]
+    assert not starts_ready(node)
+    assert sim_gpu.advertised(host, sc, "container", {"device-plugin"}) == {"nvidia.com/gpu": 2}
+
+
+def test_unbinding_one_gpu_from_vfio_pci_kills_no_cuda_job_on_the_nodes_other_gpus() -> None:
+    _, host = multi_gpu_host()
+    # back under container, vfio-manager's preStop unbinds 02:00.0: the jobs on 01:00.0 and 41:00.0 live
+    assert sim_gpu.driver_effects(host, "container", vfio_manager_running=False) == [
+        sim_gpu.Rebind("02:00.0", "vfio-pci", "none")]
+    assert [j["pid"] for j in host["cuda_jobs"]] == [41000, 41001] and host["cuda_jobs_killed"] == 0
+    assert sim_gpu.driver_effects(host, "container", vfio_manager_running=False) == []
+
+
+def test_vfio_manager_kills_only_the_jobs_on_the_gpus_it_takes_from_nvidia() -> None:
+    _, host = multi_gpu_host()
+    host["pci_devices"][next(i for i, d in enumerate(host["pci_devices"]) if d["slot"] == "41:00.0")][
+        "driver"] = "vfio-pci"  # already on vfio-pci: its job (an old state's) is not vfio-manager's doing
+    host["cuda_jobs"][1]["gpu"] = "41:00.0"
+    changes = sim_gpu.driver_effects(host, "vm-passthrough", vfio_manager_running=True)
+    assert changes == [sim_gpu.Rebind("01:00.0", "nvidia", "vfio-pci", (41000,)),
+                       sim_gpu.Rebind("c1:00.0", "none", "vfio-pci")]
+    assert [j["pid"] for j in host["cuda_jobs"]] == [41001] and host["cuda_jobs_killed"] == 1
+    assert {d["driver"] for d in sim_gpu.displays(host)} == {"vfio-pci"}
+
+
+def test_a_cuda_job_without_a_gpu_runs_on_the_first_gpu_on_nvidia() -> None:
+    _, host = multi_gpu_host()
+    job = {"pid": 7, "name": "python3"}
+    assert sim_gpu.job_gpu(host, job) == "01:00.0"
+    host["pci_devices"][0]["driver"] = "vfio-pci"
+    assert sim_gpu.job_gpu(host, job) == "41:00.0"
+    assert sim_gpu.job_gpu(host, {**job, "gpu": "c1:00.0"}) == "c1:00.0"
+
+
+def test_gpus_without_a_slot_get_one_by_position() -> None:
+    sc = parse(MINIMAL + """\
+  - name: quad
+    gpus: [{model: "10de:2204"}, {model: "10de:2204"}, {model: "10de:2b85", driver: vfio-pci}]
+    host: {cuda_jobs: [{name: a}, {name: b, gpu: "02:00.0"}]}
+""")
+    node = sc.node("quad")
+    assert [g.slot for g in node.gpus] == ["01:00.0", "02:00.0", "03:00.0"]
+    assert [node.cuda_job_gpu(j) for j in node.host.cuda_jobs] == ["01:00.0", "02:00.0"]
+    assert load_scenario().node("omen2").gpus[0].slot == "01:00.0"  # one GPU: the slot it always had
+
+
+def test_gpu_slots_and_cuda_job_gpus_are_checked_with_their_line() -> None:
+    text = problems(MINIMAL + """\
+  - name: quad
+    gpus:
+      - {model: "10de:2204", slot: "01:00.0"}
+      - {model: "10de:2204", slot: "01:00.0"}
+      - {model: "10de:2b85", slot: "03:00.0", driver: vfio-pci}
+    host:
+      cuda_jobs:
+        - {name: a, gpu: "09:00.0"}
+        - {name: b, gpu: "03:00.0"}
+  - name: no-nvidia
+    gpus: [{model: "10de:2204", driver: none}]
+    host: {cuda_jobs: [{name: c}]}
+""")
+    assert "scenario.yaml:9: nodes[1].gpus[1].slot: two GPUs in slot 01:00.0" in text
+    assert ("scenario.yaml:13: nodes[1].host.cuda_jobs[0].gpu: node 'quad' has no GPU in slot 09:00.0 "
+            "(its GPUs: 01:00.0, 03:00.0)") in text
+    assert ("scenario.yaml:14: nodes[1].host.cuda_jobs[1].gpu: the GPU in slot 03:00.0 is on vfio-pci: "
+            "a CUDA job runs only on a GPU on the nvidia driver") in text
+    assert ("nodes[2].host.cuda_jobs[0]: a CUDA job needs a GPU on the nvidia driver, and node 'no-nvidia' "
+            "has none") in text

@@ -226,6 +226,33 @@ def test_nvidia_smi_lists_host_cuda_processes_only_on_the_nvidia_driver(host: Ho
     assert (result.stdout, result.returncode) == ("No devices were found\n", 6)
 
 
+@pytest.fixture
+def quad(tmp_path: Path) -> HostState:
+    sc = load_scenario(SHIMS.parent / "scenarios" / "multi-gpu.yaml")
+    state, journal = host_state(sc.node("gpu-quad"), sc, NOW)
+    hs = HostState(tmp_path / "quad")
+    hs.initialise(state, journal)
+    return hs
+
+
+def test_lspci_lists_each_gpu_of_a_node_with_its_own_slot_model_and_driver(quad: HostState) -> None:
+    out = run(quad, "lspci", "-nnk", "-d", "10de:").stdout
+    gpus = re.findall(r"^(\S+) VGA compatible controller \[0300\]: NVIDIA Corporation (.+) \[(10de:\w+)\] "
+                      r"\(rev a1\)\n(?:\t.*\n)*?(?:\tKernel driver in use: (\S+)\n)?\tKernel modules", out, re.M)
+    assert gpus == [("01:00.0", "GB202 [GeForce RTX 5090]", "10de:2b85", "nvidia"),
+                    ("02:00.0", "GB202 [GeForce RTX 5090]", "10de:2b85", "vfio-pci"),
+                    ("41:00.0", "GA102 [GeForce RTX 3090]", "10de:2204", "nvidia"),
+                    ("c1:00.0", "AD102 [GeForce RTX 4090]", "10de:2684", "")]
+
+
+def test_nvidia_smi_shows_each_cuda_job_on_its_own_gpu(quad: HostState) -> None:
+    apps = run(quad, "nvidia-smi", "--query-compute-apps=pid,process_name,gpu_bus_id", "--format=csv,noheader")
+    assert apps.stdout == "41000, python3, 00000000:01:00.0\n41001, train.py, 00000000:41:00.0\n"
+    gpus = run(quad, "nvidia-smi", "--query-gpu=index,pci.bus_id,memory.used", "--format=csv,noheader,nounits")
+    assert gpus.stdout == "0, 00000000:01:00.0, 21504\n1, 00000000:41:00.0, 18432\n"  # vfio-pci, none: invisible
+    assert re.findall(r"GPU (\d)  PID (\d+)", run(quad, "nvidia-smi").stdout) == [("0", "41000"), ("1", "41001")]
+
+
 def test_read_only_tools_work_without_the_state_lock_being_writable(host: HostState) -> None:
     for tool, args in (("journalctl", ["-u", "kubelet", "-n", "1"]), ("lspci", ["-nn"]),
                        ("swapon", ["--show"]), ("systemctl", ["is-active", "kubelet"])):

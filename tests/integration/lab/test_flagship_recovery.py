@@ -99,7 +99,7 @@ def test_the_recovery_brings_omen2_back_with_its_gpu_the_cuda_job_alive_and_fsta
     result = json.loads(again.stdout)
     assert result["state"] == "succeeded"
     reasons = {o["step"]: (o["status"], o["reason"]) for o in result["outcomes"]}
-    assert set(reasons) == {"relabel-container", "swap-off", "restart-kubelet"}
+    assert set(reasons) == {"relabel-container", "swap-off", "bind-gpus", "restart-kubelet"}
     assert all(status == "skipped" and reason.startswith("already done: ") for status, reason in reasons.values())
     assert "label nvidia.com/gpu.workload.config=container" in reasons["relabel-container"][1]
     assert "swap off" in reasons["swap-off"][1]
@@ -134,8 +134,9 @@ def test_with_kubelet_stopped_the_runbook_restarts_it_after_the_relabel_and_the_
     result = json.loads(r.stdout)
     assert result["state"] == "succeeded"
     assert [(o["step"], o["status"]) for o in result["outcomes"]] == [
-        ("relabel-container", "succeeded"), ("swap-off", "succeeded"), ("restart-kubelet", "succeeded")]
-    restart = result["outcomes"][2]
+        ("relabel-container", "succeeded"), ("swap-off", "succeeded"), ("bind-gpus", "skipped"),
+        ("restart-kubelet", "succeeded")]
+    restart = result["outcomes"][3]
     verified = {v["check"]: v["holds"] for v in restart["evidence"]["verify"]}
     assert verified["no host CUDA process killed since the plan"] is True and verified["node is Ready"] is True
 

@@ -161,7 +161,8 @@ def test_an_alert_from_prometheus_pages_the_server_the_approved_run_recovers_ome
     assert "KubeNodeNotReady" in detail["reason"] or "KubeNodeUnreachable" in detail["reason"], detail["reason"]
     fingerprint = detail["reason"].rsplit("fingerprint ", 1)[1]
     waiting = loop.server.wait_state(run["id"], ("waiting-approval",), PLAN_TIMEOUT)
-    assert [s["id"] for s in waiting["plan"]["steps"]] == ["relabel-container", "swap-off", "restart-kubelet"]
+    assert [s["id"] for s in waiting["plan"]["steps"]] == ["relabel-container", "swap-off", "bind-gpus",
+                                                           "restart-kubelet"]
     _report_timings(loop, alert, waiting)
     # the server's alert-to-run histogram (the dashboard's "alert to run" panel) reached Prometheus
     wait_for(lambda: loop.monitoring.query(

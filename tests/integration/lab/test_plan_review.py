@@ -47,7 +47,7 @@ def table_rows(tokens: list[Any], header: str) -> list[list[str]]:
     return next(tb for tb in tables if tb and tb[0] and tb[0][0] == header)
 
 
-def test_the_plan_shows_the_three_steps_with_their_changes_and_changes_nothing(
+def test_the_plan_shows_the_four_steps_with_their_changes_and_changes_nothing(
         incident: Any, sh: Any, tmp_path: Path) -> None:
     before = snapshot(incident, sh)
     text = runbook(sh, PLAN)
@@ -57,7 +57,9 @@ def test_the_plan_shows_the_three_steps_with_their_changes_and_changes_nothing(
     assert "2. [~] swap-off (ansible): run playbook swap-off.yml on omen2 as root -- diff of /etc/fstab (-1 +1)" in out
     assert "would swapoff /swapfile on omen2" in out  # swap-off's check mode, locally reported
     # restart-kubelet has `preview: false` (its check mode only said "would restart kubelet"):
-    assert "3. [~] restart-kubelet (ansible): run playbook restart-kubelet.yml on omen2 as root" in out
+    # omen2's one GPU is on nvidia: bind-gpus is already done
+    assert "3. [=] bind-gpus (ansible): no-op: already done: all 1 GPU on nvidia" in out
+    assert "4. [~] restart-kubelet (ansible): run playbook restart-kubelet.yml on omen2 as root" in out
     assert "command: kubectl label node omen2 nvidia.com/gpu.workload.config=container --overwrite" in out
     assert "playbooks/restart-kubelet.yml --limit omen2 -b" in out
     assert "server dry-run accepted" in out  # the label change went through the API server's dry run
@@ -74,22 +76,23 @@ def test_the_plan_shows_the_three_steps_with_their_changes_and_changes_nothing(
     rows = table_rows(tokens, "#")
     assert rows[0] == ["#", "step", "action", "decision", "what happens", "command"]
     assert [(r[1], r[3]) for r in rows[1:]] == [("relabel-container", "change"), ("swap-off", "change"),
-                                               ("restart-kubelet", "change")]
+                                               ("bind-gpus", "no-op"), ("restart-kubelet", "change")]
     assert rows[1][4] == "label nvidia.com/gpu.workload.config: vm-passthrough -> container"
     assert rows[2][4].endswith("diff of /etc/fstab (-1 +1)")
-    assert rows[3][4] == "run playbook restart-kubelet.yml on omen2 as root"
+    assert rows[4][4] == "run playbook restart-kubelet.yml on omen2 as root"
     fences = [t for t in tokens if t.type == "fence"]
     diff = next(t.content for t in fences if t.info == "diff")
     assert "--- /etc/fstab" in diff and "+# /swapfile" in diff
-    assert any(t.info == "mermaid" and "s_swap_off --> s_restart_kubelet" in t.content for t in fences)
+    assert any(t.info == "mermaid" and "s_swap_off --> s_bind_gpus" in t.content
+               and "s_swap_off -. requires .-> s_restart_kubelet" in t.content for t in fences)
 
     plan = json.loads(saved.read_text())
     assert plan["format"] == "runbook-plan/v1" and plan["state"] == "ready" and len(plan["digest"]) == 64
-    assert [s["kind"] for s in plan["steps"]] == ["change", "change", "change"]
+    assert [s["kind"] for s in plan["steps"]] == ["change", "change", "no-op", "change"]
     assert plan["steps"][0]["changes"] == [{"path": f"node.labels[{LABEL}]", "before": "vm-passthrough",
                                             "after": "container"}]
     assert "+# /swapfile" in plan["steps"][1]["preview"]
-    assert plan["steps"][2]["preview"] == ""  # no check-mode run for restart-kubelet
+    assert plan["steps"][3]["preview"] == ""  # no check-mode run for restart-kubelet
     assert plan["depends_on"][f"node.labels[{LABEL}]"] == "vm-passthrough"
     assert plan["depends_on"]["host.swap_active"] is True
     assert len(plan["depends_on"]["baseline.host.cuda_processes"]) == 1

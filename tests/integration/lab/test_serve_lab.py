@@ -318,7 +318,8 @@ def test_approve_mode_waits_refuses_a_wrong_digest_survives_a_restart_and_comple
         run = first.wait_state(run_id, ("waiting-approval",), PLAN_TIMEOUT)
         digest = run["plan_digest"]
         assert run["approval_required"] is True and len(digest) == 64
-        assert [s["id"] for s in run["plan"]["steps"]] == ["relabel-container", "swap-off", "restart-kubelet"]
+        assert [s["id"] for s in run["plan"]["steps"]] == ["relabel-container", "swap-off", "bind-gpus",
+                                                           "restart-kubelet"]
 
         wrong = first.approve(run_id, "0" * 64)
         assert wrong.status_code == 409 and digest in wrong.text, wrong.text
