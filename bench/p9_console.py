@@ -196,8 +196,9 @@ def run(ctx: Context) -> list[Metric]:
         updates = driver.execute_script("return window.__p9")
         events = [e for e in final.get("events") or [] if isinstance(e, dict)]
         latencies = live_latencies(events, approved_at, updates)
-        steps = [s.get("id") for s in (final.get("plan") or {}).get("steps") or []]
-        log(f"P9 run {run_id} {final['state']} ({len(steps)} steps); {len(latencies)} live updates measured")
+        # the incident's three changing steps (the flagship's bind-gpus is a no-op on one-GPU omen2)
+        steps = [s.get("id") for s in (final.get("plan") or {}).get("steps") or [] if s.get("kind") == "change"]
+        log(f"P9 run {run_id} {final['state']} ({len(steps)} steps that change); {len(latencies)} live updates measured")
         if final["state"] != "succeeded" or len(steps) != 3:
             raise RuntimeError(f"P9 measures the page of a succeeded 3-step run; run {run_id} is {final['state']} "
                                f"with steps {steps}: {final.get('outcome_reason')}")
