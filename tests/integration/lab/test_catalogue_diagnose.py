@@ -167,6 +167,9 @@ def test_once_the_certificate_is_renewed_by_hand_the_runbook_verifies_gpu_3090_3
     r = runbook(sh, "run kubelet-client-cert-expired --node gpu-3090-3 --yes -o json", journal=tmp_path / "j.sqlite")
     assert r.returncode == 0, r.stdout + r.stderr
     result = json.loads(r.stdout)
-    assert [(o["step"], o["status"]) for o in result["outcomes"]] == [("verify-node-ready", "succeeded")]
+    assert result["state"] == "succeeded"
+    (outcome,) = result["outcomes"]  # Ready when planned and still Ready: verified, nothing to do
+    assert (outcome["step"], outcome["status"]) == ("verify-node-ready", "skipped")
+    assert outcome["reason"].startswith("already holds: Ready=True"), outcome
     assert state.calls() == calls_before  # it only verified
     assert json.loads(runbook(sh, "diagnose --node gpu-3090-3 -o json").stdout)["cause"] == "healthy"
