@@ -147,8 +147,9 @@ def test_systemd_names_fstab_swap_units_after_their_spec_and_follows_the_devices
     assert names == sorted(["dev-disk-by\\x2duuid-5d2e\\x2d11.swap", "dev-disk-by\\x2dlabel-fast.swap",
                             "dev-disk-by\\x2dpartuuid-0a1b\\x2d02.swap", "dev-mapper-vg0\\x2dswap.swap",
                             "dev-sdb2.swap", "dev-sdc1.swap", "dev-nvme0n1p3.swap", "dev-dm\\x2d1.swap"])
-    show = run(host, "systemctl", "show", "-p", "Id,FragmentPath,SourcePath", "--", *names).stdout
+    show = run(host, "systemctl", "show", "-p", "Id,ActiveState,FragmentPath,SourcePath", "--", *names).stdout
     blocks = [dict(line.split("=", 1) for line in b.splitlines()) for b in show.strip().split("\n\n")]
+    assert {b["Id"]: b["ActiveState"] for b in blocks} == dict.fromkeys(names, "active")  # each spec finds its device
     generated = {b["Id"] for b in blocks if b["SourcePath"] == "/etc/fstab"}
     assert generated == {n for n in names if n.startswith(("dev-disk", "dev-mapper"))}
     assert all(b["FragmentPath"] == "" for b in blocks if b["Id"] not in generated)  # the devices' own units
