@@ -198,7 +198,7 @@ def run(ctx: Context) -> list[Metric]:
         latencies = live_latencies(events, approved_at, updates)
         # the incident's three changing steps (the flagship's bind-gpus is a no-op on one-GPU omen2)
         steps = [s.get("id") for s in (final.get("plan") or {}).get("steps") or [] if s.get("kind") == "change"]
-        log(f"P9 run {run_id} {final['state']} ({len(steps)} steps that change); {len(latencies)} live updates measured")
+        log(f"P9 run {run_id} {final['state']} ({len(steps)} changing steps); {len(latencies)} live updates")
         if final["state"] != "succeeded" or len(steps) != 3:
             raise RuntimeError(f"P9 measures the page of a succeeded 3-step run; run {run_id} is {final['state']} "
                                f"with steps {steps}: {final.get('outcome_reason')}")

@@ -422,6 +422,33 @@ def catalogue_probes(catalogue: Sequence[Runbook], node: str) -> set[Any]:
     return probes
 
 
+def check_runbook(runbook: Runbook, node: str, kube: KubeAPI, nodes: NodeAutomation | None) -> Match:
+    """One runbook's declared diagnosis on one node, from facts read now (read-only): what a
+    ``require_diagnosis`` trigger asks before its run plans. Facts that cannot be read make the
+    evidence unknown, which does not hold: the diagnosis does not match (fail closed)."""
+    from engine import probes as prb
+
+    if runbook.diagnosis is None:
+        raise RunbookError(f"runbook {runbook.name} declares no diagnosis")
+    facts = prb.gather_probes_many(catalogue_probes([runbook], node), [node], kube, nodes)[node]
+    match = evaluate_diagnosis(runbook, facts)
+    assert match is not None
+    return match
+
+
+def match_reason(m: Match, node: str) -> str:
+    """One line for a journal or a notification: does the diagnosis match, and on what evidence."""
+    if m.matched:
+        held = ", ".join(e.id for e in m.evidence if e.holds is True)
+        return f"diagnosis {m.cause} ({m.runbook}) matches {node}, confidence {m.confidence}: {held}"
+    why = [f"{e.id} {'unknown' if e.holds is None else 'does not hold'}" + (f" [{e.observed}]" if e.observed else "")
+           for e in m.evidence if e.weight == "required" and e.holds is not True]
+    why += [f"excluded by {e.id}" + (f" [{e.observed}]" if e.observed else "") for e in m.excluded_by]
+    return (f"diagnosis {m.cause} ({m.runbook}) does not match {node}: {'; '.join(why)}; "
+            "the runbook does not address this, so nothing was planned or changed "
+            f"(see `runbook diagnose --node {node}`)")
+
+
 def gather(node_names: Sequence[str], kube: KubeAPI, nodes: NodeAutomation | None,
            catalogue: Sequence[Runbook]) -> list[Diagnosis]:
     """Read everything (read-only): node objects, one host-facts run for all ``node_names``, object

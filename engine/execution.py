@@ -412,7 +412,13 @@ class Executor:
                 if not confirm_rerun(step.id, why):
                     return StepStatus.CANCELLED, "re-run of a non-idempotent step refused", evidence, 0
 
-        if planned_kind == "no-op":
+        if planned_kind == "no-op" and isinstance(step.action, CheckAction) and not step.skip_if:
+            # A check step is a no-op when its verify already held at plan time: it only waits and
+            # changes nothing, so it is re-checked live (no waiting): still holds -> skipped; no longer
+            # holds -> it waits for its verify like a planned wait (there is nothing to improvise).
+            if self._verify_all(step, None, wait=False) is None:
+                return StepStatus.SKIPPED, planned_reason, evidence, 0
+        elif planned_kind == "no-op":
             observed = "; ".join(r.observed for r in skip) or "the action's effect is needed"
             return (StepStatus.BLOCKED, f"planned as no-op ({planned_reason}) but live facts show work is needed "
                     f"({observed}); make a new plan", evidence, 0)

@@ -107,7 +107,8 @@ def parse_proc_swaps(text: str) -> tuple[SwapDevice, ...]:
 
 
 def fstab_active_swap(text: str) -> tuple[str, ...]:
-    """The active swap entries of an fstab: not comments, and the third field (type) is ``swap``.
+    """The active swap entries of an fstab: those that turn swap on at boot. Not comments, the third
+    field (type) is ``swap``, and the options (fourth field) do not say ``noauto``.
 
     Lines that merely mention swap (a comment, ``/data/swapfiles-backup`` on ext4) are not
     entries of type swap. The same rule as the ``replace`` regexp in ``swap-off.yml``.
@@ -115,7 +116,8 @@ def fstab_active_swap(text: str) -> tuple[str, ...]:
     entries = []
     for line in text.splitlines():
         fields = line.split()
-        if len(fields) >= 3 and not fields[0].startswith("#") and fields[2] == "swap":
+        if len(fields) >= 3 and not fields[0].startswith("#") and fields[2] == "swap" and \
+                "noauto" not in (fields[3].split(",") if len(fields) > 3 else ()):
             entries.append(line.strip())
     return tuple(entries)
 

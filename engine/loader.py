@@ -518,6 +518,11 @@ def _semantic_problems(rb: Runbook, data: Mapping[str, Any], *, stem: str | None
         if rb.node_param is None:
             out.append((("diagnosis",), "a diagnosis is about a node: declare a param of type node"))
 
+    for i, trig in enumerate(rb.triggers):
+        if trig.require_diagnosis and rb.diagnosis is None:
+            out.append((("triggers", i, "require_diagnosis"),
+                        "require_diagnosis needs the runbook's diagnosis section (the cause it fixes)"))
+
     # Node-targeting work needs a node param.
     if rb.node_param is None:
         targets = any(isinstance(s.action, KubeAction | _Ansible) for s in rb.steps)

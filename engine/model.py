@@ -491,6 +491,9 @@ class Trigger(_Model):
     mode: Literal["auto", "approve"] = "approve"
     pagerduty: PagerDutyMatch | None = None
     description: str = ""
+    # Fire only when the runbook's declared diagnosis matches the node (read-only facts first); a
+    # page for a node sick for another cause ends blocked with the evidence and changes nothing.
+    require_diagnosis: bool = False
 
 
 class DiagnosisCause(_Model):

@@ -32,6 +32,7 @@ from engine.store import ACTIVE_STATES, FINAL_STATES, RunStore
 
 if TYPE_CHECKING:
     from engine.connectors.base import KubeAPI
+    from engine.loader import LoadedRunbook
     from engine.run_guards import GuardConfig
     from engine.settings import Settings
     from engine.store import RunRecord
@@ -80,7 +81,7 @@ class JournalRunStarter:
             run_id = self.service.create(
                 prepared, None, source=request.source, approval_required=request.mode == "approve",
                 note={"mode": request.mode, "reason": request.reason, "warnings": list(request.warnings),
-                      "dedup_key": request.dedup_key},
+                      "dedup_key": request.dedup_key, "require_diagnosis": request.require_diagnosis},
                 requested_by=request.requested_by or request.source, run_id=wanted)
         except RunbookError:
             if wanted is not None and self._exists(wanted):
@@ -144,6 +145,10 @@ class JournalRunStarter:
             return RunOutcome(run_id, rec.state, rec.plan_digest, rec.exit_code,
                               f"executed by another process (pid {rec.owner_pid} on {rec.owner_host})")
         loaded = self._runbooks[rec.runbook]
+        if rec.plan is None and self._requires_diagnosis(run_id):
+            refused = self._diagnose(run_id, loaded, dict(rec.params))
+            if refused is not None:
+                return refused
         if rec.plan is None:
             prepared = prepare_run(loaded, dict(rec.params))
             plan = self.service.plan(prepared, preview=rec.approval_required)
@@ -161,6 +166,26 @@ class JournalRunStarter:
             return RunOutcome(run_id, RunState.WAITING_APPROVAL.value, plan.digest, None, "waiting for approval")
         result = self.service.execute(run_id, prepared, plan, approved=True, wait_approval=False, resume=resume)
         return RunOutcome(run_id, result.state.value, plan.digest, result.exit_code, result.reason)
+
+    def _requires_diagnosis(self, run_id: str) -> bool:
+        notes = [e.data for e in self.journal.events(run_id) if e.kind == "run.note"]
+        return bool(notes and notes[0].get("require_diagnosis"))
+
+    def _diagnose(self, run_id: str, loaded: LoadedRunbook, params: dict[str, Any]) -> RunOutcome | None:
+        """The trigger's ``require_diagnosis``: the runbook's declared diagnosis on the node, from facts
+        read now. Recorded either way (``diagnosis``, with every piece of evidence); a diagnosis
+        that does not match ends the run blocked before any plan: None when it matches."""
+        from engine import diagnose
+
+        prepared = prepare_run(loaded, params)
+        kube, nodes = self.service.connectors(loaded, prepared.params)
+        match = diagnose.check_runbook(loaded.runbook, prepared.node, kube, nodes)
+        reason = diagnose.match_reason(match, prepared.node)
+        self.journal.append(run_id, "diagnosis", reason=reason, **match.as_json())
+        if match.matched:
+            return None
+        self.service.record_blocked(run_id, reason)
+        return RunOutcome(run_id, RunState.BLOCKED.value, None, 3, reason)
 
     def approve(self, run_id: str, plan_digest: str, approved_by: str) -> Mapping[str, Any]:
         return self.service.approve(run_id, plan_digest, approved_by)

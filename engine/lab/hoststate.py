@@ -193,7 +193,8 @@ def proc_swaps_text(state: State) -> str:
         dev = devices.get(name, {})
         size_kib = max(int(dev.get("size", 0)) // 1024 - 4, 0)  # the kernel leaves out the header page
         used_kib = int(dev.get("used", 0)) // 1024
-        lines.append(f"{name:<40}{dev.get('type', 'file')}\t\t{size_kib}\t{used_kib}\t\t{-2 - index}")
+        prio = dev.get("prio", -2 - index)  # fstab's pri=N, else the kernel's -2, -3, ...
+        lines.append(f"{name:<40}{dev.get('type', 'file')}\t\t{size_kib}\t{used_kib}\t\t{prio}")
     return "\n".join(lines) + "\n"
 
 

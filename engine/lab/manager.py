@@ -425,6 +425,14 @@ class Lab:
             kube.close()
         return {"seconds": round(time.monotonic() - started, 1)}
 
+    def write_host_file(self, node: str, path: str, content: str) -> None:
+        """Replace a file of a node host (its /etc/fstab, say), as root inside the host: tests that give a
+        node another swap setup between cases. Not recorded as a shim call (no command of the host ran)."""
+        host = self.record()["hosts"].get(node)
+        if host is None:
+            raise LabError(f"no SSH node host named {node!r}")
+        self._write_host_file(host, path, content)
+
     def _write_host_file(self, host: dict[str, Any], path: str, content: str) -> None:
         pid = host["process"]["pid"]
         result = subprocess.run(["nsenter", f"--target={pid}", "--mount", "--", "/bin/sh", "-c",

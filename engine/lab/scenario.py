@@ -103,15 +103,43 @@ def _fill_gpu_slots(data: Any) -> Any:
 
 # --- node hosts ------------------------------------------------------------------------------------
 class SwapDevice(_Model):
+    """One swap device (its key: the name /proc/swaps shows, e.g. /swapfile, /dev/sdb2, /dev/dm-1,
+    /dev/zram0) and how the host turns it on (docs/lab.md, "Swap")."""
+
     size: int
     type: Literal["file", "partition"] = "file"
     used: int = 0
-    uuid: str | None = None
+    uuid: str | None = None  # the names a fstab entry may use for it: UUID=, LABEL=, PARTUUID=
+    label: str | None = None
+    partuuid: str | None = None
+    aliases: list[str] = []  # other paths of the device (LVM: /dev/mapper/vg0-swap, /dev/vg0/swap)
     in_fstab: bool = True  # listed (active) in the host's /etc/fstab when ``fstab`` is generated
+    fstab_spec: str | None = None  # how that line names it (default: UUID=<uuid> if set, else the path)
+    fstab_options: str = "sw"  # the line's options: nofail, noauto, pri=N, ...
     # not in fstab: true = a .swap unit file turns it on (/etc/systemd/system); false = turned on by
     # hand with swapon (systemd shows a transient unit, no unit file; it does not come back at boot)
     unit_file: bool = True
+    # not in fstab: a systemd generator's unit, SourcePath this file (zram-generator:
+    # /etc/systemd/zram-generator.conf); it comes back at boot whatever /etc/fstab says
+    generator: str | None = None
     description: str | None = None  # systemd unit description (zram: "Compressed Swap on /dev/zram0")
+
+    def names(self, path: str) -> list[str]:
+        """Every way a fstab entry can name this device."""
+        tags = {"UUID": self.uuid, "LABEL": self.label, "PARTUUID": self.partuuid}
+        return [path, *self.aliases, *(f"{k}={v}" for k, v in tags.items() if v)]
+
+    def spec(self, path: str) -> str:
+        """The device spec of its generated fstab line."""
+        return self.fstab_spec or (f"UUID={self.uuid}" if self.uuid else path)
+
+    @property
+    def fstab_priority(self) -> int | None:
+        """``pri=N`` of its fstab options (the kernel priority when fstab turned it on)."""
+        for option in self.fstab_options.split(","):
+            if option.startswith("pri=") and option[4:].lstrip("-").isdigit():
+                return int(option[4:])
+        return None
 
     @field_validator("size", "used", mode="before")
     @classmethod
@@ -379,6 +407,16 @@ def _semantic_problems(sc: Scenario, data: Any, path: str,
         if workload is not None and workload not in WORKLOADS:
             problems.append((at("nodes", i, "labels"), f"workload label {workload!r} is not one of "
                              f"{', '.join(WORKLOADS)}"))
+        for path, dev in node.host.swap.devices.items():
+            if dev.fstab_spec is not None and dev.fstab_spec not in dev.names(path):
+                problems.append((at("nodes", i, "host", "swap", "devices", path, "fstab_spec"),
+                                 f"{dev.fstab_spec!r} does not name {path} (its names: {', '.join(dev.names(path))})"))
+            if dev.generator is not None and dev.in_fstab:
+                problems.append((at("nodes", i, "host", "swap", "devices", path, "generator"),
+                                 "a generator's swap unit is not in /etc/fstab: set in_fstab: false"))
+            if re.search(r"\s", dev.fstab_options) or not dev.fstab_options:
+                problems.append((at("nodes", i, "host", "swap", "devices", path, "fstab_options"),
+                                 "fstab options are one comma-separated word (e.g. sw,pri=5 or nofail)"))
         fault = node.host.kubelet.fault
         if fault and fault.until_unit_active and fault.until_unit_active not in node.host.units:
             problems.append((at("nodes", i, "host", "kubelet", "fault", "until_unit_active"),

@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from engine.lab import sim_gpu, sim_kubelet, sim_kubevirt, sim_nodes, sim_pods
-from engine.lab.scenario import Node, Scenario, starts_ready
+from engine.lab.scenario import Node, Scenario, SwapDevice, starts_ready
 from engine.lab.sim_kube import CLUSTER_POLICIES, CRDS, KUBEVIRTS, LEASES, NAMESPACES, NODES, PODS, VMIS, VMS, Kube, Obj
 
 MANAGED = f"{sim_nodes.MANAGED_LABEL}=true"
@@ -31,9 +31,18 @@ def fstab_text(node: Node) -> str:
              "UUID=5b1f3c2e-8d4a-4c6e-9f70-2a1b3c4d5e6f / ext4 errors=remount-ro 0 1"]
     for path, dev in node.host.swap.devices.items():
         if dev.in_fstab:
-            spec = f"UUID={dev.uuid}" if dev.uuid else path
-            lines.append(f"{spec} none swap sw 0 0")
+            lines.append(f"{dev.spec(path)} none swap {dev.fstab_options} 0 0")
     return "\n".join(lines) + "\n"
+
+
+def swap_device_state(path: str, dev: SwapDevice, active: bool) -> Obj:
+    """A swap device in the host's state: its fields (the shims resolve fstab specs with them) and,
+    turned on from fstab with ``pri=N``, that priority."""
+    out: Obj = {k: v for k, v in dev.model_dump(exclude={"fstab_spec", "fstab_options"}).items()
+                if v is not None and v != []}
+    if active and dev.in_fstab and dev.fstab_priority is not None:
+        out["prio"] = dev.fstab_priority
+    return out
 
 
 def pci_devices(node: Node, scenario: Scenario) -> list[Obj]:
@@ -77,7 +86,7 @@ def host_state(node: Node, scenario: Scenario, now: float) -> tuple[Obj, list[Ob
     units["kubelet"] = kubelet_unit
     state: Obj = {
         "host": node.name, "next_pid": 2001,
-        "swap": {"devices": {path: {k: v for k, v in dev.model_dump().items() if v is not None}
+        "swap": {"devices": {path: swap_device_state(path, dev, path in host.swap.active)
                              for path, dev in host.swap.devices.items()},
                  "active": list(host.swap.active)},
         "units": units,

@@ -463,7 +463,7 @@ class Dispatcher:
                                  transient=True)
         request = RunRequest(runbook=c.runbook, params=dict(c.params), node=c.node, mode=mode,
                              source=c.source, reason=c.reason, warnings=warnings, dedup_key=c.dedup_key,
-                             requested_by=requested_by)
+                             requested_by=requested_by, require_diagnosis=c.require_diagnosis)
         try:
             ticket = self.starter.submit(request)
         except AlreadyStarted as e:  # another replica took this page first (shared store)
@@ -505,6 +505,9 @@ class Dispatcher:
         self.worker.submit(lambda: self._execute(run_id))
         reason = "run created; it executes now" if mode == "auto" else \
             "run created; a plan is being prepared for approval"
+        if c.require_diagnosis:
+            reason += (" if the runbook's diagnosis matches the node (checked first, read-only; "
+                       "otherwise the run ends blocked with the evidence and nothing changes)")
         return Decision("started", reason, runbook=c.runbook, node=c.node, run_id=run_id, mode=mode,
                         warnings=warnings)
 

@@ -31,6 +31,10 @@ Rules every implementation must keep:
   dedup key) already started a run within the fingerprint window, wherever it arrived.
 * ``submit`` records ``request.warnings`` (breaker warnings) and ``request.reason`` with the run, so
   the reviewer of an ``approve``-mode plan sees why it was not automatic.
+* ``request.require_diagnosis`` (the trigger's ``require_diagnosis``): before planning, ``execute``
+  reads the node's facts (read-only) and evaluates the runbook's declared diagnosis. When it does
+  not match, the run ends ``blocked`` (exit 3) with the evidence in its record and its reason:
+  nothing is planned, nobody is paged for approval, nothing changes.
 * ``execute`` never raises for a run that failed or was blocked: it returns a ``RunOutcome`` with the
   final state. An exception is reported as a failed run. It is safe to call again for a run that
   is ``waiting-approval`` and approved (it continues), and it returns the current state for a run
@@ -82,6 +86,7 @@ class RunRequest:
     warnings: tuple[str, ...] = ()  # why an ``auto`` trigger became ``approve`` (breaker), shown with the plan
     dedup_key: str = ""  # alert fingerprint or PagerDuty incident id, for the record
     requested_by: str = ""  # the sender identity that paged (recorded; it can never approve)
+    require_diagnosis: bool = False  # execute checks the runbook's diagnosis on the node before planning
 
 
 @dataclass(frozen=True)

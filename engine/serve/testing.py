@@ -77,9 +77,9 @@ def saved_plan(node: str = "omen2", *, expires_in: float = 3600.0) -> Plan:
 def trigger_spec(runbook: str = "gpu-node-recovery", *, mode: str = "approve",
                  alert: str | tuple[str, ...] = ("KubeNodeNotReady", "KubeNodeUnreachable"),
                  matchers: tuple[str, ...] = (), params: Mapping[str, str] | None = None,
-                 pagerduty: Mapping[str, Any] | None = None) -> TriggerSpec:
+                 pagerduty: Mapping[str, Any] | None = None, require_diagnosis: bool = False) -> TriggerSpec:
     trig = Trigger.model_validate({
-        "alert": alert, "matchers": matchers, "mode": mode,
+        "alert": alert, "matchers": matchers, "mode": mode, "require_diagnosis": require_diagnosis,
         "params": dict(params if params is not None else {"node": "{{ labels.node }}"}),
         **({"pagerduty": dict(pagerduty)} if pagerduty else {})})
     return TriggerSpec(runbook=runbook, trigger=trig, node_param="node")
@@ -129,6 +129,7 @@ class FakeRunStarter:
                 "approval_required": request.mode == "approve", "approved_by": None,
                 "warnings": list(request.warnings), "reason": request.reason,
                 "dedup_key": request.dedup_key, "requested_by": request.requested_by or request.source,
+                "require_diagnosis": request.require_diagnosis,
                 "started": time.strftime("%Y-%m-%dT%H:%M:%S.000Z", time.gmtime()), "finished": None,
                 "exit_code": None}
             self._cond.notify_all()

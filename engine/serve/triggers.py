@@ -47,6 +47,7 @@ class Candidate:
     dedup_key: str
     group_key: str = ""  # Alertmanager's groupKey of the delivery (PagerDuty Events dedup_key)
     alert_started: float | None = None  # the alert's startsAt (epoch seconds), for metrics
+    require_diagnosis: bool = False  # the run plans only if the runbook's diagnosis matches the node
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,7 @@ class _IncidentTrigger:
     mode: Mode
     node_param: str | None
     origin: str  # "runbook" | "config"
+    require_diagnosis: bool = False
 
 
 @dataclass
@@ -143,7 +145,7 @@ class TriggerIndex:
                     continue
                 incident_triggers.append(_IncidentTrigger(
                     spec.runbook, t.pagerduty.service, pattern, {}, dict(t.params), t.mode,
-                    spec.node_param, "runbook"))
+                    spec.node_param, "runbook", t.require_diagnosis))
             if not names and not matchers and t.pagerduty is None:
                 problems.append(f"{where}: needs 'alert', 'matchers' or 'pagerduty' (it would match everything)")
         for j, m in enumerate(mappings):
@@ -162,10 +164,12 @@ class TriggerIndex:
         """The index as JSON for ``GET /triggers``."""
         out: list[dict[str, Any]] = [
             {"source": "alertmanager", "runbook": t.spec.runbook, "alerts": sorted(t.names),
-             "matchers": [str(m) for m in t.matchers], "mode": t.spec.trigger.mode}
+             "matchers": [str(m) for m in t.matchers], "mode": t.spec.trigger.mode,
+             "require_diagnosis": t.spec.trigger.require_diagnosis}
             for t in self._alerts]
         out += [{"source": "pagerduty", "runbook": t.runbook, "service": t.service,
-                 "title_pattern": t.pattern.pattern, "mode": t.mode, "from": t.origin}
+                 "title_pattern": t.pattern.pattern, "mode": t.mode, "from": t.origin,
+                 "require_diagnosis": t.require_diagnosis}
                 for t in self._incidents]
         return out
 
@@ -198,7 +202,7 @@ class TriggerIndex:
                 runbook=t.spec.runbook, params=params, node=_node_of(params, t.spec.node_param),
                 mode=t.spec.trigger.mode, source="alertmanager",
                 reason=f"alertmanager: {alert.describe()} fingerprint {alert.dedup_key}",
-                dedup_key=alert.dedup_key))
+                dedup_key=alert.dedup_key, require_diagnosis=t.spec.trigger.require_diagnosis))
         return found
 
     def for_incident(self, incident: Incident) -> Matches:
@@ -229,5 +233,5 @@ class TriggerIndex:
                 source="pagerduty",
                 reason=f"pagerduty: incident {incident.id} {incident.title[:200]!r} "
                        f"(service {incident.service.summary or incident.service.id})",
-                dedup_key=f"pd-incident-{incident.id}"))
+                dedup_key=f"pd-incident-{incident.id}", require_diagnosis=t.require_diagnosis))
         return found

@@ -24,6 +24,7 @@ from fakes import (
     install_gpu_host,
     install_recovery_effects,
     make_host,
+    make_node,
 )
 
 from engine import probes
@@ -172,6 +173,43 @@ def test_a_step_planned_as_no_op_that_now_needs_work_is_blocked_not_improvised(l
     assert statuses(result) == [("relabel-container", StepStatus.BLOCKED)]
     assert "make a new plan" in result.outcomes[0].reason
     assert lab.kube.patches == []
+
+
+CHECK_ONLY = b"""apiVersion: runbook/v1
+name: check-only
+version: "1"
+params: {node: {type: node, required: true}}
+steps:
+  - id: verify-node-ready
+    action: {check: {}}
+    verify: [{check: {node_ready: true}, timeout: 60s}]
+"""
+
+
+def test_a_check_step_that_already_held_at_plan_time_is_skipped_when_it_still_holds() -> None:
+    rb = parse_runbook(CHECK_ONLY, "check-only.yaml", playbooks_dir=PLAYBOOKS)
+    clock = FakeClock()
+    kube = FakeKube([make_node("omen2", ready=True)], clock=clock)
+    lab = Lab(clock, kube, FakeNodes({}, clock=clock), RecordingSink(), threading.Event())
+    plan = lab.plan(rb, {"node": "omen2"})
+    assert (plan.state, plan.step("verify-node-ready").kind) == (PlanState.NOTHING_TO_DO, "no-op")
+    result = lab.execute(plan, rb, {"node": "omen2"})
+    assert result.state is RunState.SUCCEEDED, result.outcomes
+    assert statuses(result) == [("verify-node-ready", StepStatus.SKIPPED)]
+    assert result.outcomes[0].reason.startswith("already holds: Ready=True")
+
+
+def test_a_check_step_planned_as_no_op_that_no_longer_holds_waits_for_its_verify() -> None:
+    rb = parse_runbook(CHECK_ONLY, "check-only.yaml", playbooks_dir=PLAYBOOKS)
+    clock = FakeClock()
+    kube = FakeKube([make_node("omen2", ready=True)], clock=clock)
+    lab = Lab(clock, kube, FakeNodes({}, clock=clock), RecordingSink(), threading.Event())
+    plan = lab.plan(rb, {"node": "omen2"})
+    kube.nodes["omen2"] = make_node("omen2", ready=False)  # it went NotReady since the plan
+    result = lab.execute(plan, rb, {"node": "omen2"})
+    assert result.state is RunState.FAILED  # waited its 60 s (fake time), then failed with the evidence
+    assert statuses(result) == [("verify-node-ready", StepStatus.TIMED_OUT)]
+    assert clock.t >= 1060
 
 
 def test_a_verify_timeout_fails_the_run_and_runs_the_rollback(lab: Lab) -> None:

@@ -65,11 +65,20 @@ UUID=5d2e6b1a-9f0e-4b5c-8c11-7a7c1b0d2e3f none swap sw,pri=5 0 0
 \t/swap2.img\tnone\tswap\tdefaults\t0\t0
 tmpfs /tmp tmpfs defaults,size=2G 0 0
 /swapdir/data /srv/swapped ext4 defaults 0 2
+LABEL=fastswap none swap nofail 0 0
+PARTUUID=0a1b2c3d-02 none swap sw,pri=10,nofail 0 0
+/dev/mapper/vg0-swap none swap sw 0 0
+UUID=9f9f-0001 none swap noauto 0 0
+LABEL=spare none swap sw,noauto,pri=1 0 0
+/dev/sdb2 /mnt/noauto-swap ext4 noauto 0 0
 """
-ACTIVE_IN_TRICKY = (
+ACTIVE_IN_TRICKY = (  # the entries that turn swap on at boot: any device spec, not noauto
     "/swapfile                                 none            swap    sw              0       0",
     "UUID=5d2e6b1a-9f0e-4b5c-8c11-7a7c1b0d2e3f none swap sw,pri=5 0 0",
     "/swap2.img\tnone\tswap\tdefaults\t0\t0",
+    "LABEL=fastswap none swap nofail 0 0",
+    "PARTUUID=0a1b2c3d-02 none swap sw,pri=10,nofail 0 0",
+    "/dev/mapper/vg0-swap none swap sw 0 0",
 )
 
 
@@ -131,6 +140,7 @@ def test_the_swap_off_playbook_comments_out_exactly_the_lines_the_facts_call_act
     # ansible.builtin.replace applies the regexp with re.MULTILINE
     result = re.sub(replace["regexp"], replace["replace"], TRICKY_FSTAB, flags=re.M)
     assert fstab_active_swap(result) == ()
+    assert "\nUUID=9f9f-0001 none swap noauto 0 0\n" in result  # noauto entries stay as they are
     changed = [(a, b) for a, b in zip(TRICKY_FSTAB.splitlines(), result.splitlines(), strict=True) if a != b]
     assert [a.strip() for a, _ in changed] == [line.strip() for line in ACTIVE_IN_TRICKY]
     assert all(b.startswith("# ") for _, b in changed)

@@ -118,8 +118,60 @@ def test_systemctl_show_tells_a_fstab_swap_unit_from_others(host: HostState) -> 
     result = run(host, "systemctl", "show", "--property=Id,FragmentPath,SourcePath", "--", "swapfile.swap")
     assert result.stdout == ("Id=swapfile.swap\nFragmentPath=/run/systemd/generator/swapfile.swap\n"
                              "SourcePath=/etc/fstab\n")
+    # the fstab line commented out: turned on by hand now, a transient unit (no unit file, no source)
+    fstab = host.folder.parent / "fstab"
+    fstab.write_text(fstab.read_text().replace("/swapfile ", "# /swapfile ", 1))
+    result = run(host, "systemctl", "show", "-p", "FragmentPath,SourcePath,Transient", "swapfile.swap")
+    assert result.stdout == "FragmentPath=\nSourcePath=\nTransient=yes\n"
+    # not in fstab and a unit file of its own (/etc/systemd/system)
     host.update(lambda s: s["swap"]["devices"]["/swapfile"].update(in_fstab=False))
-    assert run(host, "systemctl", "show", "-p", "SourcePath", "--value", "swapfile.swap").stdout == "\n"
+    result = run(host, "systemctl", "show", "-p", "FragmentPath,SourcePath", "swapfile.swap")
+    assert result.stdout == "FragmentPath=/etc/systemd/system/swapfile.swap\nSourcePath=\n"
+
+
+def _swap_host(host: HostState, fstab: str, devices: dict[str, dict[str, object]], active: list[str]) -> None:
+    (host.folder.parent / "fstab").write_text(fstab)
+    host.update(lambda s: s.update(swap={"devices": devices, "active": active}))
+
+
+def test_systemd_names_fstab_swap_units_after_their_spec_and_follows_the_devices_aliases(host: HostState) -> None:
+    _swap_host(host, "UUID=5d2e-11 none swap sw 0 0\nLABEL=fast none swap nofail 0 0\n"
+               "PARTUUID=0a1b-02 none swap sw,pri=5 0 0\n/dev/mapper/vg0-swap none swap sw 0 0\n",
+               {"/dev/sdb2": {"type": "partition", "size": 1 << 30, "uuid": "5d2e-11"},
+                "/dev/sdc1": {"type": "partition", "size": 1 << 30, "label": "fast"},
+                "/dev/nvme0n1p3": {"type": "partition", "size": 1 << 30, "partuuid": "0a1b-02"},
+                "/dev/dm-1": {"type": "partition", "size": 1 << 30, "aliases": ["/dev/mapper/vg0-swap"]}},
+               ["/dev/sdb2", "/dev/sdc1", "/dev/nvme0n1p3", "/dev/dm-1"])
+    listing = run(host, "systemctl", "list-units", "--type", "swap", "--all", "--plain", "--no-legend").stdout
+    names = [line.split()[0] for line in listing.splitlines()]
+    assert names == sorted(["dev-disk-by\\x2duuid-5d2e\\x2d11.swap", "dev-disk-by\\x2dlabel-fast.swap",
+                            "dev-disk-by\\x2dpartuuid-0a1b\\x2d02.swap", "dev-mapper-vg0\\x2dswap.swap",
+                            "dev-sdb2.swap", "dev-sdc1.swap", "dev-nvme0n1p3.swap", "dev-dm\\x2d1.swap"])
+    show = run(host, "systemctl", "show", "-p", "Id,ActiveState,FragmentPath,SourcePath", "--", *names).stdout
+    blocks = [dict(line.split("=", 1) for line in b.splitlines()) for b in show.strip().split("\n\n")]
+    assert {b["Id"]: b["ActiveState"] for b in blocks} == dict.fromkeys(names, "active")  # each spec finds its device
+    generated = {b["Id"] for b in blocks if b["SourcePath"] == "/etc/fstab"}
+    assert generated == {n for n in names if n.startswith(("dev-disk", "dev-mapper"))}
+    assert all(b["FragmentPath"] == "" for b in blocks if b["Id"] not in generated)  # the devices' own units
+
+
+@needs_root
+def test_swapoff_by_an_alias_and_swapon_all_with_pri_and_noauto_like_util_linux(host: HostState) -> None:
+    _swap_host(host, "UUID=5d2e-11 none swap sw,pri=5 0 0\n/dev/mapper/vg0-swap none swap nofail 0 0\n"
+               "LABEL=spare none swap noauto 0 0\n",
+               {"/dev/sdb2": {"type": "partition", "size": 1 << 30, "uuid": "5d2e-11"},
+                "/dev/dm-1": {"type": "partition", "size": 1 << 30, "aliases": ["/dev/mapper/vg0-swap"]},
+                "/dev/sdd1": {"type": "partition", "size": 1 << 30, "label": "spare"}},
+               ["/dev/dm-1"])
+    assert run(host, "swapoff", "/dev/mapper/vg0-swap").returncode == 0
+    assert run(host, "swapon", "--show").stdout == ""
+    assert run(host, "swapon", "-a").returncode == 0  # every entry but the noauto one, pri= as priority
+    shown = run(host, "swapon", "--show=NAME,PRIO", "--noheadings", "--raw").stdout.split("\n")
+    assert shown[:2] == ["/dev/sdb2 5", "/dev/dm-1 -3"]
+    assert len([x for x in shown if x]) == 2
+    assert host.proc_swaps_path.read_text().splitlines()[1].split()[-1] == "5"
+    assert run(host, "swapon", "LABEL=spare").returncode == 0  # by hand, by its label
+    assert run(host, "swapon", "--show=NAME", "--noheadings").stdout.split() == ["/dev/sdb2", "/dev/dm-1", "/dev/sdd1"]
 
 
 def test_journalctl_prints_the_kubelet_swap_error_and_systemd_lines(host: HostState) -> None:

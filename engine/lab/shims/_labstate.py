@@ -49,7 +49,8 @@ def write_proc_swaps(state: dict[str, Any]) -> None:
         dev = devices.get(name, {})
         size_kib = max(int(dev.get("size", 0)) // 1024 - 4, 0)
         used_kib = int(dev.get("used", 0)) // 1024
-        lines.append(f"{name:<40}{dev.get('type', 'file')}\t\t{size_kib}\t{used_kib}\t\t{-2 - index}")
+        prio = dev.get("prio", -2 - index)
+        lines.append(f"{name:<40}{dev.get('type', 'file')}\t\t{size_kib}\t{used_kib}\t\t{prio}")
     path = state_file("proc_swaps")
     with open(path, "r+" if os.path.exists(path) else "w") as f:  # in place: /proc/swaps is a bind mount
         f.seek(0)
@@ -68,3 +69,47 @@ def log_call(cmd: str, argv: list[str], rc: int) -> None:
     with open(state_file("calls.jsonl"), "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         f.write(json.dumps({"ts": time.time(), "cmd": cmd, "argv": argv, "uid": os.geteuid(), "rc": rc}) + "\n")
+
+
+# -- swap in /etc/fstab (swapon -a, systemd's fstab generator) -------------------------------------
+BY_TAG = {"UUID": "/dev/disk/by-uuid/", "LABEL": "/dev/disk/by-label/", "PARTUUID": "/dev/disk/by-partuuid/"}
+
+
+def fstab_swap_entries() -> list[tuple[str, list[str]]]:
+    """The uncommented /etc/fstab entries of type swap: (device spec, options)."""
+    entries: list[tuple[str, list[str]]] = []
+    try:
+        with open(FSTAB) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return entries
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 3 or fields[0].startswith("#") or fields[2] != "swap":
+            continue
+        entries.append((fields[0], fields[3].split(",") if len(fields) > 3 else []))
+    return entries
+
+
+def spec_path(spec: str) -> str:
+    """The device path a fstab spec names: ``UUID=x`` -> /dev/disk/by-uuid/x (what systemd's unit is named after)."""
+    tag, sep, value = spec.partition("=")
+    if sep and tag in BY_TAG:
+        return BY_TAG[tag] + value.strip('"')
+    return spec
+
+
+def resolve_spec(state: dict[str, Any], spec: str) -> str | None:
+    """The swap device (its /proc/swaps name) a fstab spec or device path denotes: the name itself,
+    one of its ``aliases`` (LVM's /dev/mapper/vg-lv), ``UUID=`` / ``LABEL=`` / ``PARTUUID=`` or their
+    /dev/disk/by-* links. None: no such device."""
+    devices = state.get("swap", {}).get("devices", {})
+    path = spec_path(spec)
+    for name, dev in devices.items():
+        if path == name or path in dev.get("aliases", []):
+            return name
+        for tag, folder in BY_TAG.items():
+            value = dev.get(tag.lower())
+            if value and path == folder + value:
+                return name
+    return None

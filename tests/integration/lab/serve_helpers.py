@@ -183,8 +183,10 @@ def write_config(path: Path, config: Mapping[str, Any]) -> Path:
 @contextmanager
 def serving(env: Mapping[str, str], workdir: Path, config: Mapping[str, Any] | None = None, *,
             journal: Path | None = None, name: str = "serve", pd_secret: str | None = None,
-            token: str | None = TOKEN, timeout: float = 90.0) -> Iterator[Server]:
-    """``runbook serve --listen 127.0.0.1:PORT --config CFG`` with the lab's environment; stopped on exit."""
+            token: str | None = TOKEN, timeout: float = 90.0,
+            runbooks_dir: Path | None = None) -> Iterator[Server]:
+    """``runbook serve --listen 127.0.0.1:PORT --config CFG`` with the lab's environment; stopped on exit.
+    ``runbooks_dir``: another runbooks folder (default: the repository's; its playbooks beside it)."""
     workdir.mkdir(parents=True, exist_ok=True)
     cfg = write_config(workdir / f"{name}.yaml", config or {})
     journal = journal or workdir / "journal.sqlite"
@@ -202,7 +204,7 @@ def serving(env: Mapping[str, str], workdir: Path, config: Mapping[str, Any] | N
     with log_path.open("ab") as log:
         proc = subprocess.Popen(
             [*runbook_command(), "serve", "--listen", f"127.0.0.1:{port}", "--config", str(cfg),
-             "--runbooks-dir", str(REPO / "runbooks")],
+             "--runbooks-dir", str(runbooks_dir or REPO / "runbooks")],
             cwd=REPO, env=child_env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
             preexec_fn=die_with_parent)
     server = Server(f"http://127.0.0.1:{port}", port, proc, ProcessRef.of(proc.pid), log_path, journal)

@@ -1,7 +1,8 @@
 """The catalogue on the lab's incident (issue 19): `runbook diagnose --all` names each sick node's cause
 and runbook from the runbooks' declared diagnoses, in one read-only pass; a healthy node has nothing
 wrong; the expired certificate is refused with the manual steps; containerd-recovery refuses a
-containerd that cannot start before any change, and brings gpu-3090-2 back to Ready otherwise."""
+containerd that cannot start before any change, and brings gpu-3090-2 back to Ready otherwise; once
+the certificate is renewed by hand, its runbook only verifies the node Ready."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 
 import pytest
 from flagship_cli import kube_node, node_status, ready, runbook
+from lab_helpers import ansible, wait_for
 
 from engine.lab.hoststate import HostState
 
@@ -149,3 +151,25 @@ def test_containerd_recovery_brings_gpu_3090_2_back_to_ready_with_its_gpu(
     assert "containerd: failed -> active" in r.stdout
     after = json.loads(runbook(sh, "diagnose --node gpu-3090-2 -o json").stdout)
     assert after["cause"] == "healthy"
+
+
+@pytest.mark.timeout(600)
+def test_once_the_certificate_is_renewed_by_hand_the_runbook_verifies_gpu_3090_3_ready_and_changes_nothing(
+        incident: Any, sh: Any, tmp_path: Path) -> None:
+    # last in the module: it changes gpu-3090-3, which no other test here reads
+    incident.dirty = True
+    state = _states(incident)["gpu-3090-3"]
+    # the operator's manual steps: a new kubelet.conf (the lab's fault cleared), `systemctl restart kubelet`
+    state.update(lambda s: s["kubelet"].update(fault=None))
+    assert ansible(sh, "gpu-3090-3", "systemctl restart kubelet").returncode == 0
+    wait_for(lambda: ready(kube_node(sh, "gpu-3090-3")), 180, "gpu-3090-3 Ready after the renewal")
+    calls_before = state.calls()
+    r = runbook(sh, "run kubelet-client-cert-expired --node gpu-3090-3 --yes -o json", journal=tmp_path / "j.sqlite")
+    assert r.returncode == 0, r.stdout + r.stderr
+    result = json.loads(r.stdout)
+    assert result["state"] == "succeeded"
+    (outcome,) = result["outcomes"]  # Ready when planned and still Ready: verified, nothing to do
+    assert (outcome["step"], outcome["status"]) == ("verify-node-ready", "skipped")
+    assert outcome["reason"].startswith("already holds: Ready=True"), outcome
+    assert state.calls() == calls_before  # it only verified
+    assert json.loads(runbook(sh, "diagnose --node gpu-3090-3 -o json").stdout)["cause"] == "healthy"
