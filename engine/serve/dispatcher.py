@@ -459,7 +459,7 @@ class Dispatcher:
         warnings: tuple[str, ...] = ()
         if mode == "auto":
             try:
-                shared = self._shared_breaker(c.runbook, c.node)
+                shared = self.shared_breaker(c.runbook, c.node)
             except Exception as e:  # Why: the breaker fails closed: no shared verdict, no automatic run
                 log.warning("shared breaker: cannot read the run store: %s", e)
                 warnings = (f"breaker: the shared run store did not answer ({type(e).__name__}: "
@@ -689,7 +689,7 @@ class Dispatcher:
         return [s for s in runs if (runbook is None or s.get("runbook") == runbook)
                 and now - (_epoch(s.get("started")) or now) < window]
 
-    def _shared_breaker(self, runbook: str, node: str | None) -> SharedBreaker | None:
+    def shared_breaker(self, runbook: str, node: str | None) -> SharedBreaker | None:
         """The store's breaker verdict for an automatic candidate (None: one replica, no shared store).
         Raises when the store does not answer (the caller fails closed)."""
         if not self._shared():
