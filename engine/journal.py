@@ -49,6 +49,11 @@ if TYPE_CHECKING:
 ACTIVE_STATES = ("pending", "waiting-approval", "running")
 FINAL_STATES = ("succeeded", "failed", "blocked", "cancelled")
 RESUMABLE_STATES = ("interrupted",)
+# run state -> the phase a RemediationRun shows (`kubectl get rr`, `runbook runs`' PHASE column)
+PHASES: dict[str, str] = {
+    "pending": "Pending", "waiting-approval": "WaitingApproval", "running": "Running", "succeeded": "Succeeded",
+    "failed": "Failed", "blocked": "Blocked", "cancelled": "Cancelled", "interrupted": "Interrupted",
+}
 DONE_STEP_STATUSES = ("succeeded", "skipped")  # a step with one of these outcomes is never redone
 _events_log = logging.getLogger("runbook.events")
 SECRET_KEY_MARKERS = ("password", "secret", "token", "authorization", "become_pass")

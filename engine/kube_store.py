@@ -52,14 +52,12 @@ from engine.journal import (
     progress_from_events,
     redact,
 )
+from engine.journal import PHASES as RUN_PHASES
 
 API_VERSION = "runbook.io/v1alpha1"
 KIND = "RemediationRun"
 PLURAL = "remediationruns"
-PHASES: Mapping[str, str] = {
-    "pending": "Pending", "waiting-approval": "WaitingApproval", "running": "Running", "succeeded": "Succeeded",
-    "failed": "Failed", "blocked": "Blocked", "cancelled": "Cancelled", "interrupted": "Interrupted",
-}
+PHASES: Mapping[str, str] = RUN_PHASES
 STATES: Mapping[str, str] = {v: k for k, v in PHASES.items()}
 STRING_MAX = 2000  # characters of one string in an event's data
 EVENT_MAX = 8 * 1024  # bytes of one event's data (JSON)

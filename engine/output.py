@@ -18,6 +18,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TextIO
 
+from engine.journal import PHASES
+
 if TYPE_CHECKING:
     from engine.journal import EventRecord, RunRecord
     from engine.model import Plan, RunResult
@@ -308,19 +310,51 @@ def runbooks_text(loaded: Sequence[Any], *, wide: bool = False) -> str:
     return "\n".join(lines)
 
 
-def runs_text(runs: Sequence[RunRecord], *, wide: bool = False) -> str:
+def age(seconds: float) -> str:
+    """A duration as kubectl's AGE column shows it (``HumanDuration``: 45s, 5m30s, 3h, 2d4h, 40d)."""
+    sec = int(seconds)
+    if sec < -1:
+        return "<invalid>"
+    if sec < 120:
+        return f"{max(sec, 0)}s"
+    minutes, hours = sec // 60, sec // 3600
+    if minutes < 10:
+        return f"{minutes}m" + (f"{sec % 60}s" if sec % 60 else "")
+    if minutes < 180:
+        return f"{minutes}m"
+    if hours < 8:
+        return f"{hours}h" + (f"{minutes % 60}m" if minutes % 60 else "")
+    if hours < 48:
+        return f"{hours}h"
+    if hours < 24 * 8:
+        return f"{hours // 24}d" + (f"{hours % 24}h" if hours % 24 else "")
+    if hours < 24 * 365 * 2:
+        return f"{hours // 24}d"
+    if hours < 24 * 365 * 8:
+        years, days = hours // 24 // 365, hours // 24 % 365
+        return f"{years}y" + (f"{days}d" if days else "")
+    return f"{hours // 24 // 365}y"
+
+
+def runs_text(runs: Sequence[RunRecord], *, wide: bool = False, now: float | None = None) -> str:
+    """``runbook runs``: RUNBOOK, NODE, PHASE and AGE as ``kubectl get rr`` shows them (either store);
+    ``wide`` adds the state, times, exit code, source, approver, all nodes and params."""
     if not runs:
         return "no runs recorded"
+    now = time.time() if now is None else now
     # Runs waiting for approval show their whole plan digest: `runbook approve ID --plan-digest DIGEST`.
-    head = ("ID", "RUNBOOK", "NODES", "STATE", "STARTED", "FINISHED", "PLAN DIGEST (to approve)")
-    rows = [head + (("EXIT", "SOURCE", "APPROVED BY", "PARAMS") if wide else ())]
+    head = ("ID", "RUNBOOK", "NODE", "PHASE", "AGE", "PLAN DIGEST (to approve)")
+    more = ("STATE", "STARTED", "FINISHED", "EXIT", "SOURCE", "APPROVED BY", "NODES", "PARAMS")
+    rows = [head + (more if wide else ())]
     for r in runs:
         s = r.summary()
-        row: tuple[str, ...] = (r.id, r.runbook, ",".join(r.nodes), r.state, s["started"] or "", s["finished"] or "",
-               (r.plan_digest or "") if r.state == "waiting-approval" else "")
+        row: tuple[str, ...] = (r.id, r.runbook, r.nodes[0] if r.nodes else "", PHASES.get(r.state, r.state),
+                                age(now - r.created),
+                                (r.plan_digest or "") if r.state == "waiting-approval" else "")
         if wide:
-            row += ("" if s["exit_code"] is None else str(s["exit_code"]), str(s["source"] or ""),
-                    str(s["approved_by"] or ""), json.dumps(s["params"], sort_keys=True))
+            row += (r.state, s["started"] or "", s["finished"] or "",
+                    "" if s["exit_code"] is None else str(s["exit_code"]), str(s["source"] or ""),
+                    str(s["approved_by"] or ""), ",".join(r.nodes), json.dumps(s["params"], sort_keys=True))
         rows.append(row)
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows)

@@ -494,7 +494,7 @@ class ServeApp:
             node, runbook = data.get("node"), data.get("runbook")
             if not all(v is None or (isinstance(v, str) and len(v) <= 253) for v in (node, runbook)):
                 return _error(400, "node and runbook must be short strings"), "bad-request"
-            done = self.dispatcher.reset_breaker(node=node, runbook=runbook)
+            done = self.dispatcher.reset_breaker(node=node, runbook=runbook, by=who.name)
             log.warning("breaker reset by %s (%s): %s", who.name, json.dumps(data)[:300],
                         ", ".join(done) or "nothing was open")
             return JSONResponse({"reset": done, "by": who.name}), "reset"

@@ -15,6 +15,14 @@ Outcomes of runs come back through ``_finish``: notifications, metrics, and the 
 failed automatic run. A *resolved* alert whose firing started a run is recorded against that run
 (event ``alert.resolved``), once; it never starts or stops anything.
 
+With several replicas (an elected leader: a shared store) the breaker is **shared**: before an
+automatic run is allowed, the node's breaker and the runbook's rate window are derived from the
+store's runs (the node's last automatic run failed and carries no ``breaker.reset`` event; the
+automatic runs of the runbook in the window, minus those a reset marked), so a run that failed at
+any replica opens the node's breaker at every replica, and a reset at any replica (recorded in the
+store as ``breaker.reset`` events) closes it at all of them. Only a page that may start a run reads
+the store for this; duplicates never do.
+
 Singleton duties (resuming orphaned runs, retention pruning) run only while ``leadership`` says this
 replica leads (``engine.serve.leader``): once at start and, with an elected leader, at every sweep
 and at once when leadership is won. A single replica (no election) resumes its orphans at start only.
@@ -37,7 +45,7 @@ from engine.serve.access import Identity
 from engine.serve.alertmanager import Alert, WebhookPayload
 from engine.serve.cluster import ClusterSnapshot, ClusterUnavailable, ClusterView, RefreshingClusterView
 from engine.serve.config import ServeConfig
-from engine.serve.guards import Guards, Reservation
+from engine.serve.guards import Guards, NodeBreaker, Reservation, SharedBreaker
 from engine.serve.leader import Leadership, SingleReplica
 from engine.serve.metrics import ServeMetrics
 from engine.serve.notify import Notification, Notifier, RefusalDigest, run_report, step_outcomes
@@ -50,6 +58,9 @@ log = logging.getLogger(__name__)
 Outcome = Literal["started", "duplicate", "blocked", "rejected", "ignored"]
 _ACTIVE = ("pending", "waiting-approval", "running")
 _FINAL = ("succeeded", "failed", "blocked", "cancelled", "interrupted")
+_ENDED = ("succeeded", "failed", "blocked", "cancelled")  # final, not resumable
+BREAKER_RESET = "breaker.reset"  # event on a run: a person reset the breaker that run held open
+_BREAKER_SCAN = 500  # newest runs read for the shared breaker
 
 
 @dataclass(frozen=True)
@@ -152,6 +163,7 @@ class Dispatcher:
         self._known_breaker_keys: set[tuple[str, str]] = set()
         self._last_cluster: ClusterSnapshot | None = None
         self._alert_runs: dict[str, str] = {}  # alert dedup key -> the run its firing started
+        self._resets: set[tuple[str, str]] = set()  # (run id, scope) known reset in the store (final)
         self._stop = threading.Event()
         self._wake = threading.Event()  # leadership won: do the singleton duties now
         self._sweeper: threading.Thread | None = None
@@ -446,7 +458,14 @@ class Dispatcher:
             return self._blocked(c, kind, excluded, mode)
         warnings: tuple[str, ...] = ()
         if mode == "auto":
-            warnings = tuple(self.guards.check_auto(c.runbook, c.node, snapshot))
+            try:
+                shared = self.shared_breaker(c.runbook, c.node)
+            except Exception as e:  # Why: the breaker fails closed: no shared verdict, no automatic run
+                log.warning("shared breaker: cannot read the run store: %s", e)
+                warnings = (f"breaker: the shared run store did not answer ({type(e).__name__}: "
+                            f"{str(e)[:200]}); no automatic run without the other replicas' runs",)
+            else:
+                warnings = tuple(self.guards.check_auto(c.runbook, c.node, snapshot, shared))
             if warnings:
                 mode = "approve"
                 self.metrics.runs_blocked.labels(runbook=c.runbook, reason="breaker").inc()
@@ -483,6 +502,8 @@ class Dispatcher:
             self._undo(c, auto_slot, mode)
             raise
         run_id = ticket.run_id
+        if auto_slot:
+            self.guards.auto_created(c.runbook)
         self.guards.bind(claim, run_id)
         if mode == "approve":
             self.guards.bind_approval(run_id)
@@ -629,10 +650,84 @@ class Dispatcher:
                                                   f"rejected by {who.name}: {reason}"))
         return {"run": summary}
 
-    def reset_breaker(self, node: str | None = None, runbook: str | None = None) -> list[str]:
+    def reset_breaker(self, node: str | None = None, runbook: str | None = None, by: str = "") -> list[str]:
+        """Close node breakers / rate windows (``Guards.reset`` semantics); with a shared store the
+        reset is recorded there (``breaker.reset`` events) so every replica sees it."""
         done = self.guards.reset(node=node, runbook=runbook)
+        if self._shared():
+            done = sorted(set(done) | set(self._reset_in_store(node, runbook, by)))
         self.refresh_gauges()
         return done
+
+    # -- the shared breaker (several replicas) --------------------------------------------------------
+
+    def _shared(self) -> bool:
+        return self.leadership.describe().get("role") != "single"
+
+    def _automatic(self) -> list[Mapping[str, Any]]:
+        """The store's automatic webhook runs, newest first (one read)."""
+        return [s for s in self.starter.runs(limit=_BREAKER_SCAN)
+                if s.get("source") in WEBHOOK_SOURCES and not s.get("approval_required")]
+
+    def _was_reset(self, run_id: str, scope: str) -> bool:
+        if (run_id, scope) in self._resets:
+            return True
+        events = self.starter.run(run_id).get("events") or ()
+        if any(e.get("kind") == BREAKER_RESET and e.get("scope") == scope for e in events):
+            with self._lock:
+                self._resets.add((run_id, scope))  # a reset is never undone: no need to read it again
+            return True
+        return False
+
+    def _open_in_store(self, runs: Sequence[Mapping[str, Any]], node: str) -> Mapping[str, Any] | None:
+        """The node's last ended automatic run, when it failed and nobody reset it."""
+        for s in runs:
+            if node_of(s) == node and s.get("state") in _ENDED:
+                failed = s.get("state") == "failed" and not self._was_reset(str(s["id"]), "node")
+                return s if failed else None
+        return None
+
+    def _in_window(self, runs: Sequence[Mapping[str, Any]], runbook: str | None) -> list[Mapping[str, Any]]:
+        now, window = self._clock(), self.config.breaker.window
+        return [s for s in runs if (runbook is None or s.get("runbook") == runbook)
+                and now - (_epoch(s.get("started")) or now) < window]
+
+    def shared_breaker(self, runbook: str, node: str | None) -> SharedBreaker | None:
+        """The store's breaker verdict for an automatic candidate (None: one replica, no shared store).
+        Raises when the store does not answer (the caller fails closed)."""
+        if not self._shared():
+            return None
+        runs = self._automatic()
+        failed = self._open_in_store(runs, node) if node is not None else None
+        open_node = None
+        if failed is not None and node is not None:
+            open_node = NodeBreaker(node, str(failed["id"]), _epoch(failed.get("finished")) or self._clock(),
+                                    f"automatic run failed (exit {failed.get('exit_code')})")
+        window = self._in_window(runs, runbook)
+        if len(window) >= self.config.breaker.max_auto_runs:  # tripped, unless a reset marked some
+            window = [s for s in window if not self._was_reset(str(s["id"]), "runbook")]
+        return SharedBreaker(open_node, len(window))
+
+    def _reset_in_store(self, node: str | None, runbook: str | None, by: str) -> list[str]:
+        runs = self._automatic()
+        done: list[str] = []
+        if runbook is None:
+            nodes = [node] if node is not None else sorted({n for s in runs if (n := node_of(s)) is not None})
+            for n in nodes:
+                failed = self._open_in_store(runs, n)
+                if failed is not None:
+                    self.starter.record_event(str(failed["id"]), BREAKER_RESET, {"scope": "node", "by": by})
+                    with self._lock:
+                        self._resets.add((str(failed["id"]), "node"))
+                    done.append(f"node:{n}")
+        if node is None:
+            for s in self._in_window(runs, runbook):
+                if not self._was_reset(str(s["id"]), "runbook"):
+                    self.starter.record_event(str(s["id"]), BREAKER_RESET, {"scope": "runbook", "by": by})
+                    with self._lock:
+                        self._resets.add((str(s["id"]), "runbook"))
+                    done.append(f"runbook:{s.get('runbook')}")
+        return sorted(set(done))
 
     def refresh_gauges(self) -> None:
         """Bring ``breaker_open`` up to date (called before ``/metrics`` is rendered)."""

@@ -13,6 +13,11 @@
 * **Approval budget**: at most ``breaker.max_pending_approvals`` approve-mode runs waiting at once,
   so a storm cannot bury the on-call engineer in plans.
 
+With a shared store (several replicas) the dispatcher passes ``check_auto`` the store's verdict
+(``SharedBreaker``: the node's last automatic run failed and was not reset; the automatic runs of the
+runbook in the window, whoever started them), so every replica decides from the same runs; this
+replica only adds the automatic runs it is creating right now (not in the store yet).
+
 Open node breakers are written to ``breaker.state_file`` (when set) so a restart does not close
 them. Everything else is rebuilt from the journal at start (``remember``: fingerprints of recent
 runs). Memory is bounded whatever senders choose: dedup keys are kept as 16-byte digests, at most
@@ -74,6 +79,14 @@ class NodeBreaker:
     reason: str
 
 
+@dataclass(frozen=True)
+class SharedBreaker:
+    """The shared store's breaker verdict for one automatic candidate (several replicas)."""
+
+    open_node: NodeBreaker | None  # the node's last automatic run failed and nobody reset it
+    auto_runs: int  # automatic runs of the runbook in the window (not reset), from every replica
+
+
 class Guards:
     def __init__(self, config: ServeConfig, *, clock: Callable[[], float] = time.time) -> None:
         self._cfg = config
@@ -84,6 +97,7 @@ class Guards:
         self._active: dict[str, str] = {}  # node -> run id (or _RESERVED)
         self._cooldown: dict[str, tuple[float, str]] = {}  # node -> (ended at, run id)
         self._auto_starts: dict[str, deque[float]] = {}  # runbook -> start times in the window
+        self._inflight: dict[str, int] = {}  # runbook -> automatic runs allowed here, not created yet
         self._open: dict[str, NodeBreaker] = {}  # node -> failed automatic run
         self._approvals: set[str] = set()  # approve-mode runs not yet final
         self._approval_reservations = 0
@@ -204,8 +218,12 @@ class Guards:
             starts.popleft()
         return starts
 
-    def check_auto(self, runbook: str, node: str | None, cluster: ClusterSnapshot) -> list[str]:
-        """Why an automatic run must not happen now (empty: it may, and a rate slot is taken)."""
+    def check_auto(self, runbook: str, node: str | None, cluster: ClusterSnapshot,
+                   shared: SharedBreaker | None = None) -> list[str]:
+        """Why an automatic run must not happen now (empty: it may, and a rate slot is taken).
+
+        ``shared``: the shared store's verdict (several replicas); it replaces this replica's own
+        record of the node's breaker and of the runbook's window (plus the runs being created here)."""
         b = self._cfg.breaker
         warnings: list[str] = []
         if len(cluster.unhealthy_nodes) > b.max_unhealthy_nodes:
@@ -217,18 +235,33 @@ class Guards:
             warnings.append(f"breaker: {cluster.unhealthy_gpus} GPUs are on unhealthy nodes; "
                             f"automatic runs stop above {b.max_unhealthy_gpus}")
         with self._lock:
+            if shared is not None and node is not None:
+                if shared.open_node is not None and self._open.get(node) != shared.open_node:
+                    self._open[node] = shared.open_node
+                    self._save_state()
+                elif shared.open_node is None and node in self._open:
+                    del self._open[node]  # reset (or superseded) at another replica: the store says so
+                    self._save_state()
             if node is not None and node in self._open:
                 nb = self._open[node]
                 warnings.append(f"breaker: the last automatic run on {node} ({nb.run_id}) failed: "
                                 f"{nb.reason}; automatic runs on {node} stay off until a person resets it")
             now = self._clock()
             starts = self._window(runbook, now)
-            if len(starts) >= b.max_auto_runs:
-                warnings.append(f"breaker: {len(starts)} automatic runs of {runbook} in the last "
+            count = len(starts) if shared is None else shared.auto_runs + self._inflight.get(runbook, 0)
+            if count >= b.max_auto_runs:
+                warnings.append(f"breaker: {count} automatic runs of {runbook} in the last "
                                 f"{b.window:.0f}s (limit {b.max_auto_runs})")
             if not warnings:
                 starts.append(now)
+                self._inflight[runbook] = self._inflight.get(runbook, 0) + 1
         return warnings
+
+    def auto_created(self, runbook: str) -> None:
+        """The automatic run whose slot ``check_auto`` took is in the store now (it counts there)."""
+        with self._lock:
+            if self._inflight.get(runbook, 0) > 0:
+                self._inflight[runbook] -= 1
 
     def undo_auto(self, runbook: str) -> None:
         """The automatic run whose slot ``check_auto`` took was not created after all."""
@@ -236,6 +269,8 @@ class Guards:
             starts = self._auto_starts.get(runbook)
             if starts:
                 starts.pop()
+            if self._inflight.get(runbook, 0) > 0:
+                self._inflight[runbook] -= 1
 
     def note_auto_start(self, runbook: str, at: float) -> None:
         """An automatic run found in the journal at start counts against the window."""

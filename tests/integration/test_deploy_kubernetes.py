@@ -55,7 +55,8 @@ def test_the_base_passes_a_server_side_dry_run_except_the_kinds_1_20_does_not_se
     for expected in ("customresourcedefinition.apiextensions.k8s.io/remediationruns.runbook.io",
                      "serviceaccount/runbook", "clusterrole.rbac.authorization.k8s.io/runbook",
                      "role.rbac.authorization.k8s.io/runbook", "deployment.apps/runbook", "service/runbook",
-                     "configmap/runbook-serve", "configmap/runbook-inventory", "configmap/runbook-known-hosts"):
+                     "configmap/runbook-serve", "configmap/runbook-inventory", "configmap/runbook-known-hosts",
+                     "clusterrolebinding.rbac.authorization.k8s.io/runbook-auth-delegator"):
         assert expected in applied, applied
     assert "(server dry run)" in applied
 
@@ -116,6 +117,9 @@ def test_a_token_request_token_acts_as_the_service_account_under_the_base_rbac(
     assert as_sa("auth", "can-i", "patch", "nodes").stdout.strip() == "yes"
     assert as_sa("auth", "can-i", "create", "leases", "-n", "kube-system").stdout.strip() == "yes"
     assert as_sa("auth", "can-i", "update", "nodes", check=False).stdout.strip() == "no"
+    # system:auth-delegator, for serve's auth.mode kubernetes (TokenReview + SubjectAccessReview)
+    assert as_sa("auth", "can-i", "create", "tokenreviews.authentication.k8s.io").stdout.strip() == "yes"
+    assert as_sa("auth", "can-i", "create", "subjectaccessreviews.authorization.k8s.io").stdout.strip() == "yes"
     denied = as_sa("get", "secrets", "-n", "kube-system", check=False)
     assert denied.returncode != 0
     assert f'User "{SA}" cannot list resource "secrets"' in denied.stderr

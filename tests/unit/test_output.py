@@ -112,12 +112,34 @@ def test_markdown_cells_escape_pipes() -> None:
 
 
 class _Run:
-    def __init__(self, state: str, digest: str) -> None:
-        self.id, self.runbook, self.nodes, self.state, self.plan_digest = "r-1", "gpu-node-recovery", ["omen2"], \
+    def __init__(self, state: str, digest: str, *, created: float = 1_000_000.0,
+                 nodes: tuple[str, ...] = ("omen2",)) -> None:
+        self.id, self.runbook, self.nodes, self.state, self.plan_digest = "r-1", "gpu-node-recovery", list(nodes), \
             state, digest
+        self.created = created
 
     def summary(self) -> dict[str, Any]:
-        return {"started": "2026-07-10T15:40:00Z", "finished": None}
+        return {"started": "2026-07-10T15:40:00Z", "finished": None, "exit_code": 1, "source": "cli",
+                "approved_by": None, "params": {"node": self.nodes[0]}}
+
+
+def test_runs_shows_runbook_node_phase_and_age_as_kubectl_get_rr_does() -> None:
+    runs = [_Run("waiting-approval", "a" * 64, created=1_000_000.0 - 330), _Run("interrupted", ""),
+            _Run("failed", "", created=1_000_000.0 - 3 * 86400 - 4 * 3600, nodes=("omen3", "omen4"))]
+    lines = output.runs_text(runs, now=1_000_000.0).splitlines()  # type: ignore[arg-type]
+    assert lines[0].split()[:5] == ["ID", "RUNBOOK", "NODE", "PHASE", "AGE"]
+    assert [line.split()[1:5] for line in lines[1:]] == [
+        ["gpu-node-recovery", "omen2", "WaitingApproval", "5m30s"],
+        ["gpu-node-recovery", "omen2", "Interrupted", "0s"],
+        ["gpu-node-recovery", "omen3", "Failed", "3d4h"]]
+    wide = output.runs_text(runs, wide=True, now=1_000_000.0).splitlines()  # type: ignore[arg-type]
+    assert "STATE" in wide[0].split() and "interrupted" in wide[2].split() and "omen3,omen4" in wide[3]
+
+
+def test_ages_read_like_kubectl_ages() -> None:
+    cases = {0: "0s", 119: "119s", 120: "2m", 150: "2m30s", 600: "10m", 3 * 3600 - 1: "179m", 3 * 3600: "3h",
+             7 * 3600 + 60: "7h1m", 47 * 3600: "47h", 2 * 86400: "2d", 9 * 86400: "9d", 800 * 86400: "2y70d"}
+    assert {s: output.age(s) for s in cases} == cases
 
 
 def test_runs_waiting_for_approval_show_the_whole_digest_to_approve() -> None:

@@ -153,6 +153,11 @@ def test_output_wide_adds_columns_to_list_and_runs(tmp_path: Path) -> None:
     assert "SOURCE" in runs.output and '{"node": "omen2"}' in runs.output
     narrow = runner.invoke(main, ["runs", "--journal", str(tmp_path / "j.db")])
     assert "SOURCE" not in narrow.output
+    assert narrow.output.split()[:5] == ["ID", "RUNBOOK", "NODE", "PHASE", "AGE"] and "Pending" in narrow.output
+    as_json = runner.invoke(main, ["runs", "-o", "json", "--journal", str(tmp_path / "j.db")])
+    (run,) = json.loads(as_json.output)  # the JSON contract keeps its fields (no phase/age there)
+    assert set(run) == {"id", "runbook", "params", "nodes", "state", "source", "plan_digest", "approval_required",
+                        "approved_by", "started", "finished", "exit_code"} and run["state"] == "pending"
 
 
 def _cli(args: list[str], env: dict[str, str], cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
