@@ -166,6 +166,10 @@ def test_swap_turned_on_by_hand_is_turned_off_and_fstab_is_left_untouched(
     # kubelet restarted with swap on: it refuses and crash-loops, as in the incident
     assert ansible(sh, "gpu-3090-1", "systemctl restart kubelet").returncode == 0
     wait_for(lambda: node_status(sh, "gpu-3090-1")["kubelet"] != "active", 60, "kubelet to refuse swap")
+    # ... and the node goes NotReady, as in the incident. Planned while its Node still read Ready, the
+    # run would count its GPU as newly taken out of service: with the incident's other GPU nodes down
+    # in this shared lab, the GPU budget guard (rightly) blocks it.
+    wait_for(lambda: not ready(kube_node(sh, "gpu-3090-1")), 120, "gpu-3090-1 to turn NotReady")
     state = _state(incident, "gpu-3090-1")
     earlier = len(state.calls("swapoff"))
     backups_before = backups(sh, "gpu-3090-1")
