@@ -251,6 +251,33 @@ class FakeRunStarter:
             self._cond.notify_all()
 
 
+class FakeLeadership:
+    """A leadership that tests set or flip by hand (the real one is ``engine.serve.leader.LeaderElector``)."""
+
+    def __init__(self, leading: bool = False) -> None:
+        self.leading = leading
+        self.on_change: Any = None
+
+    def is_leader(self) -> bool:
+        return self.leading
+
+    def describe(self) -> dict[str, Any]:
+        return {"role": "leader" if self.leading else "follower"}
+
+    def try_once(self) -> bool:
+        return self.leading
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def win(self) -> None:
+        self.leading = True
+        self.on_change(True)
+
+
 class StaticClusterView:
     """A ``ClusterView`` over a fixed (mutable) list of nodes; ``fail`` makes it unreadable."""
 

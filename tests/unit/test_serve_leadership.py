@@ -6,44 +6,17 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from engine.serve.testing import FakeRunStarter, served, trigger_spec
+from engine.serve.testing import FakeLeadership, FakeRunStarter, served, trigger_spec
 
 ORPHAN = {"id": "r-orphan", "runbook": "gpu-node-recovery", "params": {"node": "omen2"}, "nodes": ["omen2"],
           "state": "interrupted", "source": "alertmanager", "plan_digest": None, "approval_required": False,
           "approved_by": None, "started": "2026-01-01T00:00:00.000Z", "finished": None, "exit_code": None}
 
 
-class Switch:
-    """A leadership that tests flip by hand (the real one is engine.serve.leader.LeaderElector)."""
-
-    def __init__(self) -> None:
-        self.leading = False
-        self.on_change: Any = None
-
-    def is_leader(self) -> bool:
-        return self.leading
-
-    def describe(self) -> dict[str, Any]:
-        return {"role": "leader" if self.leading else "follower"}
-
-    def try_once(self) -> bool:
-        return self.leading
-
-    def start(self) -> None:
-        pass
-
-    def stop(self) -> None:
-        pass
-
-    def win(self) -> None:
-        self.leading = True
-        self.on_change(True)
-
-
 def test_a_follower_resumes_no_orphan_and_resumes_it_at_once_when_it_becomes_leader() -> None:
     starter = FakeRunStarter([trigger_spec(mode="auto", matchers=('node=~"omen.*"',))],
                              preload=[ORPHAN], recover_ids=["r-orphan"])
-    leadership = Switch()
+    leadership = FakeLeadership()
     with served(starter=starter, elector=leadership, sweep_interval=0.2) as s:
         time.sleep(0.8)  # several sweeps as a follower
         assert starter.executed == []
@@ -61,7 +34,7 @@ def _finished(i: int) -> dict[str, Any]:
 def test_only_the_leader_prunes_finished_runs_beyond_the_retention() -> None:
     starter = FakeRunStarter([trigger_spec(mode="auto", matchers=('node=~"omen.*"',))],
                              preload=[_finished(i) for i in range(5)])
-    leadership = Switch()
+    leadership = FakeLeadership()
     with served(starter=starter, elector=leadership, sweep_interval=0.2, retention={"keep": 2}) as s:
         time.sleep(0.8)
         assert len(starter.runs()) == 5  # a follower prunes nothing

@@ -9,32 +9,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
-from engine.serve.testing import APPROVE, FakeRunStarter, Served, alert, served, trigger_spec
+from engine.serve.testing import APPROVE, FakeLeadership, FakeRunStarter, Served, alert, served, trigger_spec
 
 CFG: dict[str, Any] = {"dedup": {"node_cooldown": 0}}
-
-
-class Replica:
-    """A leadership that never changes (the real one is engine.serve.leader.LeaderElector)."""
-
-    def __init__(self, leading: bool) -> None:
-        self.leading = leading
-        self.on_change: Any = None
-
-    def is_leader(self) -> bool:
-        return self.leading
-
-    def describe(self) -> dict[str, Any]:
-        return {"role": "leader" if self.leading else "follower"}
-
-    def try_once(self) -> bool:
-        return self.leading
-
-    def start(self) -> None:
-        pass
-
-    def stop(self) -> None:
-        pass
 
 
 class CountingStarter(FakeRunStarter):
@@ -61,8 +38,8 @@ def _store(fail: Sequence[str] = ()) -> CountingStarter:
 @contextmanager
 def two_replicas(store: CountingStarter, **cfg: Any) -> Iterator[tuple[Served, Served]]:
     with ExitStack() as stack:
-        a = stack.enter_context(served(starter=store, elector=Replica(True), **{**CFG, **cfg}))
-        b = stack.enter_context(served(starter=store, elector=Replica(False), **{**CFG, **cfg}))
+        a = stack.enter_context(served(starter=store, elector=FakeLeadership(True), **{**CFG, **cfg}))
+        b = stack.enter_context(served(starter=store, elector=FakeLeadership(False), **{**CFG, **cfg}))
         yield a, b
 
 
