@@ -96,16 +96,22 @@ def lab_group() -> None:
 @click.option("--monitoring-rules", "monitoring_rules", multiple=True,
               type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Extra Prometheus rule files to load (e.g. deploy/monitoring/runbook-alerts.yaml); repeatable.")
+@click.option("--with-cluster-mode", is_flag=True,
+              help="Also apply deploy/kubernetes and run its Deployment's replicas as pods (docs/cluster.md); "
+                   "with --with-monitoring, Alertmanager pages their Service.")
+@click.option("--cluster-base", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="The kustomize base for --with-cluster-mode (default: this repository's deploy/kubernetes).")
 @_lab_dir_option
 def up_command(lab: Any, scenario: Path | None, timeout: float, with_monitoring: bool, alert_webhook: str | None,
-               monitoring_rules: tuple[Path, ...]) -> None:
+               monitoring_rules: tuple[Path, ...], with_cluster_mode: bool, cluster_base: Path | None) -> None:
     """Start control plane, node hosts and simulator; wait until the scenario's state is reached.
 
     Alertmanager's bearer token is $RUNBOOK_WEBHOOK_TOKEN (or a new one): `runbook lab env` exports it
     for `runbook serve`."""
     with _Phases() as say:
         summary = lab.up(scenario, timeout=timeout, progress=say, with_monitoring=with_monitoring,
-                         alert_webhook=alert_webhook, monitoring_rules=monitoring_rules)
+                         alert_webhook=alert_webhook, monitoring_rules=monitoring_rules,
+                         with_cluster_mode=with_cluster_mode, cluster_base=cluster_base)
     for line in summary["started"] or ["nothing new: the lab was already running"]:
         click.echo(f"started {line}" if summary["started"] else line)
     click.echo(f"lab ready in {summary['lab_dir']}: eval \"$(runbook lab env)\" to use it")
@@ -143,6 +149,12 @@ def status_command(lab: Any, output: str) -> None:
                        f"{gpu['cuda_jobs']} CUDA job{'s' if gpu['cuda_jobs'] != 1 else ''}")
     for vm in data["vms"]:
         click.echo(f"vm {vm['namespace']}/{vm['name']}: {vm['status']}")
+    cluster = data.get("cluster_mode")
+    if cluster:
+        click.echo(f"cluster mode: Service {cluster['service_dns']} at {cluster['service_url']}")
+        for pod in cluster["pods"]:
+            click.echo(f"pod {pod['name']} on {pod['node']}: pid {pod['pid']}, ip {pod['pod_ip']}, "
+                       f"{'ready' if pod['ready'] else 'not ready'}")
     monitoring = data.get("monitoring")
     if monitoring:
         click.echo(f"prometheus {monitoring['prometheus']}  alertmanager {monitoring['alertmanager']}  "

@@ -12,7 +12,9 @@ fstab or services, or listen anywhere but loopback.
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import hashlib
 import json
 import os
 import secrets
@@ -24,7 +26,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from engine.lab import procs, sim_gpu, sim_seed
+import yaml
+
+from engine.lab import cluster_mode, podspec, procs, sim_gpu, sim_seed
 from engine.lab.controlplane import ControlPlane, ControlPlaneSettings
 from engine.lab.errors import LabError
 from engine.lab.hoststate import HostState
@@ -88,6 +92,8 @@ class Lab:
         refs.append(procs.ProcessRef.from_json(record["simulator"]))
         if record.get("monitoring") and not self.monitoring(record).running():
             return False
+        if record.get("cluster_mode") and not procs.ProcessRef.from_json(record["cluster_mode"]["supervisor"]).alive():
+            return False
         return all(r.alive() for r in refs) and ControlPlane.from_state(record["controlplane_dir"]).is_running()
 
     def monitoring(self, record: dict[str, Any] | None = None) -> Monitoring:
@@ -107,13 +113,18 @@ class Lab:
     # -- up -----------------------------------------------------------------------------------------
     def up(self, scenario_path: Path | str | None = None, *, timeout: float = 180.0,
            progress: Progress = _quiet, with_monitoring: bool = False, alert_webhook: str | None = None,
-           webhook_token: str | None = None, monitoring_rules: tuple[Path, ...] = ()) -> dict[str, Any]:
+           webhook_token: str | None = None, monitoring_rules: tuple[Path, ...] = (),
+           with_cluster_mode: bool = False, cluster_base: Path | str | None = None) -> dict[str, Any]:
         """Start control plane, node hosts and simulator; wait until the scenario's state is reached.
         With monitoring (``with_monitoring`` or the scenario's ``monitoring: true``) also start
-        Prometheus and Alertmanager (``start_monitoring``)."""
+        Prometheus and Alertmanager (``start_monitoring``). With cluster mode, first run the base's
+        Deployment as pods (``start_cluster_mode``): Alertmanager then pages its Service."""
         def monitoring_up() -> str:
             return self.start_monitoring(alert_webhook=alert_webhook, webhook_token=webhook_token,
                                          extra_rules=monitoring_rules)
+
+        def cluster_mode_up() -> str:
+            return self.start_cluster_mode(cluster_base, progress=progress)
 
         if self.exists():
             if self.running():
@@ -123,6 +134,9 @@ class Lab:
                                    "run `runbook lab down` first")
                 progress(f"lab already running in {self.dir}")
                 added: list[str] = []
+                if with_cluster_mode and not self.record().get("cluster_mode"):
+                    added.append(cluster_mode_up())
+                    progress(added[-1])
                 if (with_monitoring or self.scenario().monitoring) and not self.record().get("monitoring"):
                     added.append(monitoring_up())
                     progress(added[-1])
@@ -160,6 +174,9 @@ class Lab:
             progress(started[-1])
             self._wait_for_scenario(kube, scenario, timeout, progress)
             kube.close()
+            if with_cluster_mode:
+                started.append(cluster_mode_up())
+                progress(started[-1])
             if with_monitoring or scenario.monitoring:
                 started.append(monitoring_up())
                 progress(started[-1])
@@ -250,11 +267,19 @@ class Lab:
         if not record.get("metrics_port"):  # a lab started before the exporters existed
             self._stop_simulator(record)
             self._start_simulator(record)
+        hosts: dict[str, str] = {}
+        cluster = record.get("cluster_mode")
+        if cluster and not alert_webhook:
+            # the in-cluster Alertmanager's way: the Service's DNS name (resolved by Alertmanager's own
+            # /etc/hosts, as cluster DNS would) and the sender token the Secret holds
+            alert_webhook = f"{cluster['service_dns_url']}/hooks/alertmanager"
+            webhook_token = webhook_token or cluster["webhook_token"]
+            hosts = {cluster["service_dns"]: cluster["service_ip"]}
         token = webhook_token or os.environ.get("RUNBOOK_WEBHOOK_TOKEN") or secrets.token_urlsafe(24)
         monitoring = self.monitoring(record)
         record["monitoring"] = monitoring.start(self.scenario().timing, record["metrics_port"],
                                                 webhook_url=alert_webhook or DEFAULT_WEBHOOK, token=token,
-                                                extra_rules=tuple(Path(r) for r in extra_rules))
+                                                extra_rules=tuple(Path(r) for r in extra_rules), hosts=hosts)
         self._save(record)
         ends = monitoring.endpoints
         return (f"monitoring: Prometheus {ends.prometheus}, Alertmanager {ends.alertmanager} "
@@ -279,6 +304,129 @@ class Lab:
         record.pop("monitoring")
         self._save(record)
         shutil.rmtree(self.dir / "monitoring", ignore_errors=True)
+        return stopped
+
+    # -- cluster mode ---------------------------------------------------------------------------------------
+    def start_cluster_mode(self, base: Path | str | None = None, *, progress: Progress = _quiet,
+                           timeout: float = 180.0) -> str:
+        """Apply deploy/kubernetes (``base``) to the lab and run its Deployment's replicas as pods
+        (``engine.lab.cluster_mode``); wait until every replica is ready behind the Service."""
+        record = self.record()
+        if record.get("cluster_mode"):
+            raise LabError(f"the lab in {self.dir} already runs cluster mode")
+        if not record.get("inventory"):
+            raise LabError("cluster mode needs the lab's SSH node hosts")
+        base_dir = Path(base).resolve() if base else cluster_mode.default_base()
+        folder = self.dir / "cluster-mode"
+        home = folder / "home"
+        home.mkdir(parents=True, exist_ok=True)
+        admin = record["kubeconfig"]
+        progress(f"rendering {base_dir} with kustomize")
+        work = podspec.split_rendered(cluster_mode.render(admin, home, base_dir))
+        inputs = cluster_mode.lab_inputs(work)
+        workdir = Path(next(iter(record["hosts"].values()))["workdir"])
+        overlay = cluster_mode.write_overlay(folder / "overlay", base_dir, work, inputs,
+                                             yaml.safe_load(Path(record["inventory"]).read_text()),
+                                             (workdir / "known_hosts").read_text())
+        objects = cluster_mode.render(admin, home, overlay)
+        work = podspec.split_rendered(objects)
+        applied, notes = cluster_mode.served(admin, home, objects)
+        progress(f"applying {len(applied)} objects of the base" + (f" ({'; '.join(notes)})" if notes else ""))
+        cluster_mode.kubectl_run(admin, home, "apply", "-f", "-", input=yaml.safe_dump_all(applied))
+        for crd in (o for o in applied if o["kind"] == "CustomResourceDefinition"):
+            cluster_mode.kubectl_run(admin, home, "wait", "--for=condition=Established",
+                                     f"crd/{crd['metadata']['name']}", "--timeout=60s")
+        token = secrets.token_urlsafe(24)
+        data = {inputs["ssh_key"]: (workdir / "id_ed25519").read_bytes(), inputs["webhook_key"]: token.encode(),
+                inputs["become_key"]: str(record.get("become_password", "")).encode()}
+        secret = {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+                  "metadata": {"name": inputs["secret"], "namespace": work.namespace},
+                  "data": {k: base64.b64encode(v).decode() for k, v in data.items()}}
+        cluster_mode.kubectl_run(admin, home, "apply", "-f", "-", input=json.dumps(secret))
+        kube = self.kube()
+        try:
+            api_nodes = kube.list(NODES)[0]
+        finally:
+            kube.close()
+        anti = bool(work.template["spec"].get("affinity"))
+        nodes = cluster_mode.schedule(api_nodes, work.replicas, anti)
+        service_port, target_port = work.service_port()
+        addresses = free_loopback_block(work.replicas + 1, port=service_port)
+        if target_port != service_port:
+            addresses = [addresses[0], *free_loopback_block(work.replicas, port=target_port)]
+        template_hash = hashlib.sha256(json.dumps(work.template, sort_keys=True).encode()).hexdigest()[:10]
+        pods = [{"name": f"{work.name}-{template_hash}-{secrets.token_hex(3)[:5]}", "node": node,
+                 "ip": addresses[i + 1]} for i, node in enumerate(nodes)]
+        dns = cluster_mode.SERVICE_DNS.format(name=work.service["metadata"]["name"], namespace=work.namespace)
+        plane = ControlPlane.from_state(record["controlplane_dir"])
+        config = {"dir": str(folder), "kubeconfig": record["simulator_kubeconfig"],
+                  "containerfile": str(cluster_mode.repo_root() / "deploy" / "Containerfile"),
+                  "repo": str(cluster_mode.repo_root()), "secret": inputs["secret"], "pods": pods,
+                  "ca_file": str(plane.ca_file), "api_host": "127.0.0.1", "api_port": plane.ports["apiserver"],
+                  "service_ip": addresses[0], "service_port": service_port, "target_port": target_port,
+                  "service_url": f"http://{addresses[0]}:{service_port}",
+                  "venv_bin": str(Path(sys.executable).parent), "node_ips": self._addresses(record)}
+        (folder / "rendered.json").write_text(json.dumps(objects))
+        (folder / "config.json").write_text(json.dumps(config, indent=2))
+        with (folder / "supervisor.log").open("ab") as log:
+            popen = subprocess.Popen([sys.executable, "-m", "engine.lab.cluster_mode", str(folder / "config.json")],
+                                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, cwd=folder,
+                                     start_new_session=True, close_fds=True)
+        record["cluster_mode"] = {
+            "supervisor": procs.ProcessRef.of(popen.pid).to_json(), "dir": str(folder),
+            "service_url": config["service_url"], "service_ip": addresses[0], "service_dns": dns,
+            "service_dns_url": f"http://{dns}:{service_port}", "webhook_token": token, "notes": notes,
+            "namespace": work.namespace}
+        self._save(record)
+        progress(f"starting {len(pods)} replicas of Deployment {work.namespace}/{work.name} as pods")
+        deadline = time.monotonic() + timeout
+
+        def problem() -> str | None:
+            popen.poll()
+            if not procs.ProcessRef.from_json(record["cluster_mode"]["supervisor"]).alive():
+                raise LabError("the cluster-mode supervisor exited: "
+                               + (folder / "supervisor.log").read_text(errors="replace")[-1500:])
+            state = self.cluster_mode_state()
+            pods_now = state.get("pods", [])
+            if len(pods_now) != len(pods):
+                return "pods not started yet"
+            for pod in pods_now:
+                if not pod["running"]:
+                    log_file = folder / "pods" / pod["name"] / "container.log"
+                    raise LabError(f"replica {pod['name']} exited: "
+                                   + log_file.read_text(errors="replace")[-1500:])
+                if not pod["ready"]:
+                    return f"{pod['name']} is not ready"
+            return None
+
+        _wait(problem, deadline, "the replicas to be ready")
+        return (f"cluster mode: {len(pods)} replicas of {work.namespace}/{work.name} "
+                f"({', '.join(p['name'] + '@' + p['node'] for p in pods)}), Service {dns} at {config['service_url']}")
+
+    def cluster_mode_state(self) -> dict[str, Any]:
+        """The supervisor's ``state.json`` (empty when cluster mode does not run)."""
+        cluster = self.record().get("cluster_mode")
+        if not cluster:
+            return {}
+        try:
+            return dict(json.loads((Path(cluster["dir"]) / cluster_mode.STATE_FILE).read_text()))
+        except (OSError, ValueError):
+            return {}
+
+    def _stop_cluster_mode(self, record: dict[str, Any]) -> list[str]:
+        cluster = record.get("cluster_mode")
+        if not cluster:
+            return []
+        state = self.cluster_mode_state()
+        ref = procs.ProcessRef.from_json(cluster["supervisor"])
+        procs.stop_processes([ref], timeout=45.0, reap=procs.reap_child)
+        stopped = [f"cluster-mode supervisor {ref.pid}"]
+        for pod in state.get("pods", []):
+            left = procs.ProcessRef(pod["pid"], pod["start_time"])
+            members = [procs.ProcessRef.of(p) for p in procs.pids_in_mount_namespace(pod["mount_namespace"])] \
+                if pod.get("mount_namespace") else []
+            procs.stop_processes([left, *members], timeout=10.0)
+            stopped.append(f"pod {pod['name']} {pod['pid']}")
         return stopped
 
     # -- waiting for the scenario -------------------------------------------------------------------------
@@ -354,9 +502,18 @@ class Lab:
             monitoring = {"prometheus": mon.endpoints.prometheus, "alertmanager": mon.endpoints.alertmanager,
                           "exporters": mon.endpoints.exporters, "webhook_url": record["monitoring"]["webhook_url"],
                           "alerts": alerts}
+        cluster: dict[str, Any] | None = None
+        if record.get("cluster_mode"):
+            state = self.cluster_mode_state()
+            cluster = {"service_url": record["cluster_mode"]["service_url"],
+                       "service_dns": record["cluster_mode"]["service_dns"],
+                       "pods": [{"name": p["name"], "pid": p["pid"], "node": p["node"], "pod_ip": p["pod_ip"],
+                                 "ready": p["ready"]} for p in state.get("pods", []) if p["running"]],
+                       "not_served": record["cluster_mode"].get("notes", [])}
         return {
             "lab_dir": str(self.dir), "kubeconfig": record["kubeconfig"], "inventory": record.get("inventory"),
             "scenario": record["scenario"], "running": self.running(), "monitoring": monitoring,
+            "cluster_mode": cluster,
             "simulator": {"pid": record["simulator"]["pid"], "log": str(self.dir / "simulator.log")},
             "nodes": nodes,
             "vms": [{"namespace": vm["metadata"]["namespace"], "name": vm["metadata"]["name"],
@@ -451,6 +608,7 @@ class Lab:
         stopped: list[str] = []
         if record.get("monitoring"):
             stopped += self.monitoring(record).stop()
+        stopped += self._stop_cluster_mode(record)
         if record["simulator"].get("pid"):
             self._stop_simulator(record)
             stopped.append(f"simulator {record['simulator']['pid']}")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import shutil
 import subprocess
 import time
@@ -33,7 +34,7 @@ import yaml
 
 from engine.lab import procs
 from engine.lab.errors import LabError
-from engine.lab.ports import free_port
+from engine.lab.ports import free_port, require_loopback
 from engine.lab.scenario import Timing
 
 HOST = "127.0.0.1"
@@ -80,8 +81,11 @@ class Monitoring:
 
     # -- start / stop -------------------------------------------------------------------------------
     def start(self, timing: Timing, metrics_port: int, *, webhook_url: str = DEFAULT_WEBHOOK,
-              token: str, extra_rules: list[Path] | tuple[Path, ...] = (), timeout: float = 60.0) -> dict[str, Any]:
-        """Write the configuration, start both processes and wait until they are ready."""
+              token: str, extra_rules: list[Path] | tuple[Path, ...] = (), timeout: float = 60.0,
+              hosts: dict[str, str] | None = None) -> dict[str, Any]:
+        """Write the configuration, start both processes and wait until they are ready. ``hosts``: names
+        Alertmanager resolves (name -> loopback address; its own /etc/hosts in a private mount
+        namespace, as cluster DNS resolves a Service's name for an in-cluster Alertmanager)."""
         prometheus, alertmanager = binary("prometheus"), binary("prometheus-alertmanager")
         self.dir.mkdir(parents=True, exist_ok=True)
         (self.dir / "rules").mkdir(exist_ok=True)
@@ -95,10 +99,18 @@ class Monitoring:
                        "processes": {}}
         self._write_alertmanager_config(webhook_url, timing)
         self._write_prometheus_config(timing, metrics_port, rules)
-        self.record["processes"]["alertmanager"] = self._spawn("alertmanager", [
-            alertmanager, f"--config.file={self.dir / 'alertmanager.yml'}",
-            f"--storage.path={self.dir / 'alertmanager-data'}", f"--web.listen-address={HOST}:{ports['alertmanager']}",
-            "--cluster.listen-address=", "--log.level=info"])
+        am_argv = [alertmanager, f"--config.file={self.dir / 'alertmanager.yml'}",
+                   f"--storage.path={self.dir / 'alertmanager-data'}",
+                   f"--web.listen-address={HOST}:{ports['alertmanager']}", "--cluster.listen-address=",
+                   "--log.level=info"]
+        if hosts:
+            hosts_file = self.dir / "alertmanager-hosts"
+            hosts_file.write_text("127.0.0.1 localhost\n" + "".join(
+                f"{require_loopback(ip)} {name}\n" for name, ip in sorted(hosts.items())))
+            am_argv = ["unshare", "--mount", "--propagation", "private", "/bin/sh", "-c",
+                       f"mount --bind {shlex.quote(str(hosts_file))} /etc/hosts && exec "
+                       + " ".join(shlex.quote(a) for a in am_argv)]
+        self.record["processes"]["alertmanager"] = self._spawn("alertmanager", am_argv)
         self.record["processes"]["prometheus"] = self._spawn("prometheus", [
             prometheus, f"--config.file={self.dir / 'prometheus.yml'}",
             f"--storage.tsdb.path={self.dir / 'prometheus-data'}", "--storage.tsdb.retention.time=1d",

@@ -14,6 +14,7 @@ from typing import Any
 from engine.lab.sim_kube import parse_time, rfc3339
 
 COMPLETES_LABEL = "runbook.lab/completes"
+PROCESS_ANNOTATION = "runbook.lab/process"  # engine.lab.cluster_mode's pods
 Obj = dict[str, Any]
 
 
@@ -83,6 +84,8 @@ def running_since(pod: Obj) -> float | None:
 def kubelet_action(pod: Obj) -> str | None:
     """What a running kubelet does with a pod of its node: "delete", "run", "complete" or None."""
     meta, status = pod["metadata"], pod.get("status", {})
+    if PROCESS_ANNOTATION in (meta.get("annotations") or {}):
+        return None  # a real process of cluster mode (engine.lab.cluster_mode): its supervisor is the kubelet
     if meta.get("deletionTimestamp"):
         return "delete"
     phase = status.get("phase", "Pending")

