@@ -413,6 +413,14 @@ class Lab:
         except (OSError, ValueError):
             return {}
 
+    def stop_cluster_mode(self) -> list[str]:
+        """Stop the replicas (their Pods are deleted) and the supervisor; the lab runs on."""
+        record = self.record()
+        stopped = self._stop_cluster_mode(record)
+        record.pop("cluster_mode", None)
+        self._save(record)
+        return stopped
+
     def _stop_cluster_mode(self, record: dict[str, Any]) -> list[str]:
         cluster = record.get("cluster_mode")
         if not cluster:
