@@ -210,15 +210,30 @@ def _stage(plan: ContainerPlan, folder: Path) -> dict[str, Path]:
     return out
 
 
+def _closed_to_others(uid: int, repo: Path) -> list[str]:
+    """Top-level folders above the installed package (its interpreter, its source) that another UID
+    cannot traverse (``/root`` holding a pyenv Python): overlaid traversable in the pod's namespace.
+    An image has its Python in /usr/local; this machine's stands in for it wherever it lives."""
+    out = []
+    for path in {Path(sys.base_prefix).resolve(), Path(sys.prefix).resolve(), Path(sys.executable).resolve(),
+                 repo.resolve()}:
+        top = path.parts[1] if len(path.parts) > 1 else ""
+        if top and top not in OVERLAID and top not in out and uid != 0 and not os.stat(f"/{top}").st_mode & 0o001:
+            out.append(top)
+    return sorted(out)
+
+
 def container_script(plan: ContainerPlan, folder: Path, repo: Path) -> str:
     """The shell run by ``unshare --mount --uts``: mounts as the pod's, then exec as the pod's UID."""
     q = shlex.quote
     staged = _stage(plan, folder)
     layers = folder / "layers"
     lines = ["set -e", f"hostname {q(plan.pod)}", "mount -t tmpfs -o mode=755 tmpfs /run"]
-    for d in OVERLAID:
+    for d in (*OVERLAID, *_closed_to_others(plan.uid, repo)):
         for sub in (f"{d}-up", f"{d}-work"):
             (layers / sub).mkdir(parents=True, exist_ok=True)
+        if d not in OVERLAID:  # only traversable (0711): the installed package's interpreter lies below
+            os.chmod(layers / f"{d}-up", 0o711)
         lines.append(f"mount -t overlay overlay -o lowerdir=/{d},upperdir={q(str(layers / (d + '-up')))},"
                      f"workdir={q(str(layers / (d + '-work')))} /{d}")
     # the image's user, and /etc/hosts as a kubelet writes it (the pod's name on its IP)
