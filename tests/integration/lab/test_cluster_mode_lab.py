@@ -44,7 +44,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.lab, pytest.mark.timeout(1500
 
 NS = "runbook-system"
 SA_USER = f"system:serviceaccount:{NS}:runbook"
-APPROVER = "approver-alice"
+APPROVER = "approver-cluster-mode"  # a name no other module of the session uses
 LABEL = "nvidia.com/gpu.workload.config"
 ALERT_TIMEOUT = 180
 PLAN_TIMEOUT = 300
@@ -107,9 +107,9 @@ def cluster(lab: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Clus
         # an on-call person: a ServiceAccount bound as docs/cluster.md binds approvers (1.20: + identity)
         env = lab.env()
         for args in (["create", "serviceaccount", APPROVER, "-n", NS],
-                     ["create", "rolebinding", "runbook-approvers", "-n", NS, "--clusterrole=runbook-approver",
-                      f"--serviceaccount={NS}:{APPROVER}"],
-                     ["create", "clusterrolebinding", "runbook-approvers-identity",
+                     ["create", "rolebinding", "runbook-approvers-cluster-mode", "-n", NS,
+                      "--clusterrole=runbook-approver", f"--serviceaccount={NS}:{APPROVER}"],
+                     ["create", "clusterrolebinding", "runbook-approvers-identity-cluster-mode",
                       "--clusterrole=runbook-approver-identity", f"--serviceaccount={NS}:{APPROVER}"]):
             subprocess.run(["kubectl", *args], env=env, capture_output=True, text=True, timeout=60, check=True)
         yield Cluster(lab, plane, record["service_url"], f"{record['service_dns']}:8080",
@@ -117,6 +117,11 @@ def cluster(lab: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Clus
     finally:
         lab.lab.stop_monitoring()
         lab.lab.stop_cluster_mode()
+        for args in (["delete", "clusterrolebinding", "runbook-approvers-identity-cluster-mode"],
+                     ["delete", "rolebinding", "runbook-approvers-cluster-mode", "-n", NS],
+                     ["delete", "serviceaccount", APPROVER, "-n", NS]):
+            subprocess.run(["kubectl", *args, "--ignore-not-found"], env=lab.env(), capture_output=True,
+                           timeout=60, check=False)
 
 
 def _pods(c: Cluster) -> list[dict[str, Any]]:
@@ -146,7 +151,8 @@ def test_the_base_runs_as_two_pods_one_leads_each_as_uid_10001_on_a_read_only_ro
         proc = Path(f"/proc/{pid}/status").read_text()
         assert "Uid:\t10001\t10001\t10001\t10001" in proc and "NoNewPrivs:\t1" in proc, proc
         assert "CapBnd:\t0000000000000000" in proc
-        assert Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[1:3] == [b"serve", b"--config"]
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        assert argv[argv.index(b"serve") - 1].endswith(b"/runbook") and b"--listen" in argv, argv
         env = dict(e.split("=", 1) for e in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in e)
         assert (env["RUNBOOK_STORE"], env["POD_NAME"], env["HOSTNAME"]) == ("kubernetes", pod["name"], pod["name"])
         assert "KUBECONFIG" not in env and env["KUBERNETES_SERVICE_HOST"] == "127.0.0.1"
