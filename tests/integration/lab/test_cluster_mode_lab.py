@@ -141,7 +141,7 @@ def _ns_run(pid: int, *argv: str) -> subprocess.CompletedProcess[str]:
 
 def test_the_base_runs_as_two_pods_one_leads_each_as_uid_10001_on_a_read_only_root(cluster: Cluster) -> None:
     status = cluster.status()
-    pods = {p["name"]: p for p in _pods(cluster)}
+    pods = {p["metadata"]["name"]: p for p in _pods(cluster)}
     assert sorted(pods) == sorted(p["name"] for p in status["pods"]) and len(pods) == 2, (pods.keys(), status)
     assert all(_running(p) for p in pods.values())
     assert len({p["spec"]["nodeName"] for p in pods.values()}) == 2  # the base's anti-affinity
