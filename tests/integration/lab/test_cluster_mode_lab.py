@@ -112,8 +112,10 @@ def cluster(lab: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Clus
                      ["create", "clusterrolebinding", "runbook-approvers-identity-cluster-mode",
                       "--clusterrole=runbook-approver-identity", f"--serviceaccount={NS}:{APPROVER}"]):
             subprocess.run(["kubectl", *args], env=env, capture_output=True, text=True, timeout=60, check=True)
-        yield Cluster(lab, plane, record["service_url"], f"{record['service_dns']}:8080",
-                      plane.issue_token(NS, APPROVER))
+        # the approver's token as docs/cluster.md gets it: kubectl create token (TokenRequest)
+        token = subprocess.run(["kubectl", "create", "token", APPROVER, "-n", NS], env=env, capture_output=True,
+                               text=True, timeout=60, check=True).stdout.strip()
+        yield Cluster(lab, plane, record["service_url"], f"{record['service_dns']}:8080", token)
     finally:
         lab.lab.stop_monitoring()
         lab.lab.stop_cluster_mode()
