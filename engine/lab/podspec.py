@@ -87,6 +87,15 @@ SUPPORTED: dict[str, str] = {
     "spec.template.spec.containers[].volumeMounts[].mountPath": "bind-mounted there in the private mount namespace",
     "spec.template.spec.containers[].volumeMounts[].readOnly": "",
 }
+# kinds of the base -> how the lab honours them. Any other kind is an error.
+KINDS: dict[str, str] = {
+    "Namespace": "applied", "CustomResourceDefinition": "applied (waited for Established)",
+    "ServiceAccount": "applied; the pods' token is TokenRequest's for it", "ClusterRole": "applied, enforced",
+    "ClusterRoleBinding": "applied, enforced", "Role": "applied, enforced", "RoleBinding": "applied, enforced",
+    "ConfigMap": "applied; mounted and read by the pods", "Deployment": "applied; its replicas run as processes",
+    "Service": "applied; a TCP proxy on a loopback address stands for it",
+    "PodDisruptionBudget": "applied where the API server serves its version (1.20 does not serve policy/v1)",
+}
 FIELD_REFS = ("metadata.name", "metadata.namespace", "status.podIP", "spec.nodeName", "spec.serviceAccountName")
 _CONTAINERFILE_INSTRUCTIONS = {"FROM", "RUN", "WORKDIR", "COPY", "ENV", "USER", "ENTRYPOINT", "CMD"}
 
@@ -318,6 +327,10 @@ def _paths(value: Any, prefix: str) -> Iterator[tuple[str, str]]:
 
 def split_rendered(objects: Sequence[Mapping[str, Any]]) -> Workload:
     """The rendered base -> ``Workload``; checks every field of the Deployment against ``SUPPORTED``."""
+    for o in objects:
+        if o.get("kind") not in KINDS:
+            raise UnsupportedField(f"{o.get('kind')} {o.get('metadata', {}).get('name')}: kind {o.get('kind')} is not "
+                                   "supported by the lab's emulation (engine/lab/podspec.py KINDS)")
     deployments = [o for o in objects if o.get("kind") == "Deployment"]
     if len(deployments) != 1:
         raise UnsupportedField(f"the base must hold one Deployment, not {len(deployments)}")

@@ -92,3 +92,9 @@ def test_an_unknown_field_ref_and_a_missing_secret_key_are_refused(rendered: lis
 
 def test_kubernetes_variable_expansion() -> None:
     assert podspec.expand("$(A):8080 $$(A) $(B)", {"A": "x"}) == "x:8080 $(A) $(B)"
+
+
+def test_a_kind_the_emulation_does_not_know_is_an_error_naming_it(rendered: list[dict[str, Any]]) -> None:
+    policy = {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": {"name": "runbook"}}
+    with pytest.raises(UnsupportedField, match="NetworkPolicy runbook: kind NetworkPolicy is not supported"):
+        podspec.split_rendered([*rendered, policy])
