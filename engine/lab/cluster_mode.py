@@ -287,6 +287,7 @@ class Replica:
         self.started = time.time()
         self.gone = False
         self.mount_namespace: str | None = None
+        self.uts_namespace: str | None = None
         self.next_probe = 0.0
         self.liveness_failures = 0
 
@@ -385,8 +386,9 @@ class Supervisor:
                 if r.mount_namespace is None:
                     with contextlib.suppress(OSError):
                         ns = os.readlink(f"/proc/{r.ref.pid}/ns/mnt")
-                        if ns != os.readlink("/proc/self/ns/mnt"):
-                            r.mount_namespace = ns
+                        uts = os.readlink(f"/proc/{r.ref.pid}/ns/uts")
+                        if ns != os.readlink("/proc/self/ns/mnt") and uts != os.readlink("/proc/self/ns/uts"):
+                            r.mount_namespace, r.uts_namespace = ns, uts
                 if not r.ref.alive():  # the container's process died: its Pod goes (no restart here)
                     r.gone, r.ready, changed = True, False, True
                     with contextlib.suppress(Exception):
@@ -407,8 +409,9 @@ class Supervisor:
             self.stopping.wait(0.5)
 
     def _kill_namespace(self, r: Replica) -> None:
-        if r.mount_namespace:
-            refs = [procs.ProcessRef.of(p) for p in procs.pids_in_mount_namespace(r.mount_namespace)]
+        """What a container runtime does when the container's first process ends: end the rest."""
+        if r.mount_namespace and r.uts_namespace:
+            refs = [procs.ProcessRef.of(p) for p in procs.pids_in_mount_namespace(r.mount_namespace, r.uts_namespace)]
             procs.stop_processes([x for x in refs if x.start_time != -1], timeout=5.0)
 
     def pick(self) -> Replica | None:
@@ -475,7 +478,8 @@ class Supervisor:
                  "supervisor_pid": os.getpid(),
                  "pods": [{"name": r.plan.pod, "pid": r.ref.pid, "start_time": r.ref.start_time,
                            "node": r.plan.node, "pod_ip": r.plan.pod_ip, "ready": r.ready,
-                           "running": not r.gone, "mount_namespace": r.mount_namespace}
+                           "running": not r.gone, "mount_namespace": r.mount_namespace,
+                           "uts_namespace": r.uts_namespace}
                           for r in self.replicas]}
         tmp = self.dir / (STATE_FILE + ".tmp")
         tmp.write_text(json.dumps(state, indent=2))

@@ -217,7 +217,8 @@ class Lab:
                     "address": host.address, "password": host.password, "host_dir": str(host.host_dir),
                     "layers_dir": str(host.layers_dir), "fstab": host.fstab, "sudo": host.spec.sudo,
                     "process": host.ref.to_json() if host.ref else {"pid": 0, "start_time": -1},
-                    "mount_namespace": host.mount_namespace, "workdir": str(workdir)}
+                    "mount_namespace": host.mount_namespace, "uts_namespace": host.uts_namespace,
+                    "workdir": str(workdir)}
             started.append(f"{len(hostset)} node hosts: " + ", ".join(f"{h.name}@{h.address}" for h in hostset)
                            + f" (inventory {hostset.inventory_path})")
             progress(started[-1])
@@ -431,8 +432,8 @@ class Lab:
         stopped = [f"cluster-mode supervisor {ref.pid}"]
         for pod in state.get("pods", []):
             left = procs.ProcessRef(pod["pid"], pod["start_time"])
-            members = [procs.ProcessRef.of(p) for p in procs.pids_in_mount_namespace(pod["mount_namespace"])] \
-                if pod.get("mount_namespace") else []
+            members = [procs.ProcessRef.of(p) for p in procs.pids_in_mount_namespace(
+                pod["mount_namespace"], pod.get("uts_namespace") or "unknown")] if pod.get("mount_namespace") else []
             procs.stop_processes([left, *members], timeout=10.0)
             stopped.append(f"pod {pod['name']} {pod['pid']}")
         return stopped
@@ -640,7 +641,8 @@ class Lab:
         return NodeHost(spec=NodeHostSpec(name=name, address=h["address"], sudo=h["sudo"]),
                         address=h["address"], password=h["password"], host_dir=Path(h["host_dir"]),
                         layers_dir=Path(h["layers_dir"]), fstab=h["fstab"],
-                        ref=procs.ProcessRef.from_json(h["process"]), mount_namespace=h.get("mount_namespace"))
+                        ref=procs.ProcessRef.from_json(h["process"]), mount_namespace=h.get("mount_namespace"),
+                        uts_namespace=h.get("uts_namespace"))
 
 
 # -- the scenario's state, as checks that say what is missing -----------------------------------------

@@ -114,6 +114,7 @@ class NodeHost:
     user: str = LOGIN_USER
     ref: procs.ProcessRef | None = None
     mount_namespace: str | None = None
+    uts_namespace: str | None = None  # with the mount namespace: which processes are this host's
     _popen: subprocess.Popen[bytes] | None = field(default=None, repr=False)
     _owner: NodeHostSet | None = field(default=None, repr=False)
 
@@ -165,6 +166,7 @@ class NodeHost:
             if _accepts(self.address, self.port):
                 with contextlib.suppress(OSError):
                     self.mount_namespace = os.readlink(f"/proc/{self.ref.pid}/ns/mnt")
+                    self.uts_namespace = os.readlink(f"/proc/{self.ref.pid}/ns/uts")
                 return
             if time.monotonic() > deadline:
                 raise LabError(f"node host {self.name} did not listen on {self.address}:{self.port} "
@@ -190,6 +192,7 @@ class NodeHost:
             "host_dir": str(self.host_dir), "layers_dir": str(self.layers_dir), "fstab": self.fstab,
             "proc_files": self.proc_files, "shims_dir": str(self.shims_dir) if self.shims_dir else None,
             "process": self.ref.to_json() if self.ref else None, "mount_namespace": self.mount_namespace,
+            "uts_namespace": self.uts_namespace,
         }
 
     @classmethod
@@ -199,11 +202,11 @@ class NodeHost:
             host_dir=Path(data["host_dir"]), layers_dir=Path(data["layers_dir"]), fstab=data["fstab"],
             proc_files=dict(data["proc_files"]), shims_dir=Path(data["shims_dir"]) if data["shims_dir"] else None,
             ref=procs.ProcessRef.from_json(data["process"]) if data["process"] else None,
-            mount_namespace=data["mount_namespace"],
+            mount_namespace=data["mount_namespace"], uts_namespace=data.get("uts_namespace"),
         )
 
     def namespace_pids(self) -> list[int]:
-        return procs.pids_in_mount_namespace(self.mount_namespace) if self.mount_namespace else []
+        return procs.pids_in_mount_namespace(self.mount_namespace, self.uts_namespace) if self.mount_namespace else []
 
     # -- looking inside ----------------------------------------------------------------------------
     def run(self, *argv: str, check: bool = True, input: str | None = None) -> subprocess.CompletedProcess[str]:
@@ -522,7 +525,7 @@ def _shim_targets(relative: Path) -> list[str]:
 
 # -- stopping -------------------------------------------------------------------------------------
 def _stop_hosts(hosts: list[NodeHost], timeout: float) -> None:
-    namespaces = {h.mount_namespace for h in hosts if h.mount_namespace}
+    namespaces = {(h.mount_namespace, h.uts_namespace) for h in hosts if h.mount_namespace}
     refs = [h.ref for h in hosts if h.ref is not None and h.ref.alive()]
     popens = {h.ref.pid: h._popen for h in hosts if h.ref is not None and h._popen is not None}
 
@@ -549,8 +552,8 @@ def _stop_hosts(hosts: list[NodeHost], timeout: float) -> None:
         host._popen = None
 
 
-def _namespace_members(namespaces: set[str]) -> list[int]:
-    return [pid for ns in namespaces for pid in procs.pids_in_mount_namespace(ns)]
+def _namespace_members(namespaces: set[tuple[str, str | None]]) -> list[int]:
+    return [pid for mnt, uts in namespaces for pid in procs.pids_in_mount_namespace(mnt, uts)]
 
 
 # -- small helpers --------------------------------------------------------------------------------

@@ -98,14 +98,18 @@ def die_with_parent() -> None:
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def pids_in_mount_namespace(ns_inode: str) -> list[int]:
-    """Every PID whose mount namespace is ``ns_inode`` (as ``readlink /proc/PID/ns/mnt`` prints it)."""
+def pids_in_mount_namespace(ns_inode: str, uts_inode: str | None = None) -> list[int]:
+    """Every PID whose mount namespace is ``ns_inode`` (as ``readlink /proc/PID/ns/mnt`` prints it) and,
+    when given, whose UTS namespace is ``uts_inode``. Why both: the kernel reuses a freed namespace's
+    inode number, so a namespace that ended long ago may name another session's processes now; the pair
+    of a mount and a UTS namespace recorded together does not come back by chance."""
     found: list[int] = []
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
         try:
-            if os.readlink(f"/proc/{entry.name}/ns/mnt") == ns_inode:
+            if os.readlink(f"/proc/{entry.name}/ns/mnt") == ns_inode and (
+                    uts_inode is None or os.readlink(f"/proc/{entry.name}/ns/uts") == uts_inode):
                 found.append(int(entry.name))
         except OSError:
             continue
