@@ -254,7 +254,10 @@ class Dispatcher:
         queued = []
         for run_id in self.starter.recover():
             with self._lock:
-                if run_id in self._runs:
+                known = self._runs.get(run_id)
+                # Why not every known run: one this replica planned and still shows waiting for approval
+                # was approved elsewhere and executed by a replica now gone; recover() claimed it for us
+                if known is not None and known.state != "waiting-approval":
                     continue  # already queued or executing here
             try:
                 s = self.starter.run(run_id)

@@ -133,3 +133,21 @@ def test_the_leader_resumes_a_run_whose_executor_died_silently_but_not_one_the_e
     with sqlite3.connect(tmp_path / "j.sqlite") as db:  # what a store writes for a dead owner: no event
         db.execute("UPDATE runs SET state='interrupted', owner_pid=NULL WHERE id=?", (died,))
     assert starter.recover() == [died]
+
+
+def test_a_run_this_replica_planned_and_another_replica_executed_is_resumed_here_when_recover_claims_it() -> None:
+    """Cluster mode (issue 26): replica B planned the run (it waits for approval in B's memory); it was
+    approved at the leader A, which executed it and died; B, now leader, claims it in ``recover``: B must
+    execute it, not skip it as "already queued here" (the run hung Running in the lab test before)."""
+    from engine.serve.testing import AUTH, alert, webhook
+
+    starter = FakeRunStarter([trigger_spec(mode="approve", matchers=('node=~"omen.*"',))])
+    leadership = FakeLeadership()
+    with served(starter=starter, elector=leadership, sweep_interval=0.2) as s:
+        r = s.client.post("/hooks/alertmanager", json=webhook(alert("omen2")), headers=AUTH)
+        (run_id,) = r.json()["runs"]
+        assert starter.wait_until(lambda st: st.run(run_id)["state"] == "waiting-approval", timeout=5)
+        assert starter.executed == [run_id]  # planned here (the fake counts that execution too)
+        starter._recover = [run_id]  # claimed by recover() once its executor elsewhere went silent
+        leadership.win()
+        assert starter.wait_until(lambda st: st.executed == [run_id, run_id], timeout=5), starter.executed

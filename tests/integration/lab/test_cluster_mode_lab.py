@@ -82,9 +82,12 @@ class Cluster:
             headers["Host"] = self.host_header
         return httpx.request(method, (base or self.service_url) + path, headers=headers, timeout=30, **kw)
 
-    def remediation_run(self, node: str) -> dict[str, Any] | None:
+    def remediation_run(self, node: str, name: str | None = None, phase: str | None = None) -> dict[str, Any] | None:
+        """A RemediationRun of ``node`` (named ``name``, or in ``phase``). A node may have two: its
+        NotReady and its Unreachable alert each page, at either replica."""
         items = self.json("get", "rr", "-n", NS, "-l", f"runbook.io/node={node}")["items"]
-        return items[-1] if items else None
+        return next((i for i in items if (name is None or i["metadata"]["name"] == name)
+                     and (phase is None or i.get("status", {}).get("phase") == phase)), None)
 
     def leader_pod(self) -> str:
         holder = self.json("get", "lease", "runbook-serve", "-n", NS)["spec"].get("holderIdentity") or ""
@@ -171,8 +174,7 @@ def test_the_base_runs_as_two_pods_one_leads_each_as_uid_10001_on_a_read_only_ro
 def test_omen2_pages_the_service_waits_as_a_remediation_run_and_an_rbac_approver_approves_it_to_recovery(
         cluster: Cluster, sh: Any) -> None:
     def waiting() -> dict[str, Any] | None:
-        rr = cluster.remediation_run("omen2")
-        return rr if rr and rr.get("status", {}).get("phase") == "WaitingApproval" else None
+        return cluster.remediation_run("omen2", phase="WaitingApproval")
 
     rr = wait_for(waiting, ALERT_TIMEOUT + PLAN_TIMEOUT, "omen2's RemediationRun to wait for approval")
     run_id = rr["metadata"]["name"]
@@ -191,7 +193,7 @@ def test_omen2_pages_the_service_waits_as_a_remediation_run_and_an_rbac_approver
     assert approved.status_code in (200, 202), approved.text
 
     def finished() -> dict[str, Any] | None:
-        rr = cluster.remediation_run("omen2")
+        rr = cluster.remediation_run("omen2", run_id)
         return rr if rr and rr["status"].get("phase") in ("Succeeded", "Failed", "Blocked", "Cancelled") else None
 
     done = wait_for(finished, RUN_TIMEOUT, "omen2's run to finish")
@@ -224,8 +226,7 @@ def test_kill_9_of_the_leader_during_the_next_paged_run_the_other_replica_finish
     node = "gpu-3090-1"
 
     def waiting() -> dict[str, Any] | None:
-        rr = cluster.remediation_run(node)
-        return rr if rr and rr.get("status", {}).get("phase") == "WaitingApproval" else None
+        return cluster.remediation_run(node, phase="WaitingApproval")
 
     rr = wait_for(waiting, PLAN_TIMEOUT, f"{node}'s RemediationRun to wait for approval")
     run_id = rr["metadata"]["name"]
@@ -242,7 +243,7 @@ def test_kill_9_of_the_leader_during_the_next_paged_run_the_other_replica_finish
     assert approved.status_code in (200, 202), approved.text
 
     def swapped_off() -> bool:
-        events = (cluster.remediation_run(node) or {}).get("status", {}).get("events", [])
+        events = (cluster.remediation_run(node, run_id) or {}).get("status", {}).get("events", [])
         return any(e.get("kind") == "step.outcome" and e.get("step") == "swap-off" for e in events)
 
     wait_for(swapped_off, RUN_TIMEOUT, f"{node}'s swap-off step to finish", interval=0.2)
@@ -252,7 +253,7 @@ def test_kill_9_of_the_leader_during_the_next_paged_run_the_other_replica_finish
     assert [p["name"] for p in cluster.status()["pods"]] == [survivor]
 
     def finished() -> dict[str, Any] | None:
-        rr = cluster.remediation_run(node)
+        rr = cluster.remediation_run(node, run_id)
         return rr if rr and rr["status"].get("phase") in ("Succeeded", "Failed", "Blocked", "Cancelled") else None
 
     done = wait_for(finished, TAKEOVER_TIMEOUT + RUN_TIMEOUT, f"{node}'s run to finish at the other replica")
