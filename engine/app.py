@@ -9,6 +9,7 @@ decides how a run proceeds.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -295,12 +296,36 @@ def approve(settings: Settings, run_id: str, digest: str, approved_by: str | Non
             raise UsageError("--by is refused with --store kubernetes: the approver recorded is the identity "
                              "your kubeconfig authenticates as")
         who = authorize_approval(cast(IdentityAPI, settings.kube()), settings.store_namespace, run_id)
+        roles: frozenset[str] = frozenset()
     else:
-        who = approved_by or current_user()
-    journal = settings.open_journal()
-    rec = journal.record_approval(run_id, digest, who)
-    print(f"run {run_id} approved by {rec.approved_by} for plan {digest}")
+        # The SQLite store cannot tell who typed the command: the approver is the operating-system
+        # user; --by may name only the identity the approvals configuration gives this CLI.
+        who, roles = current_user(), os_groups()
+        if approved_by is not None and approved_by not in (who, settings.approval_config().cli_identity):
+            raise UsageError(f"--by {approved_by}: the approver recorded is you ({who}); --by may only name "
+                             "approvals.cli_identity of the guards configuration")
+        who = approved_by or who
+    summary = _service(settings, live=False).approve(run_id, digest, who, roles=roles)
+    approvals = summary["approvals"]
+    if approvals["satisfied"]:
+        print(f"run {run_id} approved by {summary['approved_by']} for plan {digest} ({approvals['text']})")
+    else:
+        print(f"run {run_id}: approval by {who} recorded for plan {digest} ({approvals['text']}; "
+              f"waiting for {approvals['required'] - approvals['count']} more: {approvals['who_may']})")
     return ExitCode.OK
+
+
+def os_groups() -> frozenset[str]:
+    """The names of the current operating-system user's groups (the roles a CLI approver has)."""
+    import grp
+
+    names = set()
+    for gid in os.getgroups():
+        try:
+            names.add(grp.getgrgid(gid).gr_name)
+        except KeyError:
+            continue
+    return frozenset(names)
 
 
 def resume(settings: Settings, run_id: str, *, yes: bool, output: str,

@@ -98,6 +98,13 @@ class StalePlan(RunbookError):
     exit_code = ExitCode.STALE
 
 
+class ApprovalRefused(RunbookError):
+    """The approval policy does not let this person approve this run (not an approver, the requester,
+    or an approval already given)."""
+
+    exit_code = ExitCode.BLOCKED
+
+
 class JournalError(RunbookError):
     """The journal cannot be opened, read or written (locked by another writer past the wait, disk
     full, read-only, corrupt). One line naming the file and the cause; nothing more is done, and no

@@ -364,8 +364,26 @@ class RunService:
             raise UsageError(f"run {run_id} has no recorded plan")
         return Plan.model_validate(rec.plan)
 
-    def approve(self, run_id: str, plan_digest: str, approved_by: str | None = None) -> Mapping[str, Any]:
-        return self.journal.record_approval(run_id, plan_digest, approved_by or current_user()).summary()
+    def approve(self, run_id: str, plan_digest: str, approved_by: str | None = None, *,
+                roles: frozenset[str] = frozenset(), requester_default: bool = True) -> Mapping[str, Any]:
+        """Record an approval under the approval policy (``engine.approvals``); the run's approval
+        is recorded once the policy counts enough distinct approvers."""
+        from engine.approvals import approve
+
+        return approve(self.journal, run_id, plan_digest, approved_by or current_user(),
+                       config=self.settings.approval_config(), roles=roles, labels=self.node_labels(run_id),
+                       requester_default=requester_default)
+
+    def node_labels(self, run_id: str) -> Callable[[], Mapping[str, str] | None]:
+        """Reads the run's node's labels when the approval policy selects by them (None: unreadable)."""
+        def read() -> Mapping[str, str] | None:
+            rec = self.journal.get_run(run_id)
+            try:
+                node = self.settings.kube().read_node(rec.nodes[0]) if rec.nodes else None
+            except RunbookError:
+                return None
+            return dict(node.labels) if node is not None else None
+        return read
 
     # -- guards ---------------------------------------------------------------------------------
 

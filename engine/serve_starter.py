@@ -187,8 +187,9 @@ class JournalRunStarter:
         self.service.record_blocked(run_id, reason)
         return RunOutcome(run_id, RunState.BLOCKED.value, None, 3, reason)
 
-    def approve(self, run_id: str, plan_digest: str, approved_by: str) -> Mapping[str, Any]:
-        return self.service.approve(run_id, plan_digest, approved_by)
+    def approve(self, run_id: str, plan_digest: str, approved_by: str, *,
+                roles: frozenset[str] = frozenset()) -> Mapping[str, Any]:
+        return self.service.approve(run_id, plan_digest, approved_by, roles=roles)
 
     def reject(self, run_id: str, reason: str, rejected_by: str) -> Mapping[str, Any]:
         rec = self.journal.get_run(run_id)
@@ -213,7 +214,18 @@ class JournalRunStarter:
                 "dedup_key": notes[0].get("dedup_key", "") if notes else "",
                 "requested_by": requested[0] if requested else None,
                 "outcome_reason": outcome_reason(events),
+                "approvals": self._approvals(run_id, rec.state),
                 "events": [e.as_dict() for e in events]}
+
+    def _approvals(self, run_id: str, state: str) -> Mapping[str, Any] | None:
+        """"1 of 2 approvals" for a waiting run (engine.approvals); None otherwise."""
+        if state != RunState.WAITING_APPROVAL.value:
+            return None
+        from engine.approvals import policy_status
+
+        status = policy_status(self.journal, run_id, self.service.settings.approval_config(),
+                               labels=self.service.node_labels(run_id))
+        return status.as_dict() if status is not None else None
 
     def record_event(self, run_id: str, kind: str, data: Mapping[str, Any]) -> None:
         self.journal.get_run(run_id)  # UsageError for an unknown id

@@ -25,6 +25,7 @@ from pydantic import (
     model_validator,
 )
 
+from engine.approval_policy import ApprovalConfig
 from engine.configfile import read_mapping
 from engine.errors import UsageError
 from engine.model import parse_duration
@@ -244,6 +245,7 @@ class ServeConfig(_Section):
     breaker: BreakerConfig = Field(default_factory=BreakerConfig)
     exclusions: ExclusionConfig = Field(default_factory=ExclusionConfig)
     guards: GuardConfig | None = None  # the run guards (engine.run_guards); exclusions above when unset
+    approvals: ApprovalConfig = Field(default_factory=ApprovalConfig)  # who may approve (engine.approval_policy)
     notify: NotifyConfig = Field(default_factory=NotifyConfig)
     pagerduty: PagerDutyConfig = Field(default_factory=PagerDutyConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)

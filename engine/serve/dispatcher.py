@@ -40,7 +40,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any, Literal
 
-from engine.errors import RunbookError
+from engine.errors import ApprovalRefused, RunbookError
 from engine.serve.access import Identity
 from engine.serve.alertmanager import Alert, WebhookPayload
 from engine.serve.cluster import ClusterSnapshot, ClusterUnavailable, ClusterView, RefreshingClusterView
@@ -116,7 +116,8 @@ class NotFound(Exception):
 
 
 class SelfApproval(Exception):
-    """The approver is the identity that requested the run (HTTP 403, ``auth.requester_cannot_approve``)."""
+    """The approver is the identity that requested the run (HTTP 403, ``auth.requester_cannot_approve``),
+    or the approval policy does not count this approver (``engine.approval_policy``)."""
 
 
 def _cut(text: str, limit: int) -> str:
@@ -622,7 +623,17 @@ class Dispatcher:
             raise SelfApproval(f"run {run_id} was requested by {who.name}; another person must approve it "
                                "(auth.requester_cannot_approve)")
         approved_by = who.name
-        summary = dict(self.starter.approve(run_id, plan_digest, approved_by))
+        try:
+            summary = dict(self.starter.approve(run_id, plan_digest, approved_by,
+                                                roles=frozenset({who.role}) - {"any", "none"}))
+        except ApprovalRefused as e:
+            raise SelfApproval(str(e)) from e
+        approvals = summary.get("approvals")
+        if isinstance(approvals, Mapping) and not approvals.get("satisfied", True):
+            # The policy wants more distinct approvers: the run keeps waiting (engine.approvals).
+            return {"run": summary, "queued": False, "approvals": dict(approvals),
+                    "note": f"approval recorded ({approvals.get('text')}); the run starts when the policy "
+                            "is satisfied"}
         with self._lock:
             meta = self._runs.get(run_id)
             if meta is not None:

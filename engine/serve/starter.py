@@ -133,8 +133,11 @@ class RunStarter(Protocol):
         """Plan and, unless it must wait for approval, run. Blocking; called in a worker thread."""
         ...
 
-    def approve(self, run_id: str, plan_digest: str, approved_by: str) -> Mapping[str, Any]:
-        """Record an approval of exactly ``plan_digest``; the run's summary. StalePlan / UsageError."""
+    def approve(self, run_id: str, plan_digest: str, approved_by: str, *,
+                roles: frozenset[str] = frozenset()) -> Mapping[str, Any]:
+        """Record an approval of exactly ``plan_digest`` under the approval policy; the run's summary
+        with ``approvals`` (count, required, satisfied, text) when a policy applies.
+        StalePlan / UsageError / ApprovalRefused."""
         ...
 
     def reject(self, run_id: str, reason: str, rejected_by: str) -> Mapping[str, Any]:
