@@ -120,6 +120,12 @@ def plan(settings: Settings, name: str, *, node: str | None, selector: str | Non
     finally:
         settings.close()
     _print_plans(plans, output)
+    if targets:
+        from engine.run_windows import window_state
+
+        shown = window_state(targets[0].loaded.runbook, service.clock())
+        if shown.windows:  # `runbook plan` shows the next window (stderr for machine formats)
+            print(f"maintenance window: {shown.describe()}", file=sys.stdout if output == "text" else sys.stderr)
     if out_file is not None:
         if len(plans) != 1:
             raise UsageError("--out saves the plan of one node; use --node")

@@ -31,6 +31,7 @@ from pydantic import (
 )
 
 from engine.checkkind import Check, FormatModel
+from engine.windows import Window
 
 API_VERSION = "runbook/v1"
 PLAN_FORMAT = "runbook-plan/v1"
@@ -494,6 +495,9 @@ class Trigger(_Model):
     # Fire only when the runbook's declared diagnosis matches the node (read-only facts first); a
     # page for a node sick for another cause ends blocked with the evidence and changes nothing.
     require_diagnosis: bool = False
+    # The trigger's own maintenance windows (as the runbook's ``windows``): its automatic runs
+    # start only inside them (and inside the runbook's).
+    windows: tuple[Window, ...] = ()
 
 
 class DiagnosisCause(_Model):
@@ -539,6 +543,11 @@ class Runbook(_Model):
     report: str | None = None
     triggers: tuple[Trigger, ...] = ()
     diagnosis: DiagnosisSpec | None = None
+    # Maintenance windows (engine.windows): outside them an automatic run is deferred until the
+    # next opening (or refused, ``outside_windows: refuse``); a person's run needs
+    # ``--override-guard window --reason``.
+    windows: tuple[Window, ...] = ()
+    outside_windows: Literal["defer", "refuse"] = "defer"
 
     @field_validator("params")
     @classmethod

@@ -64,7 +64,9 @@ from engine.run_guards import (
     judge,
     read_guard_facts,
 )
+from engine.run_windows import run_window_verdict
 from engine.store import RunStore, StepProgress
+from engine.windows import Clock, clock_from_env
 
 if TYPE_CHECKING:
     from engine.connectors.base import KubeAPI, NodeAutomation
@@ -257,6 +259,7 @@ class RunService:
     automatic: bool = False
     guards: GuardConfig | None = None
     gather_window: float = 0.3  # a batch's facts requests wait this long for each other (engine.batch)
+    clock: Clock = field(default_factory=clock_from_env)  # maintenance windows' time (RUNBOOK_CLOCK: the lab's)
 
     def __post_init__(self) -> None:
         self.journal: RunStore = self.settings.open_journal()
@@ -431,9 +434,11 @@ class RunService:
                 out[n] = "; ".join(f"guard {v.name}: {v.reason}" for v in stops)
         return out
 
-    def _pass_guards(self, run_id: str, node: str, overrides: Mapping[str, str], *, changes: bool) -> str | None:
-        """Under the guard lock: evaluate, journal, and (when they pass) count the node in flight."""
-        verdicts = self.guard_verdicts(node, overrides)
+    def _pass_guards(self, run_id: str, node: str, overrides: Mapping[str, str], *, changes: bool,
+                     window: GuardVerdict | None = None) -> str | None:
+        """Under the guard lock: evaluate, journal, and (when they pass) count the node in flight.
+        ``window``: the maintenance-window verdict of the run's runbook (``engine.run_windows``)."""
+        verdicts = [*self.guard_verdicts(node, overrides), *([window] if window is not None else [])]
         self.journal.append(run_id, "guards", node=node, verdicts=[v.as_dict() for v in verdicts])
         for v in verdicts:
             if v.overridden is not None:
@@ -493,7 +498,9 @@ class RunService:
         with self._guard_lock:  # one node at a time, so that a batch's GPU budget counts its own nodes
             # A resumed run started before (its node's capacity is already taken): only new work
             # is held to the capacity guards.
-            refused = self._pass_guards(run_id, prepared.node, overrides or {},
+            window = run_window_verdict(journal, run_id, prepared.loaded.runbook, self.clock(),
+                                        overrides=overrides or {}, actor=current_user(), automatic=self.automatic)
+            refused = self._pass_guards(run_id, prepared.node, overrides or {}, window=window,
                                         changes=not resume and plan.state is not PlanState.NOTHING_TO_DO)
         if refused is not None:
             # A resume stopped by a guard stays resumable; a new run is simply blocked.

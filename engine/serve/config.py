@@ -241,6 +241,7 @@ class ServeConfig(_Section):
     # trip (None: half of cluster_cache_ttl; 0: only when a page finds it older than the TTL).
     cluster_refresh: Seconds | None = None
     shutdown_grace: Seconds = 30.0
+    deferred_poll: Seconds = 30.0  # how often a run deferred to its maintenance window asks again
     dedup: DedupConfig = Field(default_factory=DedupConfig)
     breaker: BreakerConfig = Field(default_factory=BreakerConfig)
     exclusions: ExclusionConfig = Field(default_factory=ExclusionConfig)

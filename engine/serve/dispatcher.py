@@ -483,7 +483,8 @@ class Dispatcher:
                                  transient=True)
         request = RunRequest(runbook=c.runbook, params=dict(c.params), node=c.node, mode=mode,
                              source=c.source, reason=c.reason, warnings=warnings, dedup_key=c.dedup_key,
-                             requested_by=requested_by, require_diagnosis=c.require_diagnosis)
+                             requested_by=requested_by, require_diagnosis=c.require_diagnosis,
+                             windows=c.windows)
         try:
             ticket = self.starter.submit(request)
         except AlreadyStarted as e:  # another replica took this page first (shared store)
@@ -551,6 +552,13 @@ class Dispatcher:
         except Exception as e:
             log.exception("run %s raised", run_id)
             outcome = RunOutcome(run_id, "failed", reason=f"{type(e).__name__}: {e}")
+        if outcome.state == "deferred":
+            # Outside its maintenance windows (engine.run_windows): ask again after deferred_poll;
+            # the starter executes it once a window is open (a restart re-queues it: still pending).
+            with self._lock:
+                meta.state = "deferred"
+            self._defer(run_id)
+            return
         if outcome.state == "waiting-approval":
             with self._lock:
                 meta.state, meta.plan_digest = outcome.state, outcome.plan_digest
@@ -564,6 +572,16 @@ class Dispatcher:
                 meta.state = outcome.state
             return
         self._finish(run_id, meta, outcome)
+
+    def _defer(self, run_id: str) -> None:
+        def again() -> None:
+            if not self._stop.is_set() and not self.worker.submit(functools.partial(self._execute, run_id),
+                                                                  reserved=False):
+                self._defer(run_id)  # the pool is full: ask again later
+
+        timer = threading.Timer(self.config.deferred_poll, again)
+        timer.daemon = True
+        timer.start()
 
     def _finish(self, run_id: str, meta: _RunMeta, outcome: RunOutcome) -> None:
         with self._lock:

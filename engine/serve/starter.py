@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from engine.model import ParamValue, Trigger
+from engine.windows import Window
 
 Mode = Literal["auto", "approve"]
 Source = Literal["alertmanager", "pagerduty"]
@@ -87,6 +88,7 @@ class RunRequest:
     dedup_key: str = ""  # alert fingerprint or PagerDuty incident id, for the record
     requested_by: str = ""  # the sender identity that paged (recorded; it can never approve)
     require_diagnosis: bool = False  # execute checks the runbook's diagnosis on the node before planning
+    windows: tuple[Window, ...] = ()  # the trigger's maintenance windows (engine.run_windows)
 
 
 @dataclass(frozen=True)
@@ -102,7 +104,7 @@ class RunOutcome:
     """``execute``'s answer: ``waiting-approval`` (with the digest) or a final run state."""
 
     run_id: str
-    state: str  # waiting-approval | succeeded | failed | blocked | cancelled | interrupted
+    state: str  # waiting-approval | succeeded | failed | blocked | cancelled | interrupted | deferred
     plan_digest: str | None = None
     exit_code: int | None = None
     reason: str = ""  # one line: why it ended so (blocked precondition, failed step, lock holder)
