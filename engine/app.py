@@ -392,6 +392,74 @@ def resume(settings: Settings, run_id: str, *, yes: bool, output: str,
         settings.close()
 
 
+# -- rollback -----------------------------------------------------------------------------------
+
+
+def plan_rollback(settings: Settings, run_id: str, *, output: str) -> int:
+    """``runbook plan --rollback RUN_ID``: the rollback's plan, skipped steps and refusals. Changes nothing."""
+    from engine.rollback import rollback_target
+
+    service = _service(settings, live=False)
+    try:
+        target = rollback_target(service, run_id)
+        the_plan = service.plan(target.prepared, preview=True)
+    finally:
+        settings.close()
+    _print_plans([the_plan], output)
+    _print_rollback_notes(run_id, target.skipped, target.refused)
+    return ExitCode.BLOCKED if target.refused else the_plan.exit_code
+
+
+def _print_rollback_notes(run_id: str, skipped: Sequence[str], refused: Sequence[str]) -> None:
+    for s in skipped:
+        print(f"rollback of {run_id}: skipped {s}", file=sys.stderr)
+    for r in refused:
+        print(f"rollback of {run_id}: REFUSED: {r}", file=sys.stderr)
+
+
+def rollback(settings: Settings, run_id: str, *, yes: bool, output: str,
+             overrides: dict[str, str] | None = None) -> int:
+    """``runbook rollback RUN_ID``: plan the inverses, confirm, run them as a run linked to RUN_ID."""
+    from engine.rollback import rollback_target
+
+    service = _service(settings)
+    try:
+        service.check_overrides(overrides or {})
+        target = rollback_target(service, run_id)
+        the_plan = service.plan(target.prepared)
+        if output != "json":
+            _print_plans([the_plan], "text")
+        _print_rollback_notes(run_id, target.skipped, target.refused)
+        if target.refused or the_plan.state is PlanState.BLOCKED:
+            if output == "json":
+                _print_plans([the_plan], "json")
+            print(f"rollback of run {run_id} refused; nothing was changed", file=sys.stderr)
+            return ExitCode.BLOCKED
+        confirm(f"Roll back run {run_id} on {target.prepared.node}?", yes)
+        return _execute_rollback(service, run_id, target.prepared, the_plan, output=output,
+                                 overrides=overrides, reason="runbook rollback")
+    finally:
+        settings.close()
+
+
+def _execute_rollback(service: RunService, run_id: str, prepared: PreparedRun, the_plan: Plan, *, output: str,
+                      overrides: dict[str, str] | None, reason: str) -> int:
+    from engine.rollback import link
+
+    new_id = service.create(prepared, the_plan, source="rollback")
+    link(service.journal, run_id, new_id, reason=reason)
+    print(f"run {new_id} rolls back run {run_id}", file=sys.stderr)
+    if service.live is not None:
+        service.live.expect([the_plan])
+    try:
+        with cancellation(on_abort=service.settings.abort_actions) as cancel:
+            result = service.execute(new_id, prepared, the_plan, cancel=cancel, overrides=overrides)
+    finally:
+        _stop_live(service)
+    _print_result(result, new_id, output)
+    return result.exit_code
+
+
 # -- history ------------------------------------------------------------------------------------
 
 

@@ -441,8 +441,49 @@ class Verify(_Model):
 
 
 class Rollback(_Model):
+    """``on_failure: {rollback: [actions]}`` (the step's own rollback), or ``{rollback: all}``: after
+    the step's failure, roll back the whole run (every step's declared inverse, newest first)."""
+
     KEY: ClassVar[str] = "rollback"
-    rollback: tuple[Action, ...] = Field(min_length=1)
+    rollback: tuple[Action, ...] | Literal["all"]
+
+    @field_validator("rollback")
+    @classmethod
+    def _some(cls, v: tuple[Action, ...] | str) -> tuple[Action, ...] | str:
+        if not v:
+            raise ValueError("give at least one rollback action, or `all`")
+        return v
+
+
+class Inverse(_Model):
+    """A step's declared inverse (whole-run rollback, ``runbook rollback RUN_ID``): one action, the
+    guards that must hold to take it now (else the rollback is refused with the reason), and its
+    verification."""
+
+    action: Action | None = None
+    auto: bool = False  # the kube verb's own inverse (as ``rollback: auto``), under these guards
+    why: str = ""
+    guards: tuple[Check, ...] = ()
+    verify: tuple[Verify, ...] = ()
+
+    @model_validator(mode="after")
+    def _one(self) -> Inverse:
+        if (self.action is None) == (not self.auto):
+            raise ValueError("give the inverse's action, or auto: true (not both)")
+        return self
+
+
+class NoInverse(_Model):
+    """``rollback: {none: WHY}``: the step cannot or must not be undone, and why."""
+
+    none: str = Field(min_length=1)
+
+
+# ``auto``: the kube verb's own inverse (label/unlabel/annotate restore the values the run found;
+# cordon <-> uncordon), from the changes its run recorded. ``none``: no inverse (say why in a
+# comment, or use ``{none: why}``).
+StepRollback = Literal["auto", "none"] | NoInverse | Inverse
+AUTO_INVERSE_VERBS = ("label", "unlabel", "annotate", "cordon", "uncordon")
 
 
 def _on_failure_tag(value: Any) -> str | None:
@@ -468,6 +509,15 @@ class Step(_Model):
     on_failure: OnFailure = "stop"
     idempotent: bool = True
     approval: bool = False
+    rollback: StepRollback | None = None  # the inverse for a whole-run rollback (engine.rollback)
+
+    @model_validator(mode="after")
+    def _auto_inverse(self) -> Step:
+        auto = self.rollback == "auto" or (isinstance(self.rollback, Inverse) and self.rollback.auto)
+        if auto and not (isinstance(self.action, KubeAction) and self.action.kube.KEY in AUTO_INVERSE_VERBS):
+            raise ValueError(f"rollback: auto is the inverse of the kube verbs {', '.join(AUTO_INVERSE_VERBS)}; "
+                             "declare the inverse action ({action: ..., verify: [...]}) or {none: why}")
+        return self
 
     @property
     def mutating(self) -> bool:
@@ -475,7 +525,31 @@ class Step(_Model):
 
     @property
     def rollback_actions(self) -> tuple[KubeAction | AnsibleAction | CheckAction, ...]:
-        return self.on_failure.rollback if isinstance(self.on_failure, Rollback) else ()
+        if isinstance(self.on_failure, Rollback) and not isinstance(self.on_failure.rollback, str):
+            return self.on_failure.rollback
+        return ()
+
+    @property
+    def rollback_all(self) -> bool:
+        """``on_failure: {rollback: all}``: a failure of this step rolls the whole run back."""
+        return isinstance(self.on_failure, Rollback) and self.on_failure.rollback == "all"
+
+    def describe_rollback(self) -> str:
+        """What the plan shows as this step's inverse."""
+        if self.rollback is None:
+            return "no inverse declared" if self.mutating else ""
+        if self.rollback == "auto" or (isinstance(self.rollback, Inverse) and self.rollback.auto):
+            guards = len(self.rollback.guards) if isinstance(self.rollback, Inverse) else 0
+            return "auto: restore what the step changed" + (f" (under {guards} guard(s))" if guards else "")
+        if self.rollback == "none":
+            return "none"
+        if isinstance(self.rollback, NoInverse):
+            return f"none: {self.rollback.none}"
+        a = self.rollback.action
+        assert a is not None
+        what = f"playbook {a.ansible.playbook}" if isinstance(a, AnsibleAction) else \
+            f"kube {a.kube.KEY}" if isinstance(a, KubeAction) else "check"
+        return f"{what}{': ' + self.rollback.why if self.rollback.why else ''}"
 
 
 class PagerDutyMatch(_Model):
@@ -655,6 +729,7 @@ class PlannedStep(_Model):
     idempotent: bool = True
     approval: bool = False
     mutating: bool = False
+    rollback: str = ""  # the step's declared inverse, as a whole-run rollback would take it
 
 
 def canonical_json(data: Any) -> bytes:

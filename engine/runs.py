@@ -55,6 +55,7 @@ from engine.locks import DEFAULT_NAMESPACE, DEFAULT_TTL_SECONDS, NodeLock, acqui
 from engine.model import AnsibleAction, Plan, PlanState, RunResult, RunState
 from engine.output import Fanout
 from engine.params import PreparedRun, prepare_fleet, prepare_run
+from engine.rollback import roll_back_after_failure
 from engine.run_guards import (
     GuardConfig,
     GuardVerdict,
@@ -507,12 +508,14 @@ class RunService:
             state = RunState.INTERRUPTED if resume else RunState.BLOCKED
             return self._stop(run_id, prepared, plan, state, ExitCode.BLOCKED, refused, event="run.blocked")
         try:
-            return self._locked_execute(run_id, prepared, plan, kube, nodes, progress, cancel=cancel,
-                                        approved=approved, wait_approval=wait_approval, resume=resume,
-                                        confirm_rerun=confirm_rerun)
+            result = self._locked_execute(run_id, prepared, plan, kube, nodes, progress, cancel=cancel,
+                                          approved=approved, wait_approval=wait_approval, resume=resume,
+                                          confirm_rerun=confirm_rerun)
         finally:
             with self._guard_lock:
                 self._in_flight.discard(prepared.node)
+        roll_back_after_failure(self, run_id, prepared, result)  # on_failure: {rollback: all} (engine.rollback)
+        return result
 
     def _locked_execute(self, run_id: str, prepared: PreparedRun, plan: Plan, kube: KubeAPI,
                         nodes: NodeAutomation | None, progress: StepProgress, *, cancel: threading.Event | None,
