@@ -131,6 +131,11 @@ class KubeError(ConnectorError):
         self.status = status
 
 
+class NamespaceTerminating(KubeError):
+    """An eviction (a create) refused because the pod's namespace is being deleted (HTTP 403, cause
+    ``NamespaceTerminating``): kubectl drain waits for a pod already deleting, else retries."""
+
+
 class NotFound(KubeError):
     """The object does not exist (HTTP 404)."""
 

@@ -145,11 +145,27 @@ class DrainSpec(_Model):
     grace_period: int | None = Field(default=None, ge=0)  # seconds; the pod's own when omitted
     timeout: Duration = "300s"  # evicting (429s retried) and waiting for the pods to be gone
     selector: str | None = None  # only pods matching this label selector (kubectl --pod-selector)
+    # Pods a disruption budget still refuses this long after the evictions start are deleted
+    # instead (kured #303, NVSentinel's DeleteAfterTimeout), each named in the evidence. Off by default.
+    delete_after: Duration | None = None
 
     @model_validator(mode="before")
     @classmethod
     def _true_is_defaults(cls, v: Any) -> Any:
         return {} if v is None or v is True else v
+
+    @model_validator(mode="after")
+    def _delete_after_within_timeout(self) -> DrainSpec:
+        if self.delete_after is not None:
+            if self.disable_eviction:
+                raise ValueError("delete_after deletes pods a budget refuses; with disable_eviction nothing is evicted")
+            try:
+                after, timeout = parse_duration(self.delete_after), parse_duration(self.timeout)
+            except ValueError:
+                return self  # templated durations are checked when rendered
+            if after >= timeout:
+                raise ValueError(f"delete_after ({self.delete_after}) must be shorter than timeout ({self.timeout})")
+        return self
 
 
 class WaitSpec(_Model):
