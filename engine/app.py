@@ -490,9 +490,16 @@ def show_run(settings: Settings, run_id: str, fmt: str) -> int:
     journal = settings.open_journal()
     rec = journal.get_run(run_id)
     events = journal.events(run_id)
+    from engine.escalation import lineage
+
+    links = lineage(events)
     if fmt == "json":
-        print(output.dump_json({**rec.summary(), "plan": rec.plan,
+        print(output.dump_json({**rec.summary(), "plan": rec.plan, **links,
                                 "events": [e.as_dict() for e in events]}))
     else:
         print(output.events_text(rec, events))
+        if links["parent"]:
+            print(f"{links['parent']['why']} run {links['parent']['run']}")
+        for c in links["children"]:
+            print(f"{c['why']} run {c['run']}" + (f" ({c['runbook']})" if c.get("runbook") else ""))
     return ExitCode.OK

@@ -621,6 +621,24 @@ class DiagnosisSpec(_Model):
     params: dict[str, str] = Field(default_factory=dict)
 
 
+class RunbookOnFailure(_Model):
+    """``on_failure: {escalate: [RUNBOOK, ...]}``: when a run of this runbook fails (an action or a
+    verification, never a blocked step), the named runbooks (each with the same node param) are
+    tried in order, each planned, guarded, approved per its own mode and verified (engine.escalation)."""
+
+    escalate: tuple[str, ...] = Field(min_length=1)
+
+    @field_validator("escalate")
+    @classmethod
+    def _names(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for name in v:
+            if not re.fullmatch(DNS_LABEL, name):
+                raise ValueError(f"escalate: {name!r} is not a runbook name")
+        if len(set(v)) != len(v):
+            raise ValueError("escalate names a runbook twice")
+        return v
+
+
 class Runbook(_Model):
     api_version: Literal["runbook/v1"] = Field(alias="apiVersion")
     name: str = Field(pattern=DNS_LABEL, max_length=63)
@@ -638,6 +656,7 @@ class Runbook(_Model):
     # ``--override-guard window --reason``.
     windows: tuple[Window, ...] = ()
     outside_windows: Literal["defer", "refuse"] = "defer"
+    on_failure: RunbookOnFailure | None = None  # escalation when a run fails (engine.escalation)
 
     @field_validator("params")
     @classmethod

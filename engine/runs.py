@@ -48,6 +48,7 @@ from engine import loader, planning, previews, probes
 from engine.batch import SharedPlaybooks
 from engine.checks import HOST
 from engine.errors import ExitCode, LockHeld, RunbookError, StalePlan, UsageError
+from engine.escalation import escalate_after_failure
 from engine.execution import Executor, Progress
 from engine.journal import JournalSink
 from engine.loader import LoadedRunbook
@@ -515,6 +516,7 @@ class RunService:
             with self._guard_lock:
                 self._in_flight.discard(prepared.node)
         roll_back_after_failure(self, run_id, prepared, result)  # on_failure: {rollback: all} (engine.rollback)
+        escalate_after_failure(self, run_id, prepared, result)  # on_failure: {escalate: [...]} (engine.escalation)
         return result
 
     def _locked_execute(self, run_id: str, prepared: PreparedRun, plan: Plan, kube: KubeAPI,
