@@ -111,3 +111,15 @@ def test_rollback_all_restores_what_the_run_found_as_a_linked_run(service: tuple
     assert svc.journal.get_run(child["run"]).state == "succeeded"
     assert kube.nodes["omen2"].labels[KEY] == "orig" and "other" not in kube.nodes["omen2"].labels
     assert lineage(svc.journal.events(child["run"]))["parent"] == {"run": run_id, "why": "rolls back"}
+
+
+def test_the_shipped_escalations_name_shipped_runbooks_with_a_node_param_that_ask_for_approval() -> None:
+    from engine.loader import list_runbooks
+
+    loaded, problems = list_runbooks(Path(__file__).resolve().parents[2] / "runbooks")
+    assert not problems
+    books = {lr.name: lr.runbook for lr in loaded}
+    assert books["gpu-node-recovery"].on_failure is not None
+    for rb in books.values():
+        for name in (rb.on_failure.escalate if rb.on_failure else ()):
+            assert name in books and books[name].node_param is not None and books[name].approval, name
