@@ -151,9 +151,12 @@ def rollback_target(service: RunService, run_id: str) -> RollbackTarget:
     if rec.state in ACTIVE_STATES:
         raise UsageError(f"run {run_id} is {rec.state}: roll back a run once it has ended")
     events = journal.events(run_id)
-    done = [e.data.get("run") for e in events if e.kind == ROLLED_BACK]
+    # A rollback that a guard or its plan blocked changed nothing: it does not count.
+    done = [str(e.data.get("run")) for e in events if e.kind == ROLLED_BACK]
+    done = [r for r in done if journal.get_run(r).state != "blocked"]
     if done:
-        raise UsageError(f"run {run_id} was rolled back already by run {done[-1]}")
+        raise UsageError(f"run {run_id} was rolled back already by run {done[-1]} "
+                         f"({journal.get_run(done[-1]).state})")
     if any(e.kind == ROLLBACK_OF for e in events):
         raise UsageError(f"run {run_id} is itself a rollback; it is not rolled back in turn")
     plan = service.stored_plan(run_id)
