@@ -37,3 +37,16 @@ def test_a_two_approver_policy_starts_the_run_only_on_the_second_distinct_approv
         s.idle()
         assert starter.executed == [run_id, run_id]
         assert s.client.get(f"/runs/{run_id}").json()["approved_by"] == "alice, bob"
+
+
+def test_the_run_page_links_an_escalated_run_to_its_parent_and_children() -> None:
+    run = {"id": "r-child", "runbook": "node-reboot", "params": {"node": "omen5"}, "nodes": ["omen5"],
+           "state": "succeeded", "source": "escalation", "plan_digest": None, "approval_required": True,
+           "approved_by": "bob", "started": None, "finished": None, "exit_code": 0,
+           "events": [{"kind": "escalation.of", "run": "r-parent", "runbook": "gpu-node-recovery"},
+                      {"kind": "run.rolled_back", "run": "r-undo"}]}
+    starter = FakeRunStarter([trigger_spec()], preload=[run])
+    with served(starter=starter) as s:
+        page = s.client.get("/ui/runs/r-child", headers=APPROVE).text
+    assert 'Escalated from</dt><dd class="parent-run"><a href="/ui/runs/r-parent">r-parent</a>' in page
+    assert 'Rolled back by</dt><dd class="child-run"><a href="/ui/runs/r-undo">r-undo</a>' in page
