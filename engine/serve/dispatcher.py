@@ -351,22 +351,28 @@ class Dispatcher:
     def handle_alerts(self, payload: WebhookPayload, requested_by: str = "alertmanager") -> list[Decision]:
         self.flush_refusals()
         decisions: list[Decision] = []
-        firing: list[str] = []
-        resolved: list[str] = []
-        for i, alert in enumerate(payload.alerts):
+        matched = [(alert, self.index.for_alert(alert) if alert.firing else None) for alert in payload.alerts]
+        # Why first: a run may end before this delivery is answered; the page's nodes must be known then
+        self._observe_page(payload, matched)
+        for i, (alert, matches) in enumerate(matched):
             if i % 20 == 19:
                 time.sleep(0)  # Why: yield the interpreter so the event loop answers in between
             label = _cut(alert.describe(), 512)
-            if not alert.firing:
-                resolved.append(self._node_of_alert(alert))
+            if matches is None:
                 decisions.append(self._resolved(alert, label))
                 continue
-            matches = self.index.for_alert(alert)
-            firing.append(next((c.node for c in matches.candidates if c.node), None) or self._node_of_alert(alert))
             decisions += self._decide(matches, label, requested_by, group_key=payload.group_key,
                                       alert_started=alert.starts_at.timestamp() if alert.starts_at else None)
-        self.pages.observe(payload.group_key, firing, resolved)
         return decisions
+
+    def _observe_page(self, payload: WebhookPayload, matched: Sequence[tuple[Alert, Matches | None]]) -> None:
+        """Record the nodes of the delivery's group (``PageGroups``): firing and recovered."""
+        if not payload.group_key:
+            return
+        firing = [next((c.node for c in m.candidates if c.node), None) or self._node_of_alert(a)
+                  for a, m in matched if m is not None]
+        resolved = [self._node_of_alert(a) for a, m in matched if m is None]
+        self.pages.observe(payload.group_key, firing, resolved)
 
     def _node_of_alert(self, alert: Alert) -> str:
         """The node an alert is about: as its trigger renders it (a resolved alert: as its firing
@@ -406,6 +412,7 @@ class Dispatcher:
         Why: an alert storm is mostly re-sends of what already started; answering those inline
         keeps them out of the thread pool, where they would queue behind real work."""
         decisions: list[Decision] = []
+        self._observe_page(payload, [(a, self.index.for_alert(a) if a.firing else None) for a in payload.alerts])
         for alert in payload.alerts:
             label = _cut(alert.describe(), 512)
             if not alert.firing:
