@@ -7,9 +7,11 @@ ignores the rest. ``link`` is the run's console page, ``<public_url>/ui/runs/<ru
 ``public_url`` is configured. With
 ``notify.secret`` every webhook POST is signed: ``X-Runbook-Signature: t=<unix seconds>,v1=<hex of
 HMAC-SHA256(secret, "<t>.<body>")>`` (``verify_webhook`` is what a receiver does). PagerDuty events
-are built by ``engine.serve.pagerduty_events``. Delivery happens in one background thread through a
-bounded queue: a slow or dead receiver never delays a webhook answer or a run, and failures are
-logged, never raised. Secrets are never put in a notification.
+are built by ``engine.serve.pagerduty_events``; PagerDuty REST notes by ``engine.serve.pagerduty_rest``;
+Slack messages by ``engine.serve.slack``. Delivery is ``engine.serve.delivery``'s: one lane (bounded
+queue, thread) per target, retries with backoff: a slow or dead receiver never delays a webhook
+answer, a run or another target, and failures are counted and logged, never raised. Secrets are
+never put in a notification.
 """
 
 from __future__ import annotations

@@ -173,3 +173,17 @@ def test_without_a_slack_app_the_endpoint_refuses_and_secrets_never_reach_the_lo
         shown = repr(config) + repr(s.dispatcher.notifier.target("slack"))
     logged = "\n".join(r.getMessage() for r in caplog.records) + shown
     assert SLACK_BOT_TOKEN not in logged and SLACK_SIGNING_SECRET not in logged
+
+
+def test_a_weak_signing_secret_is_refused_at_start_naming_the_variable() -> None:
+    from engine.errors import UsageError
+    from engine.serve.config import load_config
+
+    env = {"RUNBOOK_SLACK_BOT_TOKEN": SLACK_BOT_TOKEN, "RUNBOOK_SLACK_SIGNING_SECRET": "short-secret"}
+    with pytest.raises(UsageError) as e:
+        load_config(None, env=env, overrides={"notify": {"slack": {"channel": SLACK_CHANNEL}}})
+    assert "RUNBOOK_SLACK_SIGNING_SECRET" in str(e.value) and "short-secret" not in str(e.value)
+    with pytest.raises(UsageError) as unmapped:
+        load_config(None, env={**env, "RUNBOOK_SLACK_SIGNING_SECRET": SLACK_SIGNING_SECRET},
+                    overrides={"notify": {"slack": {"channel": SLACK_CHANNEL, "users": {"alice": "alice"}}}})
+    assert "is not a Slack user id" in str(unmapped.value)
