@@ -365,6 +365,8 @@ class Notifier:
 
     def close(self, timeout: float = 5.0) -> None:
         for lane in self.lanes:
+            lane.stopping.set()  # Why all first: every lane stops waiting for a retry at once
+        for lane in self.lanes:
             lane.close(timeout)
 
 

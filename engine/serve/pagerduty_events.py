@@ -84,6 +84,9 @@ def events_for(n: Notification, *, routing_key: str, source: str = "runbook", se
         "summary": _summary(b.text().replace("\n", " | ")), "source": (b.node or source)[:255],
         "severity": severity, "timestamp": datetime.now(UTC).isoformat(timespec="milliseconds"),
         "component": b.runbook[:255], "group": "runbook", "class": b.event, "custom_details": details}}
-    if n.event == "finished" and n.resolve:
+    # Why only the group's key obeys ``resolve``: a key of one alert (or runbook's own) is this run's
+    # alone; the group's is shared by every node of the page (engine.serve.page_groups)
+    shared = dedup == "alertmanager-group" and bool(n.group_key) and not n.pagerduty_key
+    if n.event == "finished" and (n.resolve or not shared):
         return [note, {**base, "event_action": "resolve"}]
     return [note]
