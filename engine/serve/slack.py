@@ -125,18 +125,23 @@ def approval_blocks(n: Notification) -> list[dict[str, Any]]:
     return blocks
 
 
-def decided_blocks(n: Notification) -> list[dict[str, Any]]:
-    """The message after a click: who decided and the outcome; the buttons again when the run still
-    waits (the click was refused for a reason the clicker can fix)."""
+def decided_blocks(n: Notification, lines: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """The message after a click or a change of the run: what happened to it (``lines``, oldest
+    first: who decided, the outcome); the buttons again only when the run still waits for a
+    decision (a click refused for a reason the clicker can fix)."""
     extra = n.extra
-    blocks: list[dict[str, Any]] = [
-        {"type": "section", "text": {"type": "mrkdwn", "text": f"{_head(n.runbook, n.node, n.run_id)}\n"
-                                                               f"{_esc(str(extra.get('outcome', '')))}"[:2900]}}]
+    shown = "\n".join(_esc(line) for line in lines[-10:])
+    head = f"{_head(n.runbook, n.node, n.run_id)}\n{shown}"[:2900]
+    blocks: list[dict[str, Any]] = [{"type": "section", "text": {"type": "mrkdwn", "text": head}}]
     context = f"plan digest `{_esc(str(extra.get('plan_digest', '')))}`" + (f" · {_link(n.link)}" if n.link else "")
     blocks.append({"type": "context", "elements": [{"type": "mrkdwn", "text": context}]})
     if extra.get("keep_buttons") and n.extra.get("plan_digest"):
         blocks += approval_blocks(n)[-2:]
     return blocks
+
+
+_STATE_LINES = {"started": ":arrow_forward: run started", "finished": ":white_check_mark: run succeeded",
+                "failed": ":x: run failed", "blocked": ":no_entry: run blocked"}
 
 
 class SlackTarget:
@@ -151,6 +156,8 @@ class SlackTarget:
         self.api_url = api_url.rstrip("/")
         self.events = frozenset(events)
         self.messages: OrderedDict[str, tuple[str, str]] = OrderedDict()  # run id -> (channel, ts)
+        self.history: dict[str, list[str]] = {}  # run id -> what became of its approval message
+        self.digests: dict[str, str] = {}  # run id -> the digest its approval message showed
 
     def __repr__(self) -> str:  # Why: the bot token must never reach a log
         return f"SlackTarget(channel={self.channel!r}, api_url={self.api_url!r})"
@@ -185,21 +192,37 @@ class SlackTarget:
         what = f"{n.event} for {n.run_id or n.runbook}"
         if n.event == DECISION:
             channel, ts = str(n.extra.get("channel", "")), str(n.extra.get("ts", ""))
+            lines = self.history.setdefault(n.run_id or "", [])
+            lines.append(str(n.extra.get("outcome", "")))
             if channel and ts:
-                self._call(send, "chat.update", {"channel": channel, "ts": ts, "text": str(n.extra.get("outcome", "")),
-                                                 "blocks": decided_blocks(n)}, what)
+                self._call(send, "chat.update", {"channel": channel, "ts": ts, "text": lines[-1],
+                                                 "blocks": decided_blocks(n, lines)}, what)
             return
         text = n.text()[:3000]
         body: dict[str, Any] = {"channel": self.channel, "text": text, "unfurl_links": False}
+        known = self.messages.get(n.run_id or "")
         if n.event == "waiting-approval":
             body["blocks"] = approval_blocks(n)
-        elif n.run_id and n.run_id in self.messages:
-            body["thread_ts"] = self.messages[n.run_id][1]
+        elif known is not None:
+            body["thread_ts"] = known[1]
         answer = self._call(send, "chat.postMessage", body, what)
         if answer is not None and n.event == "waiting-approval" and n.run_id:
             self.messages[n.run_id] = (str(answer.get("channel") or self.channel), str(answer.get("ts") or ""))
+            self.history[n.run_id] = []
+            self.digests[n.run_id] = str(n.extra.get("plan_digest") or "")
             while len(self.messages) > _MAX_MESSAGES:
-                self.messages.popitem(last=False)
+                gone, _ = self.messages.popitem(last=False)
+                self.history.pop(gone, None)
+                self.digests.pop(gone, None)
+        elif known is not None and n.event in _STATE_LINES and n.run_id:
+            # Why: the approval message must stop offering buttons once the run moved on (approved in
+            # the console, ended), and show what became of it
+            lines = self.history.setdefault(n.run_id, [])
+            lines.append(_STATE_LINES[n.event] + (f": {n.reason.splitlines()[0][:300]}" if n.reason else ""))
+            done = Notification(n.event, n.runbook, node=n.node, run_id=n.run_id, link=n.link,
+                                extra={"plan_digest": self.digests.get(n.run_id, "")})
+            self._call(send, "chat.update", {"channel": known[0], "ts": known[1], "text": lines[-1],
+                                             "blocks": decided_blocks(done, lines)}, f"update for {n.run_id}")
 
 
 class SlackInteractions:

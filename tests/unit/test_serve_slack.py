@@ -187,3 +187,20 @@ def test_a_weak_signing_secret_is_refused_at_start_naming_the_variable() -> None
         load_config(None, env={**env, "RUNBOOK_SLACK_SIGNING_SECRET": SLACK_SIGNING_SECRET},
                     overrides={"notify": {"slack": {"channel": SLACK_CHANNEL, "users": {"alice": "alice"}}}})
     assert "is not a Slack user id" in str(unmapped.value)
+
+
+def test_a_run_approved_in_the_console_stops_offering_buttons_and_its_message_shows_the_outcome(
+        fakes: OnCallFakes) -> None:
+    from engine.serve.testing import APPROVE
+
+    with _slack(fakes) as s:
+        run_id, message = _waiting(s, fakes)
+        digest = s.starter.run(run_id)["plan_digest"]
+        r = s.client.post(f"/runs/{run_id}/approve", json={"plan_digest": digest}, headers=APPROVE)
+        assert r.status_code == 202, r.text
+        s.idle()
+        wait_for(lambda: "run succeeded" in message.shown(), 10, "the message to show the outcome")
+        assert "run started: approved by alice" in message.shown() and not message.buttons()
+        assert digest in message.shown()
+        thread = [m for m in fakes.messages if m.thread_ts == message.ts]
+        assert len(thread) == 2  # started and finished, in the message's thread
