@@ -373,6 +373,11 @@ class Dispatcher:
                   for a, m in matched if m is not None]
         resolved = [self._node_of_alert(a) for a, m in matched if m is None]
         self.pages.observe(payload.group_key, firing, resolved)
+        nodes = set(firing) | set(resolved)
+        if len(nodes) > 1 and self.pages.first_mixed(payload.group_key):
+            log.warning("Alertmanager group %s holds the alerts of %d nodes (%s): its page is resolved only when "
+                        "every one recovered; route with group_by: [alertname, node] for one page per node "
+                        "(docs/serve.md)", payload.group_key[:200], len(nodes), ", ".join(sorted(nodes)[:5]))
 
     def _node_of_alert(self, alert: Alert) -> str:
         """The node an alert is about: as its trigger renders it (a resolved alert: as its firing

@@ -21,7 +21,18 @@ class PageGroups:
     def __init__(self, max_groups: int = 10_000) -> None:
         self.max_groups = max_groups
         self._groups: OrderedDict[str, dict[str, bool]] = OrderedDict()  # group key -> node -> recovered
+        self._warned: OrderedDict[str, None] = OrderedDict()  # groups already said to hold several nodes
         self._lock = threading.Lock()
+
+    def first_mixed(self, group_key: str) -> bool:
+        """True the first time ``group_key`` is found to hold several nodes (warn once per group)."""
+        with self._lock:
+            if group_key in self._warned:
+                return False
+            self._warned[group_key] = None
+            while len(self._warned) > self.max_groups:
+                self._warned.popitem(last=False)
+            return True
 
     def observe(self, group_key: str, firing: Iterable[str], resolved: Iterable[str] = ()) -> None:
         """A delivery of ``group_key``: the nodes of its firing and of its resolved alerts. A node

@@ -26,7 +26,8 @@ def fakes() -> Iterator[OnCallFakes]:
         yield f
 
 
-def test_a_two_node_group_is_resolved_only_after_both_nodes_runs_succeeded(fakes: OnCallFakes) -> None:
+def test_a_two_node_group_is_resolved_only_after_both_nodes_runs_succeeded(
+        fakes: OnCallFakes, caplog: pytest.LogCaptureFixture) -> None:
     omen3_may_end = threading.Event()
 
     def outcome(run: dict[str, Any]) -> str:
@@ -54,6 +55,8 @@ def test_a_two_node_group_is_resolved_only_after_both_nodes_runs_succeeded(fakes
     actions = [(e["event_action"], e.get("payload", {}).get("source")) for e in fakes.events]
     assert actions == [("trigger", "omen2"), ("trigger", "omen3"), ("resolve", None)]
     assert len({e["dedup_key"] for e in fakes.events}) == 1  # one page: the group's
+    mixed = [r.getMessage() for r in caplog.records if "holds the alerts of 2 nodes" in r.getMessage()]
+    assert len(mixed) == 1 and "group_by: [alertname, node]" in mixed[0]  # said once, whatever the re-sends
 
 
 def test_a_node_whose_alert_resolved_counts_as_recovered_and_a_lone_node_resolves_at_once() -> None:
