@@ -343,7 +343,7 @@ def parse_action(body: bytes) -> ClickAction:
     try:
         form = parse_qs(body.decode("utf-8"), max_num_fields=10, strict_parsing=False)
         data = json.loads(form["payload"][0])
-    except (UnicodeDecodeError, KeyError, IndexError, ValueError) as e:
+    except (UnicodeDecodeError, KeyError, IndexError, ValueError, RecursionError) as e:
         raise ValueError("expected a form with a payload field holding JSON (a Slack interaction)") from e
     if not isinstance(data, dict) or data.get("type") != "block_actions":
         raise ValueError("only block_actions interactions are handled")

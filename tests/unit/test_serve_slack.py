@@ -204,3 +204,19 @@ def test_a_run_approved_in_the_console_stops_offering_buttons_and_its_message_sh
         assert digest in message.shown()
         thread = [m for m in fakes.messages if m.thread_ts == message.ts]
         assert len(thread) == 2  # started and finished, in the message's thread
+
+
+@pytest.mark.parametrize("body", [b"", b"payload=", b"payload=%7B", b"payload=%5B%5D", b"\xff\xfe",
+                                  b"payload=" + b"%5B" * 5000,
+                                  b'payload={"type":"block_actions","actions":[{"action_id":"runbook-approve"}]}',
+                                  b'payload={"type":"view_submission"}', b"other=1"])
+def test_signed_garbage_is_400_never_500_and_changes_nothing(fakes: OnCallFakes, body: bytes) -> None:
+    import time as _time
+
+    with _slack(fakes) as s:
+        ts = int(_time.time())
+        r = _post(s, body, {"Content-Type": "application/x-www-form-urlencoded",
+                            "X-Slack-Request-Timestamp": str(ts),
+                            "X-Slack-Signature": sign(body, SLACK_SIGNING_SECRET, ts)})
+        assert r.status_code == 400, r.text
+        assert s.starter.requests == []
