@@ -417,20 +417,21 @@ class Dispatcher:
         Why: an alert storm is mostly re-sends of what already started; answering those inline
         keeps them out of the thread pool, where they would queue behind real work."""
         decisions: list[Decision] = []
-        self._observe_page(payload, [(a, self.index.for_alert(a) if a.firing else None) for a in payload.alerts])
-        for alert in payload.alerts:
+        matched = [(a, self.index.for_alert(a) if a.firing else None) for a in payload.alerts]
+        for alert, matches in matched:
             label = _cut(alert.describe(), 512)
-            if not alert.firing:
+            if matches is None:
                 with self._lock:
                     started_a_run = alert.dedup_key in self._alert_runs
                 if started_a_run:
                     return None  # recording it is I/O: the full path does it
                 decisions.append(Decision("ignored", "resolved alerts never start runs", alert=label))
                 continue
-            quick = self._quick(self.index.for_alert(alert), label)
+            quick = self._quick(matches, label)
             if quick is None:
                 return None
             decisions += quick
+        self._observe_page(payload, matched)  # a node may have recovered (its alert resolved)
         return decisions
 
     def quick_incident(self, incident: Incident) -> list[Decision] | None:

@@ -112,3 +112,29 @@ def test_the_server_warns_at_start_when_alertmanagers_routing_would_resolve_othe
         found = wait_for(lambda: [r.getMessage() for r in caplog.records if "groups by" in r.getMessage()], 10,
                          "the routing warning")
     assert "receiver runbook" in found[0] and "gpu-node-recovery" in found[0]
+
+
+def test_a_node_whose_alert_resolved_lets_the_last_run_resolve_the_page(fakes: OnCallFakes) -> None:
+    omen2_may_end = threading.Event()
+
+    def outcome(run: dict[str, Any]) -> str:
+        if run["params"]["node"] == "omen2":
+            omen2_may_end.wait(10)
+            return "succeeded"
+        return "failed"  # omen3's run fails: only its alert resolving recovers it
+
+    starter = FakeRunStarter([trigger_spec(mode="auto", matchers=('node=~"omen.*"',))], outcome=outcome)
+    auth = {"Authorization": "Bearer t0k3n-for-tests-sender"}
+    with served("auto", starter=starter, notify_from_config=True, notify={
+            "retry": {"attempts": 2, "backoff": 0.05},
+            "pagerduty": {"routing_key": ROUTING_KEY, "url": fakes.url + "/v2/enqueue"}}) as s:
+        s.client.post("/hooks/alertmanager", json=webhook(alert("omen2"), alert("omen3")), headers=auth)
+        wait_for(lambda: any(e.get("payload", {}).get("class") == "failed" for e in fakes.events), 10, "omen3 failed")
+        r = s.client.post("/hooks/alertmanager", json=webhook(alert("omen2"), alert("omen3", status="resolved")),
+                          headers=auth)
+        assert r.status_code == 200, r.text
+        omen2_may_end.set()
+        s.idle()
+        wait_for(lambda: any(e["event_action"] == "resolve" for e in fakes.events), 10, "the resolve")
+    final = next(e for e in fakes.events if e.get("payload", {}).get("class") == "finished")
+    assert "stays open" not in final["payload"]["custom_details"]["reason"]
