@@ -177,3 +177,28 @@ def test_the_token_and_from_address_never_reach_a_log_or_a_repr(fakes: OnCallFak
         shown = repr(s.dispatcher.config) + repr(s.dispatcher.notifier.target("pagerduty-rest"))
     logged = "\n".join(r.getMessage() for r in caplog.records) + shown
     assert PD_TOKEN not in logged and PD_FROM not in logged
+
+
+def test_a_run_waiting_for_approval_notes_its_plan_but_acknowledges_only_once_approved(fakes: OnCallFakes) -> None:
+    from engine.serve.testing import APPROVE
+
+    incident = fakes.incident(INCIDENT)
+    mapping = {"service": "GPU nodes", "title_pattern": r"Node (?P<node>[a-z0-9.-]+) is NotReady",
+               "runbook": "gpu-node-recovery", "mode": "approve", "resolve_incident": True}
+    env = {"RUNBOOK_PAGERDUTY_SECRET": SECRET, "RUNBOOK_PAGERDUTY_API_TOKEN": PD_TOKEN,
+           "RUNBOOK_PAGERDUTY_FROM": PD_FROM}
+    with served("approve", env=env, notify_from_config=True, pagerduty={"mappings": [mapping]},
+                notify={"pagerduty_rest": {"url": fakes.url}, "retry": {"attempts": 2, "backoff": 0.05}}) as s:
+        run_id = _page(s)
+        s.starter.wait_until(lambda st: st.run(run_id)["state"] == "waiting-approval")
+        wait_for(lambda: incident.notes, 10, "the waiting-approval note")
+        time.sleep(0.2)
+        assert incident.status == "triggered"  # nobody has approved: the page keeps escalating
+        digest = s.starter.run(run_id)["plan_digest"]
+        assert "waiting for approval" in incident.notes[0] and f"Plan digest: {digest}" in incident.notes[0]
+        r = s.client.post(f"/runs/{run_id}/approve", json={"plan_digest": digest}, headers=APPROVE)
+        assert r.status_code == 202, r.text
+        s.idle()
+        wait_for(lambda: incident.status == "resolved", 10, "the incident resolved")
+    assert incident.history == ["acknowledged", "resolved"]
+    assert "started (approve mode)" in incident.notes[1] and "approved by alice" in incident.notes[1]
