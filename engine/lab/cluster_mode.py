@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shlex
 import signal
@@ -47,6 +48,8 @@ from engine.lab import podspec, procs
 from engine.lab.errors import LabError
 from engine.lab.podspec import ContainerPlan, Workload
 from engine.lab.sim_pods import PROCESS_ANNOTATION  # the simulated kubelet leaves such pods to us
+
+log = logging.getLogger(__name__)
 
 SERVICE_DNS = "{name}.{namespace}.svc"
 STATE_FILE = "state.json"
@@ -391,6 +394,7 @@ class Supervisor:
                             r.mount_namespace, r.uts_namespace = ns, uts
                 if not r.ref.alive():  # the container's process died: its Pod goes (no restart here)
                     r.gone, r.ready, changed = True, False, True
+                    log.warning("replica %s (pid %s) exited: %s", r.plan.pod, r.ref.pid, r.popen.returncode)
                     with contextlib.suppress(Exception):
                         self.kube.delete(PODS, r.pod["metadata"]["name"], r.pod["metadata"]["namespace"], grace=0)
                     self._kill_namespace(r)
@@ -500,8 +504,6 @@ class Supervisor:
 
 
 def main(argv: list[str]) -> int:
-    import logging
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = json.loads(Path(argv[0]).read_text())
     supervisor = Supervisor(config)

@@ -207,6 +207,15 @@ def test_omen2_pages_the_service_waits_as_a_remediation_run_and_an_rbac_approver
     assert ready_status(node) == "True"
 
 
+def _logs(c: Cluster) -> str:
+    """The supervisor's log and each replica's last lines (why a replica is gone)."""
+    folder = Path(c.lab.lab.record()["cluster_mode"]["dir"])
+    parts = [(folder / "supervisor.log").read_text(errors="replace")[-2000:]]
+    for log in sorted(folder.glob("pods/*/container.log")):
+        parts.append(f"== {log.parent.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-15:]))
+    return "\n".join(parts)
+
+
 def _changes(c: Cluster, node: str, since: int, calls_before: int) -> dict[str, Any]:
     labels = []
     for e in c.plane.mutations(since=since, user=SA_USER):
@@ -235,6 +244,7 @@ def test_kill_9_of_the_leader_during_the_next_paged_run_the_other_replica_finish
     mark = cluster.plane.audit_mark()
     leader = cluster.leader_pod()
     pods = {p["name"]: p for p in cluster.status()["pods"]}
+    assert len(pods) == 2 and leader in pods, (leader, pods, _logs(cluster))
     survivor = next(name for name in pods if name != leader)
     # approved at the leader's own address: the leader executes it (its own run, or claimed at its sweep)
     digest = cluster.api("GET", f"/runs/{run_id}").json()["plan_digest"]
