@@ -154,9 +154,14 @@ class KubeAuthConfig(_Section):
     """``auth.mode: kubernetes``: bearer tokens checked by TokenReview, roles from RBAC on
     ``remediationruns.runbook.io`` in ``namespace`` (``engine.serve.kube_identity``)."""
 
-    namespace: str | None = None  # default: the store namespace (env RUNBOOK_STORE_NAMESPACE, else runbook-system)
+    namespace: str | None = None  # must be the store namespace when given (--store-namespace); default: it
     cache_seconds: Seconds = 10.0  # answers are reused this long per token (a revoked binding: within this)
-    audiences: tuple[str, ...] = ()  # TokenReview audiences; empty: the API server's own
+    # TokenReview audiences: a token must have been made for one of them (kubectl create token --audience runbook)
+    audiences: tuple[Annotated[str, Field(min_length=1, max_length=253)], ...] = Field(
+        default=("runbook",), min_length=1, max_length=10)
+    # true: tokens made for the API server itself are accepted too (the review names no audience)
+    api_server_audience: bool = False
+    max_concurrent_reviews: int = Field(default=4, ge=1, le=64)  # TokenReviews in flight at once (own threads)
 
     @field_validator("namespace")
     @classmethod
@@ -187,6 +192,9 @@ class AuthConfig(_Section):
     reads: Literal["auto", "open", "token"] = "auto"  # auto: open when bound to loopback, else token
     allowed_hosts: tuple[str, ...] = ()  # Host names besides the bound address (and loopback names)
     requester_cannot_approve: bool = True  # the identity that requested a run cannot approve it
+    # unknown credentials per client address (console logins, bearer tokens on /runs, approvals...)
+    # before its next ones are refused (429) unchecked; refills at this rate
+    failures_per_minute: int = Field(default=10, ge=1, le=10000)
     insecure_no_auth: bool = False  # only from --insecure-no-auth: no credential at all (loopback only)
 
     @field_validator("senders", "approvers", "readers")
@@ -223,6 +231,25 @@ class LimitsConfig(_Section):
     max_dedup_entries: int = Field(default=20000, ge=100)  # fingerprints/refusals/webhook ids kept
 
 
+class ConsoleConfig(_Section):
+    """The web console's sessions and live streams (``engine.serve.console``)."""
+
+    session_seconds: Seconds = Field(default=8 * 3600.0, gt=0)  # absolute: a session ends this long after login
+    idle_seconds: Seconds = Field(default=1800.0, gt=0)  # a session unused this long ends
+    max_sessions: int = Field(default=1000, ge=1)  # in total; a login beyond (none expired or idle) is refused 503
+    max_sessions_per_identity: int = Field(default=10, ge=1)  # beyond: that identity's oldest session ends
+    max_streams: int = Field(default=50, ge=1)  # live run streams in total; beyond: 503
+    max_streams_per_session: int = Field(default=8, ge=1)  # beyond: 429
+    max_streams_per_client: int = Field(default=16, ge=1)  # per client address; beyond: 429
+    # journal/store reads per second shared by every followed run (one watcher per run, whatever
+    # the number of viewers): with n runs followed each is read every max(0.1 s, n / this) seconds
+    live_reads_per_second: float = Field(default=20.0, gt=0, le=1000)
+    # a followed run is read at most this often (None: 0.1 s with the SQLite store; 1 s with
+    # --store kubernetes, where each read is an API request)
+    live_poll_seconds: Seconds | None = None
+    max_upload_parts: int = Field(default=10, ge=2, le=100)  # parts of a plan upload; more: 400, reading stops
+
+
 class ServeConfig(_Section):
     listen: str = "127.0.0.1:8080"
     # Where people reach this server (e.g. https://runbook.example.org): notifications link the run's
@@ -248,6 +275,7 @@ class ServeConfig(_Section):
     pagerduty: PagerDutyConfig = Field(default_factory=PagerDutyConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    console: ConsoleConfig = Field(default_factory=ConsoleConfig)
     retention: RetentionConfig = Field(default_factory=RetentionConfig)
     replicas: ReplicasConfig = Field(default_factory=ReplicasConfig)
     @field_validator("public_url")
