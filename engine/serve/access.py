@@ -185,9 +185,12 @@ class Access:
         client out of failures gets ``TooManyFailures`` (429) before anything is checked. Raises
         ``ReviewsBusy`` (503) when the reviews' queue is full."""
         cred, known = self._configured(authorization)
-        if known is not None or not cred:
+        if not cred:
             return known
+        # Why before the lookup: a throttled client must not learn that a guess was right
         self.failures.check(client)
+        if known is not None:
+            return known
         if self.kube is None:
             self.failures.failed(client)
             return None

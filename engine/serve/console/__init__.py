@@ -330,7 +330,7 @@ class Console:
             del self.sessions[key]
         mine = sorted((k for k, s in self.sessions.items() if s.identity.name == identity.name),
                       key=lambda k: self.sessions[k].created)
-        while mine and len(mine) >= c.max_sessions_per_identity:
+        while mine and (len(mine) >= c.max_sessions_per_identity or len(self.sessions) >= c.max_sessions):
             del self.sessions[mine.pop(0)]
         if len(self.sessions) >= c.max_sessions:
             raise SessionsFull(f"{c.max_sessions} sessions are open on this server; try again later")
@@ -618,6 +618,7 @@ class Console:
                 if first[0] != "csrf" or not hmac.compare_digest(sess.csrf.encode(), first[1]):
                     raise UploadError("the form's CSRF token is missing or wrong; reload the page", 403)
                 checked = True
+            scanner.check_parts()
 
         try:
             body = await read_body(request, MAX_UPLOAD_BYTES, budget=self.budget,

@@ -62,16 +62,23 @@ class PartScanner:
         self._scan = 0
 
     def feed(self, chunk: bytes) -> None:
+        """Take the next piece of the body (counting stops once there are too many parts)."""
         self.buffer += chunk
-        while True:
+        while not self.too_many():
             at = self.buffer.find(self.delimiter, self._scan)
             if at < 0:
                 self._scan = max(self._scan, len(self.buffer) - len(self.delimiter) + 1)
                 return
             self.delimiters += 1
             self._scan = at + len(self.delimiter)
-            if self.delimiters - 1 > self.max_parts:
-                raise UploadError(f"the form has more than {self.max_parts} parts")
+
+    def too_many(self) -> bool:
+        return self.delimiters - 1 > self.max_parts
+
+    def check_parts(self) -> None:
+        """``UploadError`` once more than ``max_parts`` parts have arrived."""
+        if self.too_many():
+            raise UploadError(f"the form has more than {self.max_parts} parts")
 
     def first_part(self) -> tuple[str, bytes] | None:
         """(field name, content) of the first part once it is complete (None until then)."""
