@@ -25,6 +25,7 @@ from pydantic import (
     model_validator,
 )
 
+from engine import secrecy
 from engine.configfile import read_mapping
 from engine.errors import UsageError
 from engine.model import parse_duration
@@ -36,6 +37,7 @@ from engine.run_guards import (
     GuardConfig,
     KuredConfig,
 )
+from engine.secrecy import Secret, secret_values
 from engine.serve.alertmanager import format_validation_error
 
 __all__ = ["EXCLUDE_LABEL", "KURED_LOCK_ANNOTATION", "MEDIK8S_EXCLUDE_LABEL", "ExclusionConfig",
@@ -92,7 +94,7 @@ def _check_http_url(v: str | None, key: str) -> str | None:
 class PagerDutyEventsConfig(_Section):
     """``notify.pagerduty``: PagerDuty Events API v2 (``engine.serve.pagerduty_events``)."""
 
-    routing_key: str = Field(min_length=1, max_length=64, repr=False)  # env RUNBOOK_PAGERDUTY_ROUTING_KEY
+    routing_key: Secret = Field(min_length=1, max_length=64, repr=False)  # env RUNBOOK_PAGERDUTY_ROUTING_KEY
     url: str = "https://events.pagerduty.com/v2/enqueue"
     source: str = Field(default="runbook", min_length=1, max_length=255)  # when the run has no node
     severity: Literal["critical", "error", "warning", "info"] = "critical"
@@ -106,11 +108,11 @@ class PagerDutyEventsConfig(_Section):
 
 
 class NotifyConfig(_Section):
-    url: str | None = None  # generic webhook; the JSON has Slack's "text" key
+    url: Secret | None = Field(default=None, repr=False)  # generic webhook (a Slack URL is a credential)
     timeout: Seconds = 5.0
     events: tuple[Literal["started", "waiting-approval", "step", "finished", "failed", "blocked"], ...] = (
         "started", "waiting-approval", "finished", "failed", "blocked")
-    secret: str | None = Field(default=None, repr=False)  # signs webhook POSTs; env RUNBOOK_NOTIFY_SECRET
+    secret: Secret | None = Field(default=None, repr=False)  # signs webhook POSTs; env RUNBOOK_NOTIFY_SECRET
     pagerduty: PagerDutyEventsConfig | None = None
 
     @field_validator("url")
@@ -139,7 +141,7 @@ class PagerDutyMapping(_Section):
 
 
 class PagerDutyConfig(_Section):
-    secrets: tuple[str, ...] = Field(default=(), repr=False)  # env RUNBOOK_PAGERDUTY_SECRET adds one
+    secrets: tuple[Secret, ...] = Field(default=(), repr=False)  # env RUNBOOK_PAGERDUTY_SECRET adds one
     event_types: tuple[str, ...] = ("incident.triggered",)
     mappings: tuple[PagerDutyMapping, ...] = ()
     max_age: Seconds = 300.0  # a signed occurred_at older than this (plus clock_skew) is refused
@@ -186,9 +188,9 @@ class AuthConfig(_Section):
     mode: Literal["tokens", "kubernetes"] = "tokens"
     kubernetes: KubeAuthConfig = Field(default_factory=KubeAuthConfig)
 
-    senders: dict[str, str] = Field(default_factory=dict, repr=False)
-    approvers: dict[str, str] = Field(default_factory=dict, repr=False)
-    readers: dict[str, str] = Field(default_factory=dict, repr=False)
+    senders: dict[str, Secret] = Field(default_factory=dict, repr=False)
+    approvers: dict[str, Secret] = Field(default_factory=dict, repr=False)
+    readers: dict[str, Secret] = Field(default_factory=dict, repr=False)
     reads: Literal["auto", "open", "token"] = "auto"  # auto: open when bound to loopback, else token
     allowed_hosts: tuple[str, ...] = ()  # Host names besides the bound address (and loopback names)
     requester_cannot_approve: bool = True  # the identity that requested a run cannot approve it
@@ -255,7 +257,7 @@ class ServeConfig(_Section):
     # Where people reach this server (e.g. https://runbook.example.org): notifications link the run's
     # console page, {public_url}/ui/runs/{id}, and the console's cookies are Secure when it is https.
     public_url: str | None = None
-    webhook_token: str | None = Field(default=None, repr=False)  # = auth.senders.alertmanager
+    webhook_token: Secret | None = Field(default=None, repr=False)  # = auth.senders.alertmanager
     protect_reads: bool = False  # true: = auth.reads: token
     force_mode: Literal["approve"] | None = None  # "approve": no automatic run at all
     mode_overrides: dict[str, Literal["auto", "approve"]] = Field(default_factory=dict)  # runbook -> mode
@@ -429,4 +431,5 @@ def load_config(path: Path | str | None = None, *, env: Mapping[str, str] | None
         config = ServeConfig.model_validate(data)
     except ValidationError as e:
         raise UsageError(f"{where}: invalid serve configuration: {format_validation_error(e, limit=10)}") from e
+    secrecy.register(*secret_values(config))  # the JSON logs mask every Secret-typed setting
     return config.with_compat()

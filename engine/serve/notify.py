@@ -28,6 +28,8 @@ from urllib.parse import quote
 
 import httpx
 
+from engine.secrecy import mask_http_log, quiet_http_client_logs, register
+
 log = logging.getLogger(__name__)
 MAX_NOTIFICATION_BYTES = 60 * 1024  # every POST stays under 64 KiB whatever an alert carried
 _MAX_FIELD = 2048
@@ -212,6 +214,8 @@ class Notifier:
                  max_queue: int = 1000, transport: httpx.BaseTransport | None = None,
                  secret: str | None = None, pagerduty: PagerDutyTarget | None = None,
                  public_url: str | None = None, clock: Callable[[], float] = time.time) -> None:
+        quiet_http_client_logs()  # httpx logs each request's URL at INFO: a webhook URL is a credential
+        register(url, secret)
         self.url = url
         self.events = frozenset(events) if events else None
         self.timeout = timeout
@@ -295,7 +299,7 @@ class Notifier:
                         self._post(client, n, url, body, headers)
                 except Exception as e:  # Why: a broken receiver must never break paging or runs
                     self.failed += 1
-                    log.warning("notification %s could not be sent: %s", n.event if n else "?", e)
+                    log.warning("notification %s could not be sent: %s", n.event if n else "?", mask_http_log(str(e)))
                 finally:
                     self._queue.task_done()
 
@@ -304,7 +308,8 @@ class Notifier:
             resp = client.post(url, content=body, headers=headers)
         except Exception as e:  # Why: one dead target must not keep the others from being told
             self.failed += 1
-            log.warning("notification %s for %s could not be sent: %s", n.event, n.run_id or n.runbook, e)
+            log.warning("notification %s for %s could not be sent: %s", n.event, n.run_id or n.runbook,
+                        mask_http_log(str(e)))  # an httpx error may quote the URL
             return
         if resp.status_code >= 300:
             self.failed += 1
