@@ -46,7 +46,8 @@ def captured() -> Iterator[io.StringIO]:
 
 
 def _config() -> ServeConfig:
-    return load_config(None, env=SECRETS, overrides={"auth": {"senders": {"pager": FILE_SECRETS["auth.senders.pager"]}}})
+    in_file = {"auth": {"senders": {"pager": FILE_SECRETS["auth.senders.pager"]}}}
+    return load_config(None, env=SECRETS, overrides=in_file)
 
 
 def test_every_secret_setting_is_found_by_its_type() -> None:
