@@ -161,7 +161,7 @@ def webhook_under_flood(base: str, *, rounds: int, quick: bool) -> Metric:
     for _ in range(rounds):
         stop = threading.Event()
         result: list[float] = []
-        measurer = threading.Thread(target=lambda: result.extend(_webhook_latencies(base, count, stop)))
+        measurer = threading.Thread(target=lambda r=result, s=stop: r.extend(_webhook_latencies(base, count, s)))
         measurer.start()
         for code, n in _flood(base, FLOOD).items():
             codes[code] = codes.get(code, 0) + n
@@ -201,7 +201,7 @@ def healthz_during_uploads(base: str, *, rounds: int) -> Metric:
     worst: list[float] = []
     for _ in range(rounds):
         done = threading.Event()
-        uploader = threading.Thread(target=lambda: (_post_raw(base, body), done.set()))
+        uploader = threading.Thread(target=lambda d=done: (_post_raw(base, body), d.set()))
         samples: list[float] = []
         with httpx.Client(timeout=30) as client:
             uploader.start()
