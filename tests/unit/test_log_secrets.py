@@ -111,11 +111,14 @@ def test_a_notification_failure_names_no_webhook_url(caplog: pytest.LogCaptureFi
     def refuse(request: httpx.Request) -> httpx.Response:
         raise httpx.ConnectError(f"cannot connect to {request.url}", request=request)
 
-    notifier = Notifier(SLACK, transport=httpx.MockTransport(refuse))
+    from engine.serve.delivery import RetryPolicy
+
+    notifier = Notifier(SLACK, transport=httpx.MockTransport(refuse), retry=RetryPolicy(attempts=1))
     with caplog.at_level(logging.DEBUG):
         notifier.notify(Notification("finished", "gpu-node-recovery", node="omen2", run_id="r-1"))
         assert notifier.flush(10)
         notifier.close(timeout=1.0)
     logged: list[Any] = [r.getMessage() for r in caplog.records]
-    assert any("could not be sent" in m for m in logged), logged
+    assert any("ConnectError" in m and "https://hooks.slack.com/..." in m for m in logged), logged
     assert not any("s3cr3tW3bh00kPathXYZ" in m for m in logged), logged
+    assert "s3cr3tW3bh00kPathXYZ" not in json.dumps(notifier.health())  # /readyz shows the last error
