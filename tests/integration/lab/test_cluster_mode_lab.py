@@ -116,7 +116,8 @@ def cluster(lab: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Clus
                       "--clusterrole=runbook-approver-identity", f"--serviceaccount={NS}:{APPROVER}"]):
             subprocess.run(["kubectl", *args], env=env, capture_output=True, text=True, timeout=60, check=True)
         # the approver's token as docs/cluster.md gets it: kubectl create token (TokenRequest)
-        token = subprocess.run(["kubectl", "create", "token", APPROVER, "-n", NS], env=env, capture_output=True,
+        token = subprocess.run(["kubectl", "create", "token", APPROVER, "-n", NS, "--audience", "runbook"], env=env,
+                               capture_output=True,
                                text=True, timeout=60, check=True).stdout.strip()
         yield Cluster(lab, plane, record["service_url"], f"{record['service_dns']}:8080", token)
     finally:
