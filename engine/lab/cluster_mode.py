@@ -293,6 +293,7 @@ class Replica:
         self.uts_namespace: str | None = None
         self.next_probe = 0.0
         self.liveness_failures = 0
+        self.pod_deleted = False
 
 
 class Supervisor:
@@ -384,6 +385,8 @@ class Supervisor:
             changed = False
             for r in self.replicas:
                 if r.gone:
+                    if not r.pod_deleted:  # a delete that failed (API slow or away) is retried until it took
+                        r.pod_deleted = self._delete_pod(r)
                     continue
                 r.popen.poll()
                 if r.mount_namespace is None:
@@ -395,8 +398,7 @@ class Supervisor:
                 if not r.ref.alive():  # the container's process died: its Pod goes (no restart here)
                     r.gone, r.ready, changed = True, False, True
                     log.warning("replica %s (pid %s) exited: %s", r.plan.pod, r.ref.pid, r.popen.returncode)
-                    with contextlib.suppress(Exception):
-                        self.kube.delete(PODS, r.pod["metadata"]["name"], r.pod["metadata"]["namespace"], grace=0)
+                    r.pod_deleted = self._delete_pod(r)
                     self._kill_namespace(r)
                     continue
                 if now >= r.next_probe and r.plan.readiness is not None:
@@ -411,6 +413,17 @@ class Supervisor:
             if changed:
                 self._save()
             self.stopping.wait(0.5)
+
+    def _delete_pod(self, r: Replica) -> bool:
+        """Delete the replica's Pod (grace 0: its process is gone); False when the API did not take it."""
+        from engine.lab.sim_kube import PODS
+
+        try:
+            self.kube.delete(PODS, r.pod["metadata"]["name"], r.pod["metadata"]["namespace"], grace=0)
+        except Exception as e:
+            log.warning("could not delete Pod %s yet: %s", r.plan.pod, e)
+            return False
+        return True
 
     def _kill_namespace(self, r: Replica) -> None:
         """What a container runtime does when the container's first process ends: end the rest."""
