@@ -378,7 +378,6 @@ class Supervisor:
 
     # -- run -------------------------------------------------------------------------------------
     def loop(self) -> None:
-        from engine.lab.sim_kube import PODS
 
         while not self.stopping.is_set():
             now = time.monotonic()
