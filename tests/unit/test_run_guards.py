@@ -84,7 +84,7 @@ def test_an_exclusion_label_with_another_value_holds() -> None:
 def test_a_node_missing_from_the_cluster_blocks_the_guards_that_need_it() -> None:
     verdicts = evaluate_run_guards(lab(), "ghost", GuardConfig(), now=T0)
     blocked = {v.name for v in blocking(verdicts)}
-    assert blocked == {"exclusion", "nhc-pause", "gpu-budget"}
+    assert blocked == {"exclusion", "nhc-pause", "nvsentinel", "gpu-budget"}
     assert "ghost is not in the cluster" in verdict(verdicts, "exclusion").reason
 
 
@@ -254,7 +254,7 @@ def test_an_unreadable_node_list_blocks_budget_capacity_and_exclusion() -> None:
     kube = lab()
     kube.fail["list_nodes"] = KubeError("connection refused")
     verdicts = evaluate_run_guards(kube, "gpu-1", GuardConfig(), now=T0)
-    assert {v.name for v in blocking(verdicts)} == {"exclusion", "nhc-pause", "gpu-budget",
+    assert {v.name for v in blocking(verdicts)} == {"exclusion", "nhc-pause", "nvsentinel", "gpu-budget",
                                                     "unhealthy-capacity"}
     assert all("connection refused" in v.reason for v in blocking(verdicts))
 
