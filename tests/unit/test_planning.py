@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from types import MappingProxyType
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import pytest
