@@ -77,6 +77,10 @@ class Starts(Protocol):
 
     def handle_candidates(self, candidates: Sequence[Candidate], label: str, requested_by: str) -> list[Any]: ...
 
+    def reconcile(self) -> None:
+        """Notice runs that ended while waiting for approval (a cancel): the node is free again."""
+        ...
+
 
 class Runs(Protocol):
     """The runs as the starter shows them, and their cancellation (``RunStarter``)."""
@@ -446,6 +450,7 @@ class Remediator:
             log.warning("remediator: cannot cancel run %s: %s", r.run_name, e)
             return
         self._note(f"{r.key}: cancel run {r.run_name}: {what}")
+        self.dispatcher.reconcile()
 
     def _deleting(self, kube: ObjectStore, obj: Mapping[str, Any], r: Remediation) -> None:
         if FINALIZER not in r.finalizers:
