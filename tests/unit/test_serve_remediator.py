@@ -139,6 +139,7 @@ def test_a_refused_start_is_reported_once_and_never_retried(world: World) -> Non
     assert world.s.starter.requests == []
     world.remediator.reconcile_all()
     assert world.s.starter.requests == []
+    assert world.conditions("omen5")["Succeeded"] == ("False", "Blocked")  # the first answer stands
 
 
 def test_deleting_the_object_cancels_its_active_run_and_then_removes_the_finalizer(world: World) -> None:
