@@ -284,6 +284,8 @@ class Remediator:
     actions: list[str] = field(default_factory=list)  # what was done, newest last (tests, debugging)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
+    _cancelled: set[str] = field(default_factory=set)  # runs asked to stop by this process (asked once)
+    _last_error: str = ""
 
     # -- loop ---------------------------------------------------------------------------------------
 
@@ -304,6 +306,11 @@ class Remediator:
         while not self._stop.is_set():
             try:
                 self.reconcile_all()
+                self._last_error = ""
+            except KubeError as e:  # e.g. the CRDs are not installed, or RBAC: say it once, keep trying
+                if str(e) != self._last_error:
+                    log.warning("remediator: cannot list %s.%s: %s", PLURAL, API_VERSION, e)
+                self._last_error = str(e)
             except Exception:
                 log.exception("remediator: reconcile failed")
             self._stop.wait(self.interval)
@@ -444,6 +451,9 @@ class Remediator:
         self._report(kube, obj, r, report_for_run(run, run_name=r.run_name, node=node, timed_out=r.timed_out))
 
     def _cancel(self, r: Remediation, reason: str) -> None:
+        if r.run_name in self._cancelled:
+            return  # asked already: the step in flight is finishing
+        self._cancelled.add(r.run_name)
         try:
             what = self.runs.cancel(r.run_name, reason)
         except RunbookError as e:
