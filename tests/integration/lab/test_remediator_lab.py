@@ -133,7 +133,9 @@ def cluster(lab: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict
     nhc_uid = json.loads(_kubectl(sh, "get nodehealthcheck nhc-gpu -o json"))["metadata"]["uid"]
     tmp = tmp_path_factory.mktemp("remediator")
     config = {"remediator": {"enabled": True, "interval": "1s"}, "node_conditions_interval": "1s",
-              "dedup": {"node_cooldown": 0}, "breaker": {"max_auto_runs": 50}, "workers": 2}
+              "dedup": {"node_cooldown": 0}, "workers": 2,
+              # the lab has 4 of 8 nodes down: the default breaker would turn every auto run into approve
+              "breaker": {"max_auto_runs": 50, "max_unhealthy_nodes": 8, "max_unhealthy_gpus": 100}}
     with serving(lab.env(), tmp / "serve", config, runbooks_dir=_runbooks(tmp)) as server:
         yield {"server": server, "nhc_uid": nhc_uid, "sh": sh}
     sh(f"kubectl delete runbookremediations --all -n {NS} --wait=false")
@@ -263,8 +265,10 @@ def test_deleting_the_remediation_mid_run_cancels_cleanly_then_the_finalizer_goe
                    RUN_TIMEOUT, server)
 
     def holding() -> bool:
-        events = server.run(run_id)["events"]
-        return any(e["kind"] == "step.start" and e.get("step") == "hold" for e in events)
+        run = server.run(run_id)
+        assert run["state"] not in ("succeeded", "failed", "blocked", "cancelled", "interrupted"), (
+            run["state"], run.get("outcome_reason"), [(e["kind"], e.get("step")) for e in run["events"]])
+        return any(e["kind"] == "step.start" and e.get("step") == "hold" for e in run["events"])
 
     _wait("the run to reach its hold step", holding, RUN_TIMEOUT, server)
     sh(f"kubectl delete runbookremediation omen2 -n {NS} --wait=false", check=True)
