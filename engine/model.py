@@ -480,6 +480,8 @@ class Step(_Model):
 class PagerDutyMatch(_Model):
     service: str | None = None
     title_pattern: str | None = None  # regex; named groups become params
+    # with notify.pagerduty_rest: the incident is resolved when the run succeeded (else left open)
+    resolve_incident: bool = False
 
 
 class NodeConditionMatch(_Model):

@@ -48,6 +48,8 @@ class Candidate:
     group_key: str = ""  # Alertmanager's groupKey of the delivery (PagerDuty Events dedup_key)
     alert_started: float | None = None  # the alert's startsAt (epoch seconds), for metrics
     require_diagnosis: bool = False  # the run plans only if the runbook's diagnosis matches the node
+    incident_id: str = ""  # the PagerDuty incident that paged (its REST notes, acknowledge, resolve)
+    resolve_incident: bool = False  # the trigger resolves that incident when the run succeeded
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,7 @@ class _IncidentTrigger:
     node_param: str | None
     origin: str  # "runbook" | "config"
     require_diagnosis: bool = False
+    resolve_incident: bool = False
 
 
 @dataclass
@@ -146,7 +149,7 @@ class TriggerIndex:
                     continue
                 incident_triggers.append(_IncidentTrigger(
                     spec.runbook, t.pagerduty.service, pattern, {}, dict(t.params), t.mode,
-                    spec.node_param, "runbook", t.require_diagnosis))
+                    spec.node_param, "runbook", t.require_diagnosis, t.pagerduty.resolve_incident))
             if t.node_conditions:
                 self._conditions.append(spec)  # watched by engine.serve.node_conditions
             if not names and not matchers and t.pagerduty is None and not t.node_conditions:
@@ -155,7 +158,8 @@ class TriggerIndex:
         for j, m in enumerate(mappings):
             incident_triggers.append(_IncidentTrigger(
                 m.runbook, m.service, re.compile(m.title_pattern), dict(m.params), {}, m.mode,
-                self.node_params.get(m.runbook, "node"), f"config pagerduty.mappings[{j}]"))
+                self.node_params.get(m.runbook, "node"), f"config pagerduty.mappings[{j}]",
+                resolve_incident=m.resolve_incident))
         if problems:
             raise UsageError("invalid triggers:\n" + "\n".join(problems))
         self._alerts = tuple(alert_triggers)
@@ -168,6 +172,16 @@ class TriggerIndex:
         """The triggers that watch Node conditions (``engine.serve.node_conditions``)."""
         return list(self._conditions)
 
+    def node_labels(self) -> dict[str, str | None]:
+        """Per Alertmanager-triggered runbook, the label its node param is rendered from
+        (``{{ labels.node }}`` -> ``node``); None when it is not one label."""
+        out: dict[str, str | None] = {}
+        for t in self._alerts:
+            source = t.spec.trigger.params.get(t.spec.node_param or "node", "")
+            m = re.fullmatch(r"\{\{\s*labels\.([A-Za-z_][A-Za-z0-9_]*)\s*\}\}", source.strip())
+            out.setdefault(t.spec.runbook, m.group(1) if m else None)
+        return out
+
     def describe(self) -> list[dict[str, Any]]:
         """The index as JSON for ``GET /triggers``."""
         out: list[dict[str, Any]] = [
@@ -177,7 +191,7 @@ class TriggerIndex:
             for t in self._alerts]
         out += [{"source": "pagerduty", "runbook": t.runbook, "service": t.service,
                  "title_pattern": t.pattern.pattern, "mode": t.mode, "from": t.origin,
-                 "require_diagnosis": t.require_diagnosis}
+                 "require_diagnosis": t.require_diagnosis, "resolve_incident": t.resolve_incident}
                 for t in self._incidents]
         out += [{"source": "node-condition", "runbook": s.runbook,
                  "node_conditions": [{"type": c.type, "status": list(c.status), "for": c.for_}
@@ -247,5 +261,6 @@ class TriggerIndex:
                 source="pagerduty",
                 reason=f"pagerduty: incident {incident.id} {incident.title[:200]!r} "
                        f"(service {incident.service.summary or incident.service.id})",
-                dedup_key=f"pd-incident-{incident.id}", require_diagnosis=t.require_diagnosis))
+                dedup_key=f"pd-incident-{incident.id}", require_diagnosis=t.require_diagnosis,
+                incident_id=incident.id, resolve_incident=t.resolve_incident))
         return found
