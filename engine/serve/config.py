@@ -25,6 +25,7 @@ from pydantic import (
     model_validator,
 )
 
+from engine.approval_policy import ApprovalConfig
 from engine.configfile import read_mapping
 from engine.errors import UsageError
 from engine.model import parse_duration
@@ -336,10 +337,12 @@ class ServeConfig(_Section):
     # trip (None: half of cluster_cache_ttl; 0: only when a page finds it older than the TTL).
     cluster_refresh: Seconds | None = None
     shutdown_grace: Seconds = 30.0
+    deferred_poll: Seconds = 30.0  # how often a run deferred to its maintenance window asks again
     dedup: DedupConfig = Field(default_factory=DedupConfig)
     breaker: BreakerConfig = Field(default_factory=BreakerConfig)
     exclusions: ExclusionConfig = Field(default_factory=ExclusionConfig)
     guards: GuardConfig | None = None  # the run guards (engine.run_guards); exclusions above when unset
+    approvals: ApprovalConfig = Field(default_factory=ApprovalConfig)  # who may approve (engine.approval_policy)
     notify: NotifyConfig = Field(default_factory=NotifyConfig)
     pagerduty: PagerDutyConfig = Field(default_factory=PagerDutyConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any, Literal
 
-from engine.errors import RunbookError
+from engine.errors import ApprovalRefused, RunbookError
 from engine.serve.access import Identity
 from engine.serve.alertmanager import Alert, WebhookPayload
 from engine.serve.cluster import ClusterSnapshot, ClusterUnavailable, ClusterView, RefreshingClusterView
@@ -120,7 +120,8 @@ class NotFound(Exception):
 
 
 class SelfApproval(Exception):
-    """The approver is the identity that requested the run (HTTP 403, ``auth.requester_cannot_approve``)."""
+    """The approver is the identity that requested the run (HTTP 403, ``auth.requester_cannot_approve``),
+    or the approval policy does not count this approver (``engine.approval_policy``)."""
 
 
 def _cut(text: str, limit: int) -> str:
@@ -538,7 +539,8 @@ class Dispatcher:
                                  transient=True)
         request = RunRequest(runbook=c.runbook, params=dict(c.params), node=c.node, mode=mode,
                              source=c.source, reason=c.reason, warnings=warnings, dedup_key=c.dedup_key,
-                             requested_by=requested_by, require_diagnosis=c.require_diagnosis)
+                             requested_by=requested_by, require_diagnosis=c.require_diagnosis,
+                             windows=c.windows)
         try:
             ticket = self.starter.submit(request)
         except AlreadyStarted as e:  # another replica took this page first (shared store)
@@ -607,6 +609,13 @@ class Dispatcher:
         except Exception as e:
             log.exception("run %s raised", run_id)
             outcome = RunOutcome(run_id, "failed", reason=f"{type(e).__name__}: {e}")
+        if outcome.state == "deferred":
+            # Outside its maintenance windows (engine.run_windows): ask again after deferred_poll;
+            # the starter executes it once a window is open (a restart re-queues it: still pending).
+            with self._lock:
+                meta.state = "deferred"
+            self._defer(run_id)
+            return
         if outcome.state == "waiting-approval":
             with self._lock:
                 meta.state, meta.plan_digest = outcome.state, outcome.plan_digest
@@ -623,6 +632,16 @@ class Dispatcher:
                 meta.state = outcome.state
             return
         self._finish(run_id, meta, outcome)
+
+    def _defer(self, run_id: str) -> None:
+        def again() -> None:
+            if not self._stop.is_set() and not self.worker.submit(functools.partial(self._execute, run_id),
+                                                                  reserved=False):
+                self._defer(run_id)  # the pool is full: ask again later
+
+        timer = threading.Timer(self.config.deferred_poll, again)
+        timer.daemon = True
+        timer.start()
 
     def _plan_summary(self, run_id: str) -> str:
         """The recorded plan's steps, for notes and messages (``""`` when unreadable or not planned)."""
@@ -709,7 +728,17 @@ class Dispatcher:
             raise SelfApproval(f"run {run_id} was requested by {who.name}; another person must approve it "
                                "(auth.requester_cannot_approve)")
         approved_by = who.name
-        summary = dict(self.starter.approve(run_id, plan_digest, approved_by))
+        try:
+            summary = dict(self.starter.approve(run_id, plan_digest, approved_by,
+                                                roles=frozenset({who.role}) - {"any", "none"}))
+        except ApprovalRefused as e:
+            raise SelfApproval(str(e)) from e
+        approvals = summary.get("approvals")
+        if isinstance(approvals, Mapping) and not approvals.get("satisfied", True):
+            # The policy wants more distinct approvers: the run keeps waiting (engine.approvals).
+            return {"run": summary, "queued": False, "approvals": dict(approvals),
+                    "note": f"approval recorded ({approvals.get('text')}); the run starts when the policy "
+                            "is satisfied"}
         with self._lock:
             meta = self._runs.get(run_id)
             if meta is not None:

@@ -313,8 +313,10 @@ class SlackInteractions:
             self._update(a, run, f"decision by {name} refused: {e}", keep=True)
             return "invalid"
         note = result.get("note") if isinstance(result, Mapping) else None
+        # An approval policy wanting more approvers ("1 of 2 approvals"): the buttons stay for the next one.
+        more = isinstance(result, Mapping) and not (result.get("approvals") or {}).get("satisfied", True)
         self._update(a, run, f":white_check_mark: Approved by {name} (Slack)."
-                             + (f" {note}" if note else " The run executes now."), keep=False)
+                             + (f" {note}" if note else " The run executes now."), keep=more)
         return "approved"
 
     def _update(self, a: ClickAction, run: Mapping[str, Any] | None, outcome: str, *, keep: bool) -> None:

@@ -29,6 +29,7 @@ from engine.serve.config import PagerDutyMapping
 from engine.serve.matchers import Matcher, MatcherError, all_match, parse_all
 from engine.serve.pagerduty import Incident
 from engine.serve.starter import Mode, Source, TriggerSpec
+from engine.windows import Window
 
 _CONTEXT_NAMES = frozenset({"labels", "annotations", "alert", "incident"})
 _MAX_TITLE = 1024  # titles are matched against operator regexes: bound the input
@@ -48,6 +49,7 @@ class Candidate:
     group_key: str = ""  # Alertmanager's groupKey of the delivery (PagerDuty Events dedup_key)
     alert_started: float | None = None  # the alert's startsAt (epoch seconds), for metrics
     require_diagnosis: bool = False  # the run plans only if the runbook's diagnosis matches the node
+    windows: tuple[Window, ...] = ()  # the trigger's maintenance windows
     incident_id: str = ""  # the PagerDuty incident that paged (its REST notes, acknowledge, resolve)
     resolve_incident: bool = False  # the trigger resolves that incident when the run succeeded
 
@@ -230,7 +232,8 @@ class TriggerIndex:
                 runbook=t.spec.runbook, params=params, node=_node_of(params, t.spec.node_param),
                 mode=t.spec.trigger.mode, source="alertmanager",
                 reason=f"alertmanager: {alert.describe()} fingerprint {alert.dedup_key}",
-                dedup_key=alert.dedup_key, require_diagnosis=t.spec.trigger.require_diagnosis))
+                dedup_key=alert.dedup_key, require_diagnosis=t.spec.trigger.require_diagnosis,
+                windows=t.spec.trigger.windows))
         return found
 
     def for_incident(self, incident: Incident) -> Matches:
