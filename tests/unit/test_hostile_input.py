@@ -25,7 +25,6 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
-from fakes import FakeClock, FakeKube, FakeNodes, incident_host, incident_node
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -35,6 +34,7 @@ from engine.errors import LoadError
 from engine.loader import parse_runbook
 from engine.model import Runbook
 from engine.planning import plan_run
+from tests.fakes import FakeClock, FakeKube, FakeNodes, incident_host, incident_node
 
 DATA = Path(__file__).parent / "data"
 BAD = DATA / "bad"

@@ -20,8 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fakes import FakeClock, FakeKube, FakeNodes, incident_host, incident_node, install_recovery_effects
-from test_journal import FLAGSHIP, REPO, Died, DyingSink, World
 
 from engine import kube_store
 from engine.errors import Conflict, JournalError, StalePlan, UsageError
@@ -32,6 +30,8 @@ from engine.params import prepare_run
 from engine.runs import RunService
 from engine.settings import Settings
 from engine.store import RunStore
+from tests.fakes import FakeClock, FakeKube, FakeNodes, incident_host, incident_node, install_recovery_effects
+from tests.unit.test_journal import FLAGSHIP, REPO, Died, DyingSink, World
 
 NS = "runbook-system"
 

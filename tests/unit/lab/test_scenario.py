@@ -13,7 +13,7 @@ from engine.errors import LoadError
 from engine.lab import sim_gpu, sim_kubevirt, sim_seed
 from engine.lab.scenario import load_scenario, parse_scenario, parse_size, starts_ready
 
-SCENARIOS = Path(__file__).resolve().parents[2] / "engine" / "lab" / "scenarios"
+SCENARIOS = Path(__file__).resolve().parents[3] / "engine" / "lab" / "scenarios"
 MINIMAL = """\
 apiVersion: runbook.lab/v1
 name: tiny
@@ -90,7 +90,7 @@ def test_a_fleet_of_generated_gpu_nodes_for_benchmarks() -> None:
 
 
 def test_a_generated_fleet_can_be_broken_by_swap_each_node_with_its_own_host() -> None:
-    sc = load_scenario(Path(__file__).resolve().parents[2] / "engine" / "lab" / "scenarios" / "fleet-20.yaml")
+    sc = load_scenario(Path(__file__).resolve().parents[3] / "engine" / "lab" / "scenarios" / "fleet-20.yaml")
     fleet = [n for n in sc.all_nodes if n.labels.get("bench.runbook.io/fleet20") == "true"]
     assert len(fleet) == 20 and fleet[0].name == "fleet-001"
     assert all(n.host.ssh and n.host.swap.active == ["/swap.img"] and not starts_ready(n) for n in fleet)

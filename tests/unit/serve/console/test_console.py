@@ -222,7 +222,7 @@ def test_the_journal_starter_records_a_rejection_and_cancels_only_a_waiting_run(
     from engine.serve_starter import JournalRunStarter
     from engine.settings import Settings
 
-    repo = Path(__file__).resolve().parents[2]
+    repo = Path(__file__).resolve().parents[4]
     starter = JournalRunStarter(Settings(journal=tmp_path / "j.sqlite", runbooks_dir=repo / "runbooks"))
     journal = starter.journal
     waiting = journal.create_run("gpu-node-recovery", {"node": "omen2"}, ["omen2"], source="alertmanager",

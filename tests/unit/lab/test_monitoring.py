@@ -147,7 +147,7 @@ def _configured(tmp_path: Path, **targets: str) -> Monitoring:
     mon = Monitoring(tmp_path / "monitoring")
     (mon.dir / "rules").mkdir(parents=True)
     timing = Timing()
-    rules = mon._write_rules(timing, [Path(__file__).resolve().parents[2] / "deploy/monitoring/runbook-alerts.yaml"])
+    rules = mon._write_rules(timing, [Path(__file__).resolve().parents[3] / "deploy/monitoring/runbook-alerts.yaml"])
     mon.record = {"ports": {"prometheus": 20001, "alertmanager": 20002}, "metrics_port": 20003,
                   "timing": timing.model_dump(), "rule_files": [str(r) for r in rules], "serve_targets": targets}
     (mon.dir / "webhook-token").write_text("t0ken-for-alertmanager")

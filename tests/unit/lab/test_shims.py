@@ -19,7 +19,7 @@ from engine.lab.hoststate import HostState
 from engine.lab.scenario import load_scenario
 from engine.lab.sim_seed import fstab_text, host_state
 
-SHIMS = Path(__file__).resolve().parents[2] / "engine" / "lab" / "shims"
+SHIMS = Path(__file__).resolve().parents[3] / "engine" / "lab" / "shims"
 NOW = 1_752_161_991.0
 SWAP_LINE = ('"command failed" err="failed to run Kubelet: running with swap on is not supported, please '
              'disable swap or set --fail-swap-on flag to false"')

@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 import yaml
-from fakes import FakeClock, FakeKube, FakeNodes, RecordingSink, healthy_host, healthy_node
 
 from engine import kube_verbs as kv
 from engine import probes
@@ -27,8 +26,9 @@ from engine.kube_verbs.drain import classify
 from engine.loader import parse_runbook
 from engine.model import DrainSpec, KubeDrain, Runbook, RunState
 from engine.planning import plan_run
+from tests.fakes import FakeClock, FakeKube, FakeNodes, RecordingSink, healthy_host, healthy_node
 
-PLAYBOOKS = Path(__file__).parent / "data" / "playbooks"
+PLAYBOOKS = Path(__file__).resolve().parents[1] / "data" / "playbooks"
 NOW = datetime(2026, 7, 10, 15, 40, tzinfo=UTC)
 
 

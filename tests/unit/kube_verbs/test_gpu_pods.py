@@ -8,8 +8,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from fakes import FakeClock, FakeKube, FakeNodes, RecordingSink, healthy_host, healthy_node
-
 from engine import checks as chk
 from engine import probes
 from engine.actions import kube_effect, select_pods
@@ -21,8 +19,9 @@ from engine.facts import Facts, NodeFacts
 from engine.loader import parse_runbook
 from engine.model import KubeDeletePods, KubeEvict, PodSelectorSpec, RunState, StepStatus
 from engine.planning import plan_run
+from tests.fakes import FakeClock, FakeKube, FakeNodes, RecordingSink, healthy_host, healthy_node
 
-PLAYBOOKS = Path(__file__).parent / "data" / "playbooks"
+PLAYBOOKS = Path(__file__).resolve().parents[1] / "data" / "playbooks"
 NOW = datetime(2026, 7, 10, 15, 40, tzinfo=UTC)
 GPU = "nvidia.com/gpu"
 RTX = "nvidia.com/GB202_GEFORCE_RTX_5090"

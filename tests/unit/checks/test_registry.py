@@ -12,7 +12,6 @@ from typing import ClassVar
 
 import pytest
 from click.testing import CliRunner
-from fakes import healthy_node, make_host
 from pydantic import Field
 
 from engine import checks as chk
@@ -23,6 +22,7 @@ from engine.facts import Facts, GpuDevice, HostFacts
 from engine.loader import parse_runbook
 from engine.model import PlanState
 from engine.planning import plan_run
+from tests.fakes import healthy_node, make_host
 
 
 class GpusAtLeastSpec(FormatModel):

@@ -52,7 +52,7 @@ def test_replicas_sharing_a_store_start_one_run_for_one_page_and_a_new_one_after
     from engine.serve_starter import JournalRunStarter
     from engine.settings import Settings
 
-    repo = Path(__file__).resolve().parents[2]
+    repo = Path(__file__).resolve().parents[3]
     import time as _time
 
     offset = [0.0]  # the store stamps runs with the real clock: the replicas' clock runs ahead of it
@@ -84,13 +84,12 @@ def test_the_running_run_of_a_replica_on_another_machine_is_taken_over_only_afte
     import sqlite3
     from pathlib import Path
 
-    from fakes import FakeClock, FakeKube
-
     from engine.locks import DEFAULT_NAMESPACE, holder_for, lease_name
     from engine.serve_starter import JournalRunStarter
     from engine.settings import Settings
+    from tests.fakes import FakeClock, FakeKube
 
-    repo = Path(__file__).resolve().parents[2]
+    repo = Path(__file__).resolve().parents[3]
     clock = FakeClock()
     kube = FakeKube(clock=clock)
     settings = Settings(journal=tmp_path / "shared.sqlite", runbooks_dir=repo / "runbooks")
@@ -121,7 +120,7 @@ def test_the_leader_resumes_a_run_whose_executor_died_silently_but_not_one_the_e
     from engine.serve_starter import JournalRunStarter
     from engine.settings import Settings
 
-    repo = Path(__file__).resolve().parents[2]
+    repo = Path(__file__).resolve().parents[3]
     starter = JournalRunStarter(Settings(journal=tmp_path / "j.sqlite", runbooks_dir=repo / "runbooks"),
                                 shared_dedup_window=3600)
     journal = starter.journal

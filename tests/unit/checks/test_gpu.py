@@ -10,7 +10,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fakes import (
+from pydantic import TypeAdapter, ValidationError
+
+from engine import checks, probes
+from engine.checks import HOST, NODE
+from engine.execution import Executor
+from engine.facts import CudaProcess, Facts, GpuDevice, HostFacts, ProbeError
+from engine.hostfacts import parse_cuda_processes, parse_lspci
+from engine.loader import load_runbook
+from engine.model import Check, PlanState, RunResult, RunState, StepStatus
+from engine.planning import plan_run
+from engine.templating import facts_data
+from tests.fakes import (
     FakeClock,
     FakeKube,
     FakeNodes,
@@ -23,17 +34,6 @@ from fakes import (
     make_node,
     quad_gpus,
 )
-from pydantic import TypeAdapter, ValidationError
-
-from engine import checks, probes
-from engine.checks import HOST, NODE
-from engine.execution import Executor
-from engine.facts import CudaProcess, Facts, GpuDevice, HostFacts, ProbeError
-from engine.hostfacts import parse_cuda_processes, parse_lspci
-from engine.loader import load_runbook
-from engine.model import Check, PlanState, RunResult, RunState, StepStatus
-from engine.planning import plan_run
-from engine.templating import facts_data
 
 CHECK = TypeAdapter(Check)
 ALL_NVIDIA = {"gpu_driver": {"driver": "nvidia", "all": True}}
@@ -175,7 +175,7 @@ def test_bad_gpu_check_arguments_are_refused(check: dict[str, Any], message: str
 
 
 # -- the shipped flagship on a fake 4-GPU node (the lab's gpu-quad) ---------------------------------------
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 FLAGSHIP = load_runbook(REPO / "runbooks" / "gpu-node-recovery.yaml", playbooks_dir=REPO / "playbooks")
 PARAMS = {"node": "gpu-quad", "workload": "container", "ready_timeout": 120, "gpu_timeout": 180}
 JOBS = (CudaProcess(41000, "python3", "01:00.0"), CudaProcess(41001, "train.py", "41:00.0"))

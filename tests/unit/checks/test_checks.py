@@ -6,12 +6,12 @@ from decimal import Decimal
 from typing import Any
 
 import pytest
-from fakes import make_host, make_node
 from pydantic import TypeAdapter
 
 from engine import checks
 from engine.checks import HOST, NODE, Check, HostFile, ObjectsQuery, parse_quantity
 from engine.facts import Facts, FileFacts, ProbeError, Taint
+from tests.fakes import make_host, make_node
 
 CHECK = TypeAdapter(Check)
 

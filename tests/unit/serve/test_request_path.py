@@ -25,7 +25,7 @@ from engine.serve_starter import JournalRunStarter
 from engine.settings import Settings
 
 T0 = 1_800_000_000.0
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _until(predicate: object, timeout: float = 5.0) -> bool:

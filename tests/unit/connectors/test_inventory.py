@@ -16,7 +16,7 @@ import pytest
 from engine.connectors.inventory import inventory_from_listing, load_inventory, parse_failure
 from engine.errors import HostError, LoadError
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def write(folder: Path, text: str, name: str = "inventory.yaml", *, mode: int | None = None) -> Path:

@@ -101,7 +101,7 @@ def test_split_listen() -> None:
             split_listen(bad)
 
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_the_example_configuration_in_deploy_loads() -> None:

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-from fakes import FakeKube, FakeNodes, incident_host, incident_node, make_host, make_node
 
 from engine.errors import LoadError
 from engine.facts import ServiceFacts
@@ -22,8 +21,9 @@ from engine.serve.testing import FakeRunStarter, alert, served, trigger_spec, we
 from engine.serve.triggers import TriggerIndex
 from engine.serve_starter import JournalRunStarter
 from engine.settings import Settings
+from tests.fakes import FakeKube, FakeNodes, incident_host, incident_node, make_host, make_node
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 GPU_LABEL = "nvidia.com/gpu.workload.config"
 CRI_ERROR = ('E run.go:72] "command failed" err="failed to run Kubelet: validate CRI v1 runtime API for endpoint '
              '\\"unix:///var/run/containerd/containerd.sock\\": rpc error: code = Unavailable"')
