@@ -4,7 +4,7 @@
 logs readable lines. ``json`` sends every log record to stderr as one JSON object per line:
 ``ts``, ``level``, ``logger``, ``msg`` and, when the record carries them, ``run_id``, ``runbook``,
 ``step``, ``node``, ``event``, ``status``, ``reason`` (run events are logged by
-``engine.journal.JournalSink`` on logger ``runbook.events``). No secret is written: keys that look
+``engine.store.JournalSink`` on logger ``runbook.events``). No secret is written: keys that look
 secret (password, token, secret, authorization) are masked, and so is the value of every
 ``RUNBOOK_*`` environment variable whose name says it holds a token, secret or password.
 
@@ -21,7 +21,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from engine.journal import redact
+from engine.store import redact
 
 FORMATS = ("text", "json")
 FIELDS = ("run_id", "runbook", "step", "node", "event", "status", "reason")

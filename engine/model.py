@@ -568,6 +568,13 @@ class Runbook(_Model):
 
 
 class RunState(enum.StrEnum):
+    """A run's state, the one vocabulary of every store, front end and report. It knows what it
+    means (as httpx's status codes do): ``is_active`` (someone runs it or will: pending, waiting
+    for approval, running), ``is_final`` (it ended and stays so: succeeded, failed, blocked,
+    cancelled), ``is_resumable`` (it stopped half-way and a person or a server may continue it:
+    interrupted). Every state is exactly one of the three. A new state is one member here plus its
+    line in ``_MEANING``; the stores, the CRD's phases and the groups follow."""
+
     PENDING = "pending"
     WAITING_APPROVAL = "waiting-approval"
     RUNNING = "running"
@@ -576,6 +583,36 @@ class RunState(enum.StrEnum):
     BLOCKED = "blocked"
     CANCELLED = "cancelled"
     INTERRUPTED = "interrupted"
+
+    @property
+    def is_active(self) -> bool:
+        return _MEANING[self][0] == "active"
+
+    @property
+    def is_final(self) -> bool:
+        return _MEANING[self][0] == "final"
+
+    @property
+    def is_resumable(self) -> bool:
+        return _MEANING[self][0] == "resumable"
+
+    @property
+    def phase(self) -> str:
+        """The phase a RemediationRun shows (``kubectl get rr``, ``runbook runs``' PHASE column)."""
+        return _MEANING[self][1]
+
+
+# state -> (what it means, the RemediationRun phase)
+_MEANING: dict[RunState, tuple[Literal["active", "final", "resumable"], str]] = {
+    RunState.PENDING: ("active", "Pending"),
+    RunState.WAITING_APPROVAL: ("active", "WaitingApproval"),
+    RunState.RUNNING: ("active", "Running"),
+    RunState.SUCCEEDED: ("final", "Succeeded"),
+    RunState.FAILED: ("final", "Failed"),
+    RunState.BLOCKED: ("final", "Blocked"),
+    RunState.CANCELLED: ("final", "Cancelled"),
+    RunState.INTERRUPTED: ("resumable", "Interrupted"),
+}
 
 
 class StepStatus(enum.StrEnum):

@@ -18,11 +18,11 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TextIO
 
-from engine.journal import PHASES
+from engine.store import PHASES
 
 if TYPE_CHECKING:
-    from engine.journal import EventRecord, RunRecord
     from engine.model import Plan, RunResult
+    from engine.store import EventRecord, RunRecord
 
 DECISION_MARK = {"change": "~", "no-op": "=", "blocked": "!"}
 DECISION_COLOR = {"change": "yellow", "no-op": "green", "blocked": "red"}  # rich styles

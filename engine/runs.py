@@ -49,7 +49,6 @@ from engine.batch import SharedPlaybooks
 from engine.checks import HOST
 from engine.errors import ExitCode, LockHeld, RunbookError, StalePlan, UsageError
 from engine.execution import Executor, Progress
-from engine.journal import JournalSink
 from engine.loader import LoadedRunbook
 from engine.locks import DEFAULT_NAMESPACE, DEFAULT_TTL_SECONDS, NodeLock, acquire_node_lock
 from engine.model import AnsibleAction, Plan, PlanState, RunResult, RunState
@@ -64,7 +63,7 @@ from engine.run_guards import (
     judge,
     read_guard_facts,
 )
-from engine.store import RunStore, StepProgress
+from engine.store import JournalSink, RunStore, StepProgress
 
 if TYPE_CHECKING:
     from engine.connectors.base import KubeAPI, NodeAutomation
