@@ -297,45 +297,33 @@ def approve(settings: Settings, run_id: str, digest: str, approved_by: str | Non
         who = authorize_approval(cast(IdentityAPI, settings.kube()), settings.store_namespace, run_id)
     else:
         who = approved_by or current_user()
-    journal = settings.open_journal()
-    rec = journal.record_approval(run_id, digest, who)
+    from engine import lifecycle
+
+    rec = lifecycle.approve(_service(settings, live=False), run_id, digest, who)
     print(f"run {run_id} approved by {rec.approved_by} for plan {digest}")
     return ExitCode.OK
 
 
 def resume(settings: Settings, run_id: str, *, yes: bool, output: str,
            overrides: dict[str, str] | None = None) -> int:
-    """Continue an ``interrupted`` run (or an approved one waiting for approval) where it stopped."""
-    from engine.store import FINAL_STATES
+    """Continue an ``interrupted`` run (or an approved one waiting for approval) where it stopped
+    (``engine.lifecycle.continue_run``, as a person: confirm, guard overrides, re-run questions)."""
+    from engine import lifecycle
 
     service = _service(settings)
     try:
         service.check_overrides(overrides or {})
-        journal = service.journal
-        rec = journal.get_run(run_id)
-        if rec.state in FINAL_STATES:
-            print(f"run {run_id} already finished: {rec.state} (exit {rec.exit_code}); nothing to resume")
-            return ExitCode.OK
-        if rec.state in ("running", "pending"):
-            raise UsageError(f"run {run_id} is still {rec.state} (pid {rec.owner_pid} on {rec.owner_host})")
-        if rec.plan is None:
-            # Interrupted before it was planned (a server that died with a queued run): plan now.
-            prepared = service.targets(rec.runbook, dict(rec.params))[0]
-            the_plan = service.plan(prepared)
-            service.record_plan(run_id, the_plan)
-            _print_plans([the_plan], "text" if output != "json" else "json")
-        else:
-            prepared, the_plan = service.prepare_from_record(run_id)
-        approved = rec.approved_digest == the_plan.digest
-        if rec.state == "waiting-approval" and not approved:
-            print(f"run {run_id} is waiting for approval of plan {the_plan.digest}")
-            return ExitCode.BLOCKED
-        progress = journal.progress(run_id)
-        left = [s.id for s in the_plan.steps if s.id not in progress.completed]
-        note = f"; step {progress.interrupted_step} was left half-way" if progress.interrupted_step else ""
-        print(f"resuming run {run_id} ({rec.runbook} on {prepared.node}): steps left: "
-              f"{', '.join(left) or 'none'}{note}", file=sys.stderr)
-        confirm(f"Resume run {run_id}?", yes)
+
+        def show_plan(plan: Plan) -> None:
+            _print_plans([plan], "text" if output != "json" else "json")
+
+        def confirm_resume(c: lifecycle.Continuation) -> None:
+            note = f"; step {c.progress.interrupted_step} was left half-way" if c.progress.interrupted_step else ""
+            print(f"resuming run {run_id} ({c.record.runbook} on {c.prepared.node}): steps left: "
+                  f"{', '.join(c.steps_left) or 'none'}{note}", file=sys.stderr)
+            confirm(f"Resume run {run_id}?", yes)
+            if service.live is not None:
+                service.live.expect([c.plan])
 
         def ask_rerun(step: str, why: str) -> bool:
             # --yes confirms the plan, not doing a non-idempotent action twice: always ask a person.
@@ -343,15 +331,22 @@ def resume(settings: Settings, run_id: str, *, yes: bool, output: str,
 
             return bool(click.confirm(f"step {step}: {why}. Run it again?", default=False, err=True))
 
-        if service.live is not None:
-            service.live.expect([the_plan])
         try:
-            with cancellation(on_abort=settings.abort_actions) as cancel:
-                result = service.execute(run_id, prepared, the_plan, cancel=cancel, approved=approved, resume=True,
-                                         confirm_rerun=ask_rerun if sys.stdin.isatty() else None,
-                                         overrides=overrides)
+            done = lifecycle.continue_run(
+                service, run_id, automatic=False, overrides=overrides,
+                cancel_scope=lambda: cancellation(on_abort=settings.abort_actions),
+                confirm_rerun=ask_rerun if sys.stdin.isatty() else None,
+                on_planned=show_plan, before_execute=confirm_resume)
         finally:
             _stop_live(service)
+        if done.result is None:
+            if done.state.is_final and done.reason == "already finished":
+                print(f"run {run_id} already finished: {done.state} (exit {done.exit_code}); nothing to resume")
+                return ExitCode.OK
+            print(done.reason if done.state is RunState.WAITING_APPROVAL else f"run {run_id}: {done.state}: "
+                  f"{done.reason}")
+            return done.exit_code if done.exit_code is not None else ExitCode.BLOCKED
+        result = done.result
         _print_result(result, run_id, output)
         if result.outcomes and result.outcomes[-1].evidence.get("needs_confirmation"):
             print(f"step {result.outcomes[-1].step} is not idempotent: confirm re-running it with "

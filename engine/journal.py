@@ -321,7 +321,7 @@ class Journal(StoreBase):
         args: list[Any] = []
         if states:
             q += f" WHERE state IN ({','.join('?' * len(states))})"
-            args.extend(states)
+            args.extend(run_state(s).value for s in states)
         q += " ORDER BY created DESC LIMIT ?"
         args.append(limit)
         with self._reading("list runs") as db:

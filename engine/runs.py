@@ -28,6 +28,9 @@ continue for now stays ``interrupted`` (resumable): the API server or a host wen
 its Lease is held by another run, a guard blocks it, or a non-idempotent step needs a confirmation
 nobody could give.
 
+What happens to a run once it is recorded (continue it, take it over, approve, reject, cancel) is
+``engine.lifecycle``'s, over this service.
+
 Printing and prompting belong to the front ends (``engine.app``, ``engine.serve_starter``): this
 module returns values and writes the journal; it never imports ``kubernetes`` or ``ansible_runner``.
 """
@@ -362,9 +365,6 @@ class RunService:
         if rec.plan is None:
             raise UsageError(f"run {run_id} has no recorded plan")
         return Plan.model_validate(rec.plan)
-
-    def approve(self, run_id: str, plan_digest: str, approved_by: str | None = None) -> Mapping[str, Any]:
-        return self.journal.record_approval(run_id, plan_digest, approved_by or current_user()).summary()
 
     # -- guards ---------------------------------------------------------------------------------
 
