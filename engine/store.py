@@ -223,6 +223,9 @@ class RunRecord:
     owner_pid: int | None
     owner_start: str | None
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "state", run_state(self.state))  # a name given as text becomes the state
+
     def summary(self) -> dict[str, Any]:
         """The fields `runbook runs -o json` and `GET /runs` show."""
         return {
