@@ -19,7 +19,7 @@ import hashlib
 import json
 import re
 from collections.abc import Mapping
-from typing import Annotated, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, TypeVar, Union
 
 from pydantic import (
     BeforeValidator,
@@ -168,83 +168,103 @@ class WaitSpec(_Model):
         return self
 
 
+# -- kube verbs: a runbook's ``kube: {VERB: spec}`` ------------------------------------------------
+# A verb is one spec class here, decorated with ``@kube_verb`` (its ``KEY`` is the runbook key),
+# plus its module in ``engine/kube_verbs/`` whose ``decide`` registers itself for the class
+# (``@decides``). The format's union and the loader's hints are built from this registry.
+_KUBE_VERBS: list[type[_Model]] = []
+V = TypeVar("V", bound=type[_Model])
+
+
+def kube_verb(spec: V) -> V:
+    """Make ``spec`` a kube verb of the format (a class decorator); its ``KEY`` must be new."""
+    key = getattr(spec, "KEY", None)
+    if not key or any(getattr(v, "KEY", None) == key for v in _KUBE_VERBS):
+        raise ValueError(f"kube verb {spec.__qualname__}: KEY {key!r} missing or already registered")
+    _KUBE_VERBS.append(spec)
+    return spec
+
+
+@kube_verb
 class KubeLabel(_Model):
     KEY: ClassVar[str] = "label"
     label: dict[str, str] = Field(min_length=1)
 
 
+@kube_verb
 class KubeUnlabel(_Model):
     KEY: ClassVar[str] = "unlabel"
     unlabel: tuple[str, ...] = Field(min_length=1)
 
 
+@kube_verb
 class KubeAnnotate(_Model):
     KEY: ClassVar[str] = "annotate"
     annotate: dict[str, str] = Field(min_length=1)
 
 
+@kube_verb
 class KubeCordon(_Model):
     KEY: ClassVar[str] = "cordon"
     cordon: Literal[True]
 
 
+@kube_verb
 class KubeUncordon(_Model):
     KEY: ClassVar[str] = "uncordon"
     uncordon: Literal[True]
 
 
+@kube_verb
 class KubeTaint(_Model):
     KEY: ClassVar[str] = "taint"
     taint: TaintSpec
 
 
+@kube_verb
 class KubeUntaint(_Model):
     KEY: ClassVar[str] = "untaint"
     untaint: UntaintSpec
 
 
+@kube_verb
 class KubePatch(_Model):
     KEY: ClassVar[str] = "patch"
     patch: PatchSpec
 
 
+@kube_verb
 class KubeEvict(_Model):
     KEY: ClassVar[str] = "evict"
     evict: PodSelectorSpec
 
 
+@kube_verb
 class KubeDeletePods(_Model):
     KEY: ClassVar[str] = "delete_pods"
     delete_pods: PodSelectorSpec
 
 
+@kube_verb
 class KubeWait(_Model):
     KEY: ClassVar[str] = "wait"
     wait: WaitSpec
 
 
+@kube_verb
 class KubeDrain(_Model):
     KEY: ClassVar[str] = "drain"
     drain: DrainSpec = Field(default_factory=DrainSpec)
 
 
-KubeVerb = Annotated[
-    Annotated[KubeLabel, Tag("label")]
-    | Annotated[KubeUnlabel, Tag("unlabel")]
-    | Annotated[KubeAnnotate, Tag("annotate")]
-    | Annotated[KubeCordon, Tag("cordon")]
-    | Annotated[KubeUncordon, Tag("uncordon")]
-    | Annotated[KubeTaint, Tag("taint")]
-    | Annotated[KubeUntaint, Tag("untaint")]
-    | Annotated[KubePatch, Tag("patch")]
-    | Annotated[KubeEvict, Tag("evict")]
-    | Annotated[KubeDeletePods, Tag("delete_pods")]
-    | Annotated[KubeWait, Tag("wait")]
-    | Annotated[KubeDrain, Tag("drain")],
-    Discriminator(_single_key),
-]
-KUBE_VERBS = ("label", "unlabel", "annotate", "cordon", "uncordon", "taint", "untaint", "patch",
-              "evict", "delete_pods", "wait", "drain")
+# The kube verbs of the format, in registration order (the schema's and the hints' order): every
+# class decorated with ``@kube_verb`` above; its ``KEY`` is its only name.
+if TYPE_CHECKING:
+    KubeVerb = _Model
+else:
+    KubeVerb = Annotated[Union[tuple(Annotated[v, Tag(v.KEY)] for v in _KUBE_VERBS)],  # noqa: UP007
+                         Discriminator(_single_key)]
+KUBE_VERBS: tuple[str, ...] = tuple(getattr(v, "KEY") for v in _KUBE_VERBS)  # noqa: B009
 
 
 class AnsibleSpec(_Model):

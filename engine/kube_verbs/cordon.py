@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from engine.facts import NodeFacts
-from engine.kube_verbs.effects import Decide, NodePatch, NoOp
+from engine.kube_verbs.effects import NodePatch, NoOp, decides
 from engine.kube_verbs.node_patch import q
 from engine.model import Change, KubeCordon, KubeUncordon
 
 CORDON_PATCH = {"spec": {"unschedulable": True}}
 
 
+@decides(KubeCordon, KubeUncordon)
 def decide(verb: KubeCordon | KubeUncordon, node: NodeFacts) -> NodePatch | NoOp:
     cordon = isinstance(verb, KubeCordon)
     reads = {"node.unschedulable": node.unschedulable}
@@ -20,6 +21,3 @@ def decide(verb: KubeCordon | KubeUncordon, node: NodeFacts) -> NodePatch | NoOp
     return NodePatch("cordon" if cordon else "uncordon",
                      f"{'cordon' if cordon else 'uncordon'}: unschedulable {node.unschedulable} -> {cordon}",
                      command, {"spec": {"unschedulable": cordon}}, "merge", (change,), reads)
-
-
-VERBS: dict[type, Decide] = {KubeCordon: decide, KubeUncordon: decide}
