@@ -13,7 +13,7 @@ from starlette.testclient import TestClient
 from engine.serve.app import create_app
 from engine.serve.config import load_config
 from engine.serve.notify import Notifier
-from engine.serve.testing import (
+from tests.fakes import (
     APPROVE,
     AUTH,
     DIGEST,

@@ -19,9 +19,9 @@ from engine.serve.app import create_app
 from engine.serve.cli import build_app, load_run_starter, serve_command, start_banner
 from engine.serve.config import ServeConfig, load_config
 from engine.serve.notify import Notifier
-from engine.serve.testing import INCIDENT_NODES, FakeRunStarter, StaticClusterView, trigger_spec
 from engine.serve_starter import JournalRunStarter
 from engine.settings import Settings
+from tests.fakes import INCIDENT_NODES, FakeRunStarter, StaticClusterView, trigger_spec
 
 
 @pytest.fixture

@@ -11,7 +11,8 @@ from engine.errors import KubeError
 from engine.facts import NodeFacts
 from engine.serve.cluster import ClusterUnavailable, KubeClusterView, gpu_count, kured_locks
 from engine.serve.config import ExclusionConfig
-from engine.serve.testing import FakeKube, make_node
+from tests.fakes import ClusterKube as FakeKube
+from tests.fakes import cluster_node as make_node
 
 T0 = 1_800_000_000.0
 

@@ -17,11 +17,22 @@ from engine.facts import ServiceFacts
 from engine.loader import load_runbook
 from engine.serve.alertmanager import parse_webhook
 from engine.serve.starter import RunRequest
-from engine.serve.testing import FakeRunStarter, alert, served, trigger_spec, webhook
 from engine.serve.triggers import TriggerIndex
 from engine.serve_starter import JournalRunStarter
 from engine.settings import Settings
-from tests.fakes import FakeKube, FakeNodes, incident_host, incident_node, make_host, make_node
+from tests.fakes import (
+    FakeKube,
+    FakeNodes,
+    FakeRunStarter,
+    alert,
+    incident_host,
+    incident_node,
+    make_host,
+    make_node,
+    served,
+    trigger_spec,
+    webhook,
+)
 
 REPO = Path(__file__).resolve().parents[3]
 GPU_LABEL = "nvidia.com/gpu.workload.config"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from engine.serve.testing import (
+from tests.fakes import (
     APPROVE,
     AUTH,
     DIGEST,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from engine.serve.testing import FakeLeadership, FakeRunStarter, served, trigger_spec
+from tests.fakes import FakeLeadership, FakeRunStarter, served, trigger_spec
 
 ORPHAN = {"id": "r-orphan", "runbook": "gpu-node-recovery", "params": {"node": "omen2"}, "nodes": ["omen2"],
           "state": "interrupted", "source": "alertmanager", "plan_digest": None, "approval_required": False,

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from engine.serve.pagerduty import sign
-from engine.serve.testing import Served, served
+from tests.fakes import Served, served
 
 SECRET = "pd-subscription-secret"
 MAPPING = {"service": "GPU nodes", "title_pattern": r"Node (?P<node>[a-z0-9.-]+) is NotReady",

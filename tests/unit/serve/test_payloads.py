@@ -7,7 +7,7 @@ import json
 import pytest
 
 from engine.serve.alertmanager import PayloadError, parse_webhook
-from engine.serve.testing import alert, webhook
+from tests.fakes import alert, webhook
 
 
 def _bytes(data: object) -> bytes:

@@ -20,9 +20,11 @@ from engine.serve.cluster import ClusterUnavailable, KubeClusterView
 from engine.serve.config import ExclusionConfig, load_config
 from engine.serve.notify import Notifier
 from engine.serve.starter import RunRequest
-from engine.serve.testing import TOKEN, FakeKube, FakeRunStarter, alert, make_node, trigger_spec, webhook
 from engine.serve_starter import JournalRunStarter
 from engine.settings import Settings
+from tests.fakes import TOKEN, FakeRunStarter, alert, trigger_spec, webhook
+from tests.fakes import ClusterKube as FakeKube
+from tests.fakes import cluster_node as make_node
 
 T0 = 1_800_000_000.0
 REPO = Path(__file__).resolve().parents[3]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.serve.testing import Served, alert, served
+from tests.fakes import Served, alert, served
 
 
 def _events(s: Served, run_id: str) -> list[dict[str, object]]:

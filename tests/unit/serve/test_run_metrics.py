@@ -8,7 +8,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.serve.testing import READ, FakeRunStarter, alert, served, trigger_spec
+from tests.fakes import READ, FakeRunStarter, alert, served, trigger_spec
 
 STARTS_AT = datetime.fromisoformat("2026-07-10T15:39:51+00:00").timestamp()  # alert()'s startsAt
 

@@ -9,7 +9,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
-from engine.serve.testing import APPROVE, FakeLeadership, FakeRunStarter, Served, alert, served, trigger_spec
+from tests.fakes import APPROVE, FakeLeadership, FakeRunStarter, Served, alert, served, trigger_spec
 
 CFG: dict[str, Any] = {"dedup": {"node_cooldown": 0}}
 

@@ -24,7 +24,7 @@ from engine.serve.app import create_app
 from engine.serve.cli import uvicorn_options
 from engine.serve.config import load_config
 from engine.serve.notify import Notifier
-from engine.serve.testing import INCIDENT_NODES, TOKEN, FakeRunStarter, StaticClusterView, alert, trigger_spec, webhook
+from tests.fakes import INCIDENT_NODES, TOKEN, FakeRunStarter, StaticClusterView, alert, trigger_spec, webhook
 
 
 @contextmanager

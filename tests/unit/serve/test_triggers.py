@@ -10,8 +10,8 @@ from engine.errors import UsageError
 from engine.serve.alertmanager import parse_webhook
 from engine.serve.config import PagerDutyMapping
 from engine.serve.pagerduty import Incident
-from engine.serve.testing import alert, trigger_spec, webhook
 from engine.serve.triggers import TriggerIndex
+from tests.fakes import alert, trigger_spec, webhook
 
 
 def _alert(node: str, **kw: str):  # type: ignore[no-untyped-def]

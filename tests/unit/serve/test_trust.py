@@ -26,7 +26,7 @@ from engine.serve.config import ServeConfig, load_config
 from engine.serve.guards import Guards, ReplayGuard
 from engine.serve.notify import MAX_NOTIFICATION_BYTES, Notification
 from engine.serve.pagerduty import sign
-from engine.serve.testing import (
+from tests.fakes import (
     APPROVE,
     AUTH,
     DIGEST,

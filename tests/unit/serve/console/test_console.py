@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 
 from engine.serve.notify import Notification, Notifier
-from engine.serve.testing import APPROVER_TOKEN, READER_TOKEN, TOKEN, FakeRunStarter, alert, served, trigger_spec
+from tests.fakes import APPROVER_TOKEN, READER_TOKEN, TOKEN, FakeRunStarter, alert, served, trigger_spec
 
 
 def _login(client: Any, credential: str) -> httpx.Response:

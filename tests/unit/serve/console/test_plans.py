@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from engine.serve.console.plans import MAX_PLAN_BYTES, UploadError, parse_params, parse_plan_file
-from engine.serve.testing import (
+from tests.fakes import (
     APPROVER_TOKEN,
     READER_TOKEN,
     FakeRunStarter,
