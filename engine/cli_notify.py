@@ -20,10 +20,11 @@ import logging
 from pathlib import Path
 from urllib.parse import quote
 
+from engine.journal import opened
 from engine.model import RunState
 from engine.serve.config import ServeConfig, load_config
 from engine.serve.notify import Notification, Notifier, run_report, step_outcomes
-from engine.store import RunStore, opened
+from engine.store import RunStore
 
 log = logging.getLogger(__name__)
 SOURCE = "cli"

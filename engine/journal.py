@@ -49,6 +49,7 @@ from engine.store import (  # the store's types; re-exported for callers that na
     EventRecord,
     JournalSink,
     RunRecord,
+    RunStore,
     StepProgress,
     StoreBase,
     _process_start,
@@ -62,9 +63,26 @@ from engine.store import (  # the store's types; re-exported for callers that na
 )
 
 __all__ = [
-    "ACTIVE_STATES", "DONE_STEP_STATUSES", "FINAL_STATES", "LOCK_TIMEOUT", "PHASES", "RESUMABLE_STATES",
-    "EventRecord", "Journal", "JournalSink", "RunRecord", "StepProgress", "_process_start", "current_owner",
-    "default_journal_path", "journal_fault", "new_run_id", "process_alive", "progress_from_events", "redact",
+    "ACTIVE_STATES",
+    "DONE_STEP_STATUSES",
+    "FINAL_STATES",
+    "LOCK_TIMEOUT",
+    "PHASES",
+    "RESUMABLE_STATES",
+    "EventRecord",
+    "Journal",
+    "JournalSink",
+    "RunRecord",
+    "StepProgress",
+    "_process_start",
+    "current_owner",
+    "default_journal_path",
+    "journal_fault",
+    "new_run_id",
+    "opened",
+    "process_alive",
+    "progress_from_events",
+    "redact",
 ]
 
 LOCK_TIMEOUT = 30.0  # seconds a write waits for another writer's lock before giving up
@@ -382,3 +400,19 @@ class Journal(StoreBase):
         return [EventRecord(r[0], r[1], r[2], r[3], r[4], json.loads(r[5])) for r in rows]
 
 
+@contextmanager
+def opened(store: RunStore | Path | str | None) -> Iterator[RunStore]:
+    """``store`` itself (left open: its owner closes it), or the SQLite journal at that path
+    (``None``: the default path), opened for the block and closed after it."""
+    if store is None or isinstance(store, Path | str):
+        journal = Journal(store)
+        try:
+            yield journal
+        finally:
+            journal.close()
+    else:
+        yield store
+
+
+def _journal_is_a_run_store(journal: Journal) -> RunStore:
+    return journal  # mypy checks that the SQLite journal satisfies the interface

@@ -44,6 +44,7 @@ from engine.store import (
     FINAL_STATES,
     EventRecord,
     RunRecord,
+    RunStore,
     StoreBase,
     current_owner,
     new_run_id,
@@ -471,3 +472,6 @@ def _created(obj: Mapping[str, Any]) -> float:
     return (parse_time((obj.get("status") or {}).get("createdAt"))
             or parse_time((obj.get("metadata") or {}).get("creationTimestamp")) or 0.0)
 
+
+def _kube_store_is_a_run_store(store: KubeRunStore) -> RunStore:
+    return store  # mypy checks that the Kubernetes store satisfies the interface

@@ -28,18 +28,13 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from engine.errors import UsageError
 from engine.model import RunState
-
-if TYPE_CHECKING:
-    from engine.journal import Journal
-    from engine.kube_store import KubeRunStore
 
 __all__ = [
     "ACTIVE_STATES",
@@ -62,7 +57,6 @@ __all__ = [
     "current_owner",
     "iso_time",
     "new_run_id",
-    "opened",
     "process_alive",
     "progress_from_events",
     "redact",
@@ -430,27 +424,3 @@ class JournalSink:
         _events_log.info("%s%s", kind, f" {step}" if step else "", extra={
             "run_id": self.run_id, "runbook": self._who[0], "node": self._who[1], "step": step, "event": kind,
             "status": safe["status"], "reason": safe["reason"]})
-
-
-@contextmanager
-def opened(store: RunStore | Path | str | None) -> Iterator[RunStore]:
-    """``store`` itself (left open: its owner closes it), or the SQLite journal at that path
-    (``None``: the default path), opened for the block and closed after it."""
-    if store is None or isinstance(store, Path | str):
-        from engine.journal import Journal
-
-        journal = Journal(store)
-        try:
-            yield journal
-        finally:
-            journal.close()
-    else:
-        yield store
-
-
-def _journal_is_a_run_store(journal: Journal) -> RunStore:
-    return journal  # mypy checks that the SQLite journal satisfies the interface
-
-
-def _kube_store_is_a_run_store(store: KubeRunStore) -> RunStore:
-    return store  # mypy checks that the Kubernetes store satisfies the interface

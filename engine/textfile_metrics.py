@@ -30,7 +30,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from engine.errors import UsageError
-from engine.store import RunRecord, RunStore, opened
+from engine.journal import opened
+from engine.store import RunRecord, RunStore
 
 SOURCE = "cli"
 _MAX_RUNS = 1_000_000
