@@ -9,6 +9,7 @@ decides how a run proceeds.
 
 from __future__ import annotations
 
+import json
 import signal
 import sys
 import threading
@@ -354,6 +355,54 @@ def resume(settings: Settings, run_id: str, *, yes: bool, output: str,
         return result.exit_code
     finally:
         settings.close()
+
+
+# -- diagnosis ----------------------------------------------------------------------------------
+
+
+def diagnose(settings: Settings, node: str | None, output: str, *, all_nodes: bool = False,
+             selector: str | None = None) -> int:
+    """``runbook diagnose``: ``--node N`` one node; ``--all`` / ``-l SELECTOR`` every sick node."""
+    from engine.diagnose import gather, is_sick, load_catalogue, render_table, render_text
+    from engine.loader import default_runbooks_dir, playbooks_dir_for
+    from engine.params import validate_node_name
+
+    if sum(bool(x) for x in (node, all_nodes or selector)) != 1:
+        raise UsageError("diagnose needs either --node NODE or --all / -l SELECTOR")
+    if node:
+        validate_node_name(node)
+    runbooks_dir = settings.runbooks_dir or default_runbooks_dir()
+    catalogue, problems = load_catalogue(Path(runbooks_dir))
+    nodes = settings.nodes(playbooks_dir_for(runbooks_dir)) if settings.inventory else None
+    try:
+        kube = settings.kube()
+        names = [node] if node else [n.name for n in kube.list_nodes(selector) if is_sick(n)]
+        ds = gather(names, kube, nodes, catalogue)
+    finally:
+        settings.close()
+    if node:
+        d = ds[0]
+        if output == "json":
+            doc = d.as_json()
+            doc["catalogue_problems"] = problems
+            print(json.dumps(doc, indent=2, default=str))
+        else:
+            print(render_text(d))
+            for p in problems:
+                print(f"warning: runbook not in the catalogue: {p}")
+        return d.exit_code
+    code = ExitCode.OK if all(d.known for d in ds) else ExitCode.FAILED
+    if output == "json":
+        print(json.dumps({"nodes": [d.as_json() for d in ds], "catalogue_problems": problems},
+                         indent=2, default=str))
+    elif not ds:
+        print("nothing is wrong: no node is NotReady, unschedulable or GPU-less"
+              + (f" among {selector}" if selector else ""))
+    else:
+        print(render_table(ds))
+        for p in problems:
+            print(f"warning: runbook not in the catalogue: {p}")
+    return code
 
 
 # -- history ------------------------------------------------------------------------------------

@@ -9,7 +9,8 @@ runbook matches it says so plainly, with the evidence it gathered (exit 1); a ma
 node is exit 0. No cause is known to the code: the catalogue is the runbooks directory.
 
 It never changes anything. ``explain`` and ``evaluate_diagnosis`` are pure (facts in, value out);
-``gather`` reads, in parallel.
+``gather`` reads, in parallel; ``render_text``/``render_table`` turn the values into text. The
+command itself (options, connectors, printing, exit code) is ``engine.app.diagnose``.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from engine.resources import object_resources, parse_quantity
 if TYPE_CHECKING:
     from engine.connectors.base import KubeAPI, NodeAutomation
     from engine.model import Evidence, Runbook
-    from engine.settings import Settings
 
 SWAP_REFUSAL = "running with swap on is not supported"
 OLD_SWAP_REFUSAL = "please disable swap"
@@ -528,48 +528,3 @@ def render_table(ds: Sequence[Diagnosis]) -> str:
         rows.append((d.node, d.state, cause, d.runbook or "-", d.confidence or "-", d.fix or "-"))
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     return "\n".join("  ".join(v.ljust(widths[i]) for i, v in enumerate(r[:5])) + "  " + r[5] for r in rows).rstrip()
-
-
-def diagnose_command(settings: Settings, node: str | None, output: str, *, all_nodes: bool = False,
-                     selector: str | None = None) -> int:
-    """``runbook diagnose``: ``--node N`` one node; ``--all`` / ``-l SELECTOR`` every sick node."""
-    from engine.errors import UsageError
-    from engine.loader import default_runbooks_dir, playbooks_dir_for
-    from engine.params import validate_node_name
-
-    if sum(bool(x) for x in (node, all_nodes or selector)) != 1:
-        raise UsageError("diagnose needs either --node NODE or --all / -l SELECTOR")
-    if node:
-        validate_node_name(node)
-    runbooks_dir = settings.runbooks_dir or default_runbooks_dir()
-    catalogue, problems = load_catalogue(Path(runbooks_dir))
-    nodes = settings.nodes(playbooks_dir_for(runbooks_dir)) if settings.inventory else None
-    try:
-        kube = settings.kube()
-        names = [node] if node else [n.name for n in kube.list_nodes(selector) if is_sick(n)]
-        ds = gather(names, kube, nodes, catalogue)
-    finally:
-        settings.close()
-    if node:
-        d = ds[0]
-        if output == "json":
-            doc = d.as_json()
-            doc["catalogue_problems"] = problems
-            print(json.dumps(doc, indent=2, default=str))
-        else:
-            print(render_text(d))
-            for p in problems:
-                print(f"warning: runbook not in the catalogue: {p}")
-        return d.exit_code
-    code = ExitCode.OK if all(d.known for d in ds) else ExitCode.FAILED
-    if output == "json":
-        print(json.dumps({"nodes": [d.as_json() for d in ds], "catalogue_problems": problems},
-                         indent=2, default=str))
-    elif not ds:
-        print("nothing is wrong: no node is NotReady, unschedulable or GPU-less"
-              + (f" among {selector}" if selector else ""))
-    else:
-        print(render_table(ds))
-        for p in problems:
-            print(f"warning: runbook not in the catalogue: {p}")
-    return code
