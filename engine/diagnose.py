@@ -356,13 +356,7 @@ def explain(facts: Facts, catalogue: Sequence[Runbook], *, vms: Sequence[Mapping
     if waiting:
         node_links.append((vm_link.split(" (")[0], f"{vm_link.split(' (')[0]} ("
                            + "; ".join(f"{v['vm']} asks for {', '.join(v['asks_for'])}" for v in waiting) + ")"))
-    if workload == "vm-passthrough" and host is not None and (not node.ready or kubelet_state != "active"):
-        notes.append("the workload label is vm-passthrough: if kubelet came back now, vfio-manager would "
-                     f"rebind the GPU to vfio-pci and kill the host's {len(host.cuda_processes)} CUDA job(s); "
-                     "relabel the node to container first (gpu-node-recovery does)")
-    if host is not None and host.unhandled_swap_sources:
-        notes.append("swap also comes from sources the swap-off playbook refuses to handle: "
-                     + ", ".join(host.unhandled_swap_sources))
+    notes += declared_notes(catalogue, facts)
 
     if matches:
         best = matches[0]
@@ -418,8 +412,29 @@ def catalogue_probes(catalogue: Sequence[Runbook], node: str) -> set[Any]:
     for rb in catalogue:
         assert rb.diagnosis is not None
         params = _params_for(rb, node)
-        probes |= chk.required_probes([ev.check for ev in (*rb.diagnosis.evidence, *rb.diagnosis.excludes)], params)
+        probes |= chk.required_probes([ev.check for ev in (*rb.diagnosis.evidence, *rb.diagnosis.excludes)]
+                                      + [n.when for n in rb.diagnosis.notes], params)
     return probes
+
+
+def declared_notes(catalogue: Sequence[Runbook], facts: Facts) -> list[str]:
+    """Pure: the runbooks' diagnosis notes whose condition holds on this node (unknown does not),
+    rendered over params and facts, in catalogue order."""
+    from engine.templating import context, render
+
+    out: list[str] = []
+    for rb in catalogue:
+        if rb.diagnosis is None:
+            continue
+        params = _params_for(rb, facts.node_name)
+        for note in rb.diagnosis.notes:
+            if chk.evaluate(note.when, facts, params).holds is not True:
+                continue
+            try:
+                out.append(render(note.says, context(params, facts)))
+            except Exception as e:  # a note that cannot be filled is said, not guessed
+                out.append(f"{note.says} <cannot fill: {e}>")
+    return out
 
 
 def check_runbook(runbook: Runbook, node: str, kube: KubeAPI, nodes: NodeAutomation | None) -> Match:

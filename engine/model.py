@@ -535,16 +535,29 @@ class Evidence(_Model):
     says: str = ""
 
 
+class DiagnosisNote(_Model):
+    """Something an operator must know about a sick node whatever the diagnosis (a risk of the fix,
+    a source the runbook will not handle): said by ``runbook diagnose`` whenever ``when`` holds on
+    the node's facts. ``says`` is templated over params and facts."""
+
+    id: str = Field(pattern=STEP_ID, max_length=63)
+    when: Check
+    says: str = Field(min_length=1)
+
+
 class DiagnosisSpec(_Model):
     """What a runbook declares it fixes: the cause, the evidence that identifies it, what rules it out.
 
     ``params``: extra params of the suggested command (``-p k=v``), templated over params and facts;
-    the node param is always filled with the diagnosed node."""
+    the node param is always filled with the diagnosed node. ``notes``: what ``runbook diagnose``
+    says about a sick node when their condition holds (the domain knowledge of this runbook's
+    cause lives here, not in the code)."""
 
     cause: DiagnosisCause
     evidence: tuple[Evidence, ...] = Field(min_length=1)
     excludes: tuple[Evidence, ...] = ()
     params: dict[str, str] = Field(default_factory=dict)
+    notes: tuple[DiagnosisNote, ...] = ()
 
 
 class Runbook(_Model):
