@@ -26,7 +26,7 @@ import threading
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine.errors import ExitCode, StalePlan, UsageError
 from engine.model import Plan, PlanState, RunResult, RunState
@@ -78,7 +78,8 @@ def continue_run(service: RunService, run_id: str, *, automatic: bool, taken_ove
                  confirm_rerun: Callable[[str, str], bool] | None = None,
                  on_planned: Callable[[Plan], None] | None = None,
                  before_execute: Callable[[Continuation], None] | None = None,
-                 before_plan: Callable[[RunRecord], Continued | None] | None = None) -> Continued:
+                 before_plan: Callable[[RunRecord], Continued | None] | None = None,
+                 after_claim: Callable[[RunRecord], Continued | None] | None = None) -> Continued:
     """Continue the recorded run ``run_id`` (see the module's docstring); the one function every
     front end calls for it.
 
@@ -91,6 +92,8 @@ def continue_run(service: RunService, run_id: str, *, automatic: bool, taken_ove
     are the person's, and ``cancel_scope()`` (signal handling) is entered around the execution only,
 giving the event that cancels it. ``taken_over``: the run was claimed from a silent replica (:func:`take_over`).
     ``runbooks``: runbooks already loaded by name (the server's, loaded at its start).
+    ``after_claim``: a gate on any run once it may go on (claimed; for a person, once it is not
+    another process's): the server's maintenance windows; a ``Continued`` ends it there.
     ``before_plan``: a gate on a never-planned run (the trigger's ``require_diagnosis``): a
     ``Continued`` ends the continuation there. ``on_planned(plan)``: an unplanned run was just
     planned. ``before_execute(continuation)``: last word before execution (show, confirm; raise to
@@ -108,6 +111,10 @@ giving the event that cancels it. ``taken_over``: the run was claimed from a sil
                              rec.plan_digest)
     elif rec.state in (RunState.RUNNING, RunState.PENDING):
         raise UsageError(f"run {run_id} is still {rec.state} (pid {rec.owner_pid} on {rec.owner_host})")
+    if after_claim is not None:
+        stopped = after_claim(rec)
+        if stopped is not None:
+            return stopped
     if rec.plan is None:
         if before_plan is not None:
             stopped = before_plan(rec)
@@ -158,12 +165,14 @@ def take_over(service: RunService, rec: RunRecord, reason: str) -> bool:
     return True
 
 
-def approve(service: RunService, run_id: str, plan_digest: str, approved_by: str) -> RunRecord:
-    """Approve the run's current plan (``StalePlan`` for another digest or a run not waiting for
-    approval, ``UsageError`` for an unknown run). ``approved_by`` is the identity the front end
-    established (a credential's, the kubeconfig's), never a name the approver typed into a
-    request."""
-    return service.journal.record_approval(run_id, plan_digest, approved_by)
+def approve(service: RunService, run_id: str, plan_digest: str, approved_by: str, *,
+            roles: frozenset[str] = frozenset()) -> Mapping[str, Any]:
+    """Record an approval of the run's current plan under the approval policy (``RunService.approve``,
+    ``engine.approvals``): ``StalePlan`` for another digest or a run not waiting for approval,
+    ``UsageError`` for an unknown run. ``approved_by`` (and ``roles``) are the identity the front end
+    established (a credential's, the kubeconfig's, the operating-system user's), never a name typed
+    into a request. The run's summary, with ``approvals`` (how many the policy counts)."""
+    return service.approve(run_id, plan_digest, approved_by, roles=roles)
 
 
 def cancel(service: RunService, run_id: str, reason: str) -> RunRecord:

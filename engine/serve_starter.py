@@ -26,7 +26,7 @@ from engine import lifecycle
 from engine.errors import RunbookError, UsageError
 from engine.loader import list_runbooks
 from engine.locks import DEFAULT_NAMESPACE, LeaseObservation, holder_for, lease_name
-from engine.model import RunState
+from engine.model import Runbook, RunState
 from engine.params import prepare_run
 from engine.runs import RunService
 from engine.serve.starter import WEBHOOK_SOURCES, AlreadyStarted, RunOutcome, RunRequest, RunTicket, TriggerSpec
@@ -83,7 +83,9 @@ class JournalRunStarter:
             run_id = self.service.create(
                 prepared, None, source=request.source, approval_required=request.mode == "approve",
                 note={"mode": request.mode, "reason": request.reason, "warnings": list(request.warnings),
-                      "dedup_key": request.dedup_key, "require_diagnosis": request.require_diagnosis},
+                      "dedup_key": request.dedup_key, "require_diagnosis": request.require_diagnosis,
+                      **({"windows": [w.model_dump(mode="json", exclude_defaults=True) for w in request.windows]}
+                         if request.windows else {})},
                 requested_by=request.requested_by or request.source, run_id=wanted)
         except RunbookError:
             if wanted is not None and self._exists(wanted):
@@ -138,8 +140,22 @@ class JournalRunStarter:
     def _execute(self, run_id: str) -> RunOutcome:
         with self._guard:
             taken_over = run_id in self._taken_over
+        window: list[RunOutcome] = []
+
+        def window_gate(rec: RunRecord) -> lifecycle.Continued | None:
+            """Maintenance windows (engine.run_windows): deferred or refused before anything else."""
+            outside = self._outside_window(run_id, self._runbooks[rec.runbook].runbook,
+                                           rec.approval_required and rec.approved_digest is None)
+            if outside is None:
+                return None
+            window.append(outside)
+            return lifecycle.Continued(run_id, rec.state, outside.exit_code, outside.reason, outside.plan_digest)
+
         done = lifecycle.continue_run(self.service, run_id, automatic=True, taken_over=taken_over,
-                                      runbooks=self._runbooks, before_plan=self._diagnosis_gate)
+                                      runbooks=self._runbooks, after_claim=window_gate,
+                                      before_plan=self._diagnosis_gate)
+        if window:
+            return window[0]  # its own outcome ("deferred", with the next opening)
         return RunOutcome(run_id, done.state.value, done.plan_digest, done.exit_code, done.reason)
 
     def _diagnosis_gate(self, rec: RunRecord) -> lifecycle.Continued | None:
@@ -147,6 +163,27 @@ class JournalRunStarter:
         if not self._requires_diagnosis(rec.id):
             return None
         return self._diagnose(rec.id, self._runbooks[rec.runbook], dict(rec.params))
+
+    def _outside_window(self, run_id: str, runbook: Runbook, awaiting_approval: bool) -> RunOutcome | None:
+        """An automatic run outside its maintenance windows (engine.run_windows): deferred (stays
+        pending, ``run.deferred`` names the next opening; the server executes it again then) or
+        refused (blocked). A run still to be approved is planned at any time: its window is checked
+        when it may start."""
+        if awaiting_approval:
+            return None
+        from engine.run_windows import deferral, note_of, trigger_windows
+
+        found = deferral(runbook, self.service.clock(), trigger_windows(note_of(self.journal.events(run_id))))
+        if found is None:
+            return None
+        if found.action == "refuse":
+            self.service.record_blocked(run_id, found.reason)
+            return RunOutcome(run_id, RunState.BLOCKED.value, None, 3, found.reason)
+        events = self.journal.events(run_id)
+        last = next((e for e in reversed(events) if e.kind == "run.deferred"), None)
+        if last is None or last.data.get("until") != found.as_event()["until"]:
+            self.journal.append(run_id, "run.deferred", **found.as_event())
+        return RunOutcome(run_id, "deferred", None, None, found.reason, extra=found.as_event())
 
     def _requires_diagnosis(self, run_id: str) -> bool:
         notes = [e.data for e in self.journal.events(run_id) if e.kind == "run.note"]
@@ -168,8 +205,9 @@ class JournalRunStarter:
         self.service.record_blocked(run_id, reason)
         return lifecycle.Continued(run_id, RunState.BLOCKED, 3, reason)
 
-    def approve(self, run_id: str, plan_digest: str, approved_by: str) -> Mapping[str, Any]:
-        return lifecycle.approve(self.service, run_id, plan_digest, approved_by).summary()
+    def approve(self, run_id: str, plan_digest: str, approved_by: str, *,
+                roles: frozenset[str] = frozenset()) -> Mapping[str, Any]:
+        return lifecycle.approve(self.service, run_id, plan_digest, approved_by, roles=roles)
 
     def reject(self, run_id: str, reason: str, rejected_by: str) -> Mapping[str, Any]:
         return lifecycle.reject(self.service, run_id, reason, rejected_by).summary()
@@ -187,7 +225,18 @@ class JournalRunStarter:
                 "dedup_key": notes[0].get("dedup_key", "") if notes else "",
                 "requested_by": requested[0] if requested else None,
                 "outcome_reason": outcome_reason(events),
+                "approvals": self._approvals(run_id, rec.state),
                 "events": [e.as_dict() for e in events]}
+
+    def _approvals(self, run_id: str, state: str) -> Mapping[str, Any] | None:
+        """"1 of 2 approvals" for a waiting run (engine.approvals); None otherwise."""
+        if state != RunState.WAITING_APPROVAL.value:
+            return None
+        from engine.approvals import policy_status
+
+        status = policy_status(self.journal, run_id, self.service.settings.approval_config(),
+                               labels=self.service.node_labels(run_id))
+        return status.as_dict() if status is not None else None
 
     def record_event(self, run_id: str, kind: str, data: Mapping[str, Any]) -> None:
         self.journal.get_run(run_id)  # UsageError for an unknown id

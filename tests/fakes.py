@@ -31,8 +31,9 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from engine.approval_policy import Approval, ApprovalConfig, judge, refusal, rule_for
 from engine.connectors.base import LeaseRecord, NodeEvent, PlaybookResult, PodRef, TaskEvent
-from engine.errors import Conflict, HostError, KubeError, NotFound, StalePlan, UsageError
+from engine.errors import ApprovalRefused, Conflict, HostError, KubeError, NotFound, StalePlan, UsageError
 from engine.facts import (
     Condition,
     CudaProcess,
@@ -791,8 +792,11 @@ class FakeRunStarter:
                  outcome: Callable[[Mapping[str, Any]], str] | None = None,
                  execute_delay: float = 0.0, submit_delay: float = 0.0, recover_ids: Iterable[str] = (),
                  preload: Iterable[Mapping[str, Any]] = (),
-                 plan: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None) -> None:
+                 plan: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None,
+                 approvals: ApprovalConfig | None = None) -> None:
         self.triggers = list(triggers)
+        self.approvals = approvals or ApprovalConfig()  # the approval policy, judged like the real starter
+        self._approvals: dict[str, list[Approval]] = {}
         self.plan = plan  # the plan (a Plan's JSON shape) a run waiting for approval shows; digest from it
         self.outcome = outcome or (lambda run: "succeeded")
         self.execute_delay = execute_delay
@@ -858,7 +862,8 @@ class FakeRunStarter:
         return RunOutcome(run_id, state, run["plan_digest"], run["exit_code"],
                           reason=f"fake run {state}")
 
-    def approve(self, run_id: str, plan_digest: str, approved_by: str) -> Mapping[str, Any]:
+    def approve(self, run_id: str, plan_digest: str, approved_by: str, *,
+                roles: frozenset[str] = frozenset()) -> Mapping[str, Any]:
         with self._cond:
             run = self._runs.get(run_id)
             if run is None:
@@ -868,7 +873,17 @@ class FakeRunStarter:
                                 f"{run['plan_digest']!r}")
             if run["state"] != "waiting-approval":
                 raise StalePlan(f"run {run_id} is {run['state']}, not waiting for approval")
-            run["approved_by"] = approved_by
+            rule = rule_for(self.approvals, run["runbook"], {})
+            earlier = self._approvals.setdefault(run_id, [])
+            new = Approval(approved_by, plan_digest, roles)
+            why = refusal(rule, new, requester=run.get("requested_by"), earlier=earlier)
+            if why is not None:
+                raise ApprovalRefused(f"run {run_id}: {why}")
+            earlier.append(new)
+            status = judge(rule, earlier, plan_digest, requester=run.get("requested_by"))
+            run["approvals"] = status.as_dict()
+            if status.satisfied:
+                run["approved_by"] = ", ".join(status.approvers)
             return dict(run)
 
     def reject(self, run_id: str, reason: str, rejected_by: str) -> Mapping[str, Any]:

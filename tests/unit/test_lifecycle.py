@@ -60,7 +60,7 @@ def test_an_unplanned_approve_mode_run_is_parked_by_the_server_and_left_waiting_
     assert (waiting.state, waiting.exit_code, waiting.executed) == (RunState.WAITING_APPROVAL, 3, False)
     assert w.effects() == {"label": 0, "swap-off": 0, "restart": 0}
     # approved (through the lifecycle), the same door runs it
-    assert lifecycle.approve(w.service, run_id, rec.plan_digest or "", "alice").approved_by == "alice"
+    assert lifecycle.approve(w.service, run_id, rec.plan_digest or "", "alice")["approved_by"] == "alice"
     done = lifecycle.continue_run(w.service, run_id, automatic=True)
     assert (done.state, done.executed) == (RunState.SUCCEEDED, True)
     assert w.effects() == {"label": 1, "swap-off": 1, "restart": 1}
