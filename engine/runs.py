@@ -28,6 +28,9 @@ continue for now stays ``interrupted`` (resumable): the API server or a host wen
 its Lease is held by another run, a guard blocks it, or a non-idempotent step needs a confirmation
 nobody could give.
 
+What happens to a run once it is recorded (continue it, take it over, approve, reject, cancel) is
+``engine.lifecycle``'s, over this service.
+
 Printing and prompting belong to the front ends (``engine.app``, ``engine.serve_starter``): this
 module returns values and writes the journal; it never imports ``kubernetes`` or ``ansible_runner``.
 """
@@ -50,7 +53,6 @@ from engine.checks import HOST
 from engine.errors import ExitCode, LockHeld, RunbookError, StalePlan, UsageError
 from engine.escalation import escalate_after_failure
 from engine.execution import Executor, Progress
-from engine.journal import JournalSink
 from engine.loader import LoadedRunbook
 from engine.locks import DEFAULT_NAMESPACE, DEFAULT_TTL_SECONDS, NodeLock, acquire_node_lock
 from engine.model import AnsibleAction, Plan, PlanState, RunResult, RunState
@@ -68,7 +70,7 @@ from engine.run_guards import (
     read_guard_facts,
 )
 from engine.run_windows import run_window_verdict
-from engine.store import RunStore, StepProgress
+from engine.store import JournalSink, RunStore, StepProgress
 from engine.windows import Clock, clock_from_env
 
 if TYPE_CHECKING:

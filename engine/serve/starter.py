@@ -3,7 +3,7 @@
 The server decides *whether* and *how* (mode, warnings) a run starts; a ``RunStarter`` owns
 *what a run is*: params validation, the journal, planning, approvals, the node Lease, execution.
 The real implementation lives with the engine (``engine.serve_starter.JournalRunStarter``, an
-adapter over the run service); unit tests use ``engine.serve.testing.FakeRunStarter``. This module
+adapter over the run service); unit tests use ``tests.fakes.FakeRunStarter``. This module
 holds types only: no I/O, no decisions.
 
 Lifecycle of a paged run, and which side calls what::

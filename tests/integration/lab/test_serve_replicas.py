@@ -26,7 +26,7 @@ from serve_helpers import Server, serving
 from test_durability_helpers import Effects, lease_holder, node_label, stop_kubelet
 
 from engine.lab.controlplane import ControlPlane
-from engine.serve.testing import alert, webhook
+from tests.fakes import alert, webhook
 
 pytestmark = [pytest.mark.integration, pytest.mark.lab, pytest.mark.timeout(1200)]
 
