@@ -297,8 +297,10 @@ def approve(settings: Settings, run_id: str, digest: str, approved_by: str | Non
         who = authorize_approval(cast(IdentityAPI, settings.kube()), settings.store_namespace, run_id)
     else:
         who = approved_by or current_user()
+    from engine.integrity import RunIntegrity, approve_sealed
+
     journal = settings.open_journal()
-    rec = journal.record_approval(run_id, digest, who)
+    rec = approve_sealed(RunIntegrity(journal), run_id, digest, who)
     print(f"run {run_id} approved by {rec.approved_by} for plan {digest}")
     return ExitCode.OK
 

@@ -49,7 +49,8 @@ from engine.batch import SharedPlaybooks
 from engine.checks import HOST
 from engine.errors import ExitCode, LockHeld, RunbookError, StalePlan, UsageError
 from engine.execution import Executor, Progress
-from engine.journal import JournalSink
+from engine.integrity import RunIntegrity, approve_sealed, plan_problems
+from engine.journal import JournalSink, new_run_id
 from engine.loader import LoadedRunbook
 from engine.locks import DEFAULT_NAMESPACE, DEFAULT_TTL_SECONDS, NodeLock, acquire_node_lock
 from engine.model import AnsibleAction, Plan, PlanState, RunResult, RunState
@@ -260,6 +261,7 @@ class RunService:
 
     def __post_init__(self) -> None:
         self.journal: RunStore = self.settings.open_journal()
+        self.integrity = RunIntegrity(self.journal)  # seals what it records; checks before acting
         self._guard_lock = threading.Lock()
         self._in_flight: set[str] = set()  # nodes this service remediates now (the GPU budget counts them)
 
@@ -332,9 +334,14 @@ class RunService:
         A ``run_id`` that exists already raises the store's error and records nothing."""
         # Why: "the requester cannot approve their own run" needs to know who asked (the CLI's user,
         # or the server's sender identity). One transaction: the server creates runs on its webhook path.
-        first: list[tuple[str, Mapping[str, Any]]] = [("run.requested", {"by": requested_by or current_user()})]
+        requester = requested_by or current_user()
+        first: list[tuple[str, Mapping[str, Any]]] = [("run.requested", {"by": requester})]
         if note:
             first.append(("run.note", dict(note)))
+        run_id = run_id or new_run_id()
+        first.append(self.integrity.first_seal(run_id, runbook=prepared.loaded.name, nodes=[prepared.node],
+                                               params=prepared.params, source=source,
+                                               approval_required=approval_required, requested_by=requester))
         run_id = self.journal.create_run(prepared.loaded.name, prepared.params, [prepared.node], source=source,
                                          approval_required=approval_required, state=state, run_id=run_id,
                                          events=first)
@@ -346,6 +353,7 @@ class RunService:
         self.journal.set_plan(run_id, plan.model_dump(mode="json"), plan.digest)
         self.journal.append(run_id, "plan", plan_digest=plan.digest, state=plan.state.value,
                             steps=[{"id": s.id, "kind": s.kind, "summary": s.summary} for s in plan.steps])
+        self.integrity.seal(run_id, plan_digest=plan.digest, runbook=plan.runbook, node=plan.node)
 
     def record_blocked(self, run_id: str, reason: str) -> None:
         """A run that ends before anything changed because its plan (or a guard) blocks it."""
@@ -365,7 +373,25 @@ class RunService:
         return Plan.model_validate(rec.plan)
 
     def approve(self, run_id: str, plan_digest: str, approved_by: str | None = None) -> Mapping[str, Any]:
-        return self.journal.record_approval(run_id, plan_digest, approved_by or current_user()).summary()
+        return approve_sealed(self.integrity, run_id, plan_digest, approved_by or current_user()).summary()
+
+    def refuse_unverified(self, run_id: str, plan: Plan | None = None,
+                          params: Mapping[str, Any] | None = None) -> str | None:
+        """Before a run is planned, resumed, taken over or executed: the reason it may not be (its
+        seal does not verify, or ``plan`` is not the run's recorded, approved plan for its node),
+        recorded as ``blocked`` (``RunIntegrity.block``); None when it may go on."""
+        try:
+            why = self.integrity.problem(run_id)
+            if why is None and plan is not None:
+                problems = plan_problems(plan, self.journal.get_run(run_id), params)
+                why = "; ".join(problems) if problems else None
+        except RunbookError as e:  # no key to check with: fail closed
+            why = f"it cannot be verified: {e}"
+        if why is None:
+            return None
+        reason = f"run {run_id} refused, nothing done: {why}"
+        self.integrity.block(run_id, reason)
+        return reason
 
     # -- guards ---------------------------------------------------------------------------------
 
@@ -436,7 +462,8 @@ class RunService:
         self.journal.set_state(run_id, RunState.WAITING_APPROVAL.value)
         while True:
             rec = self.journal.get_run(run_id)
-            if rec.approved_digest == digest:
+            # an approval that does not verify (written into the store by hand) is no approval
+            if rec.approved_digest == digest and self.integrity.problem(run_id) is None:
                 self.journal.set_state(run_id, RunState.RUNNING.value)
                 return True
             if time.monotonic() >= deadline or (cancel is not None and cancel.is_set()):
@@ -453,6 +480,13 @@ class RunService:
         Lease. ``overrides``: guard name -> reason (a person's, journaled with who and why).
         ``nodes_for_run``: the node automation to execute with (a batch's ``SharedPlaybooks``)."""
         self.check_overrides(overrides or {})
+        refused = self.refuse_unverified(run_id, plan, prepared.params)
+        if refused is None and prepared.node != plan.node:
+            refused = f"run {run_id} refused, nothing done: the plan is for node {plan.node}, the run's Lease would be {prepared.node}"
+            self.integrity.block(run_id, refused)
+        if refused is not None:
+            return RunResult(state=RunState.BLOCKED, exit_code=ExitCode.BLOCKED, runbook=prepared.loaded.name,
+                             node=prepared.node, plan_digest=plan.digest, reason=refused)
         kube, nodes = self.connectors(prepared.loaded, prepared.params)
         if nodes_for_run is not None and nodes is not None:
             nodes = nodes_for_run
@@ -586,7 +620,8 @@ class RunService:
         if loaded.digest != plan.runbook_digest:
             raise StalePlan(f"runbook {rec.runbook} changed since run {run_id} was planned "
                             f"(planned {plan.runbook_digest[:12]}, now {loaded.digest[:12]})")
-        prepared = prepare_run(loaded, dict(rec.params))
+        # Why the plan's params: they are what was reviewed and approved; the spec's could change after
+        prepared = prepare_run(loaded, dict(plan.params))
         return prepared, plan
 
     # -- many nodes -----------------------------------------------------------------------------

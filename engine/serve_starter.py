@@ -62,6 +62,7 @@ class JournalRunStarter:
         self._executing: set[str] = set()
         self._guard = threading.Lock()
         self.service.preload()  # at server start, not in the first run's worker (docs/performance.md, P8)
+        self.service.integrity.keys()  # the run key: read, or created at first start (engine.integrity)
 
     @property
     def journal(self) -> RunStore:
@@ -137,6 +138,9 @@ class JournalRunStarter:
         rec = self.journal.get_run(run_id)
         if rec.state in FINAL_STATES:
             return RunOutcome(run_id, rec.state, rec.plan_digest, rec.exit_code, "already finished")
+        refused = self.service.refuse_unverified(run_id)  # before any plan, resume, takeover or action
+        if refused is not None:
+            return RunOutcome(run_id, RunState.BLOCKED.value, rec.plan_digest, 3, refused)
         # read before the claim makes it look alive again; a run taken over from a silent replica too
         interrupted = rec.state == "interrupted" or run_id in self._taken_over
         # Why: a run parked for approval has no owner; whoever executes it owns it from now on, so
@@ -246,7 +250,8 @@ class JournalRunStarter:
                 continue  # stopped on purpose (API away, Lease held, a confirmation needed): a person resumes it
             if rec.state == "running":
                 running.add(rec.id)
-                if self._shared_window and self._silent_executor(rec) and self.journal.claim(rec.id):
+                if self._shared_window and self._silent_executor(rec) and \
+                        self.service.refuse_unverified(rec.id) is None and self.journal.claim(rec.id):
                     self._taken_over.add(rec.id)
                     self.journal.append(rec.id, "run.taken_over", reason=self._takeover_reason(rec),
                                         previous_owner=f"{rec.owner_host}/{rec.owner_pid}")
@@ -261,7 +266,8 @@ class JournalRunStarter:
                 # Queued at another replica whose death the store cannot see (another machine): its
                 # worker executes it; taking it here could make two executors.
                 continue
-            if (rec.state in ("pending", "interrupted") or approved) and self.journal.claim(rec.id):
+            if (rec.state in ("pending", "interrupted") or approved) and \
+                    self.service.refuse_unverified(rec.id) is None and self.journal.claim(rec.id):
                 out.append(rec.id)
         for gone in set(self._watching) - running:
             del self._watching[gone]
