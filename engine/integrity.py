@@ -327,7 +327,7 @@ def _record_kube_event(store: RunStore, run_id: str, reason: str) -> None:
         return
     now = fmt(store.clock())
     body = {"apiVersion": "v1", "kind": "Event",
-            "metadata": {"generateName": f"{run_id}.", "namespace": store.namespace},
+            "metadata": {"name": f"{run_id}.{secrets.token_hex(6)}", "namespace": store.namespace},
             "involvedObject": {"apiVersion": API_VERSION, "kind": KIND, "name": run_id,
                                "namespace": store.namespace},
             "reason": "RunIntegrityRefused", "message": reason[:1024], "type": "Warning",

@@ -52,7 +52,7 @@ from engine.execution import Executor, Progress
 from engine.integrity import RunIntegrity, approve_sealed, plan_problems
 from engine.journal import JournalSink, new_run_id
 from engine.loader import LoadedRunbook
-from engine.locks import DEFAULT_NAMESPACE, DEFAULT_TTL_SECONDS, NodeLock, acquire_node_lock
+from engine.locks import DEFAULT_TTL_SECONDS, NodeLock, acquire_node_lock
 from engine.model import AnsibleAction, Plan, PlanState, RunResult, RunState
 from engine.output import Fanout
 from engine.params import PreparedRun, prepare_fleet, prepare_run
@@ -532,7 +532,7 @@ class RunService:
         lock: NodeLock | None = None
         try:
             lock = acquire_node_lock(kube, prepared.node, run_id, ttl=self.lock_ttl, wait=self.lock_wait,
-                                     namespace=self.settings.namespace or DEFAULT_NAMESPACE)
+                                     namespace=self.settings.lease_namespace)
 
             def lost(holder: str) -> None:
                 # Someone else may remediate the node now: stop before the next action (the fence

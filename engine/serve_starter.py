@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.errors import RunbookError, StalePlan, UsageError
 from engine.loader import list_runbooks
-from engine.locks import DEFAULT_NAMESPACE, LeaseObservation, holder_for, lease_name
+from engine.locks import LeaseObservation, holder_for, lease_name
 from engine.model import PlanState, RunState
 from engine.params import prepare_run
 from engine.runs import RunService
@@ -51,7 +51,7 @@ class JournalRunStarter:
         self._shared_window = shared_dedup_window
         self._clock = clock
         self._kube = kube or settings.kube
-        self._lock_namespace = settings.namespace or DEFAULT_NAMESPACE
+        self._lock_namespace = settings.lease_namespace
         self._monotonic = monotonic
         self._watching: dict[str, LeaseObservation] = {}  # running runs of other replicas: their node Lease
         self._taken_over: set[str] = set()
