@@ -39,6 +39,7 @@ import logging
 import os
 import secrets
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -163,11 +164,16 @@ def _key_file_ring(path: Path) -> Keyring:
             f.flush()
             os.fsync(f.fileno())
         return _key_file_ring(path)
-    try:
-        mode = path.stat().st_mode & 0o077
-        text = path.read_text()
-    except OSError as e:
-        raise IntegrityError(f"{path}: cannot read the run key file: {e.strerror}") from e
+    text = ""
+    for _ in range(100):  # Why: its creator may be between O_EXCL and the write (a few ms at most)
+        try:
+            mode = path.stat().st_mode & 0o077
+            text = path.read_text()
+        except OSError as e:
+            raise IntegrityError(f"{path}: cannot read the run key file: {e.strerror}") from e
+        if text.strip():
+            break
+        time.sleep(0.01)
     if mode:
         raise IntegrityError(f"{path}: the run key file is readable by others (mode {oct(mode)}); chmod 600 it")
     if not text.strip():  # another process is writing it right now
