@@ -32,6 +32,7 @@ anything but block the run.
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import hmac
 import json
@@ -241,7 +242,7 @@ class RunIntegrity:
                 self._keys = keyring_for(self.store)
             return self._keys
 
-    def _now(self, run_id: str) -> tuple[RunRecord, dict[str, Any], list[Mapping[str, Any]]]:
+    def _now(self, run_id: str) -> tuple[RunRecord, dict[str, Any], list[dict[str, Any]]]:
         rec = self.store.get_run(run_id)
         events = self.store.events(run_id)
         requested = next((e.data.get("by") for e in events if e.kind == "run.requested"), None)
@@ -288,7 +289,8 @@ class RunIntegrity:
             return f"its seal names key {key_id!r}, which the run key ring does not hold"
         if hmac.compare_digest(keys.mac(key_id, canonical(fields)), mac):
             return None
-        recorded = seal.get("fields") if isinstance(seal.get("fields"), Mapping) else {}
+        given = seal.get("fields")
+        recorded: Mapping[str, Any] = given if isinstance(given, Mapping) else {}
         now = _field_hashes(fields)
         named = sorted(k for k in SEALED if recorded.get(k) != now[k])
         which = ", ".join(named) if named else "its seal itself"
@@ -316,10 +318,8 @@ def approve_sealed(integrity: RunIntegrity, run_id: str, digest: str, approved_b
     that cannot seal writes nothing, and a run that does not verify is never approved (sealing it
     would make a forged run look like the engine's)."""
     integrity.keys()
-    try:
+    with contextlib.suppress(UsageError):  # an unknown run: record_approval says so, after the store's lock wait
         integrity.check(run_id)
-    except UsageError:
-        pass  # an unknown run: record_approval says so, after the store's own wait for its lock
     integrity.store.record_approval(run_id, digest, approved_by)
     integrity.seal(run_id, approved_digest=digest, approved_by=approved_by)
     return integrity.store.get_run(run_id)

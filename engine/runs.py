@@ -482,7 +482,8 @@ class RunService:
         self.check_overrides(overrides or {})
         refused = self.refuse_unverified(run_id, plan, prepared.params)
         if refused is None and prepared.node != plan.node:
-            refused = f"run {run_id} refused, nothing done: the plan is for node {plan.node}, the run's Lease would be {prepared.node}"
+            refused = (f"run {run_id} refused, nothing done: the plan is for node {plan.node}, the run's Lease "
+                       f"would be {prepared.node}")
             self.integrity.block(run_id, refused)
         if refused is not None:
             return RunResult(state=RunState.BLOCKED, exit_code=ExitCode.BLOCKED, runbook=prepared.loaded.name,

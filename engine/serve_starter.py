@@ -138,9 +138,9 @@ class JournalRunStarter:
         rec = self.journal.get_run(run_id)
         if rec.state in FINAL_STATES:
             return RunOutcome(run_id, rec.state, rec.plan_digest, rec.exit_code, "already finished")
-        refused = self.service.refuse_unverified(run_id)  # before any plan, resume, takeover or action
-        if refused is not None:
-            return RunOutcome(run_id, RunState.BLOCKED.value, rec.plan_digest, 3, refused)
+        unverified = self.service.refuse_unverified(run_id)  # before any plan, resume, takeover or action
+        if unverified is not None:
+            return RunOutcome(run_id, RunState.BLOCKED.value, rec.plan_digest, 3, unverified)
         # read before the claim makes it look alive again; a run taken over from a silent replica too
         interrupted = rec.state == "interrupted" or run_id in self._taken_over
         # Why: a run parked for approval has no owner; whoever executes it owns it from now on, so
