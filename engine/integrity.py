@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     from engine.store import RunRecord, RunStore
 
 SEAL_EVENT = "run.seal"
+ESCALATED_EVENT = "approval.required"  # the server made an automatic run wait for a person (sealed too)
 KEY_SECRET = "runbook-run-key"  # the Secret in the store namespace (Kubernetes store)
 KEY_FILE_SUFFIX = ".key"  # beside the SQLite journal
 SEALED = ("run_id", "runbook", "node", "nodes", "params", "source", "approval_required", "requested_by",
@@ -111,11 +112,12 @@ class Keyring:
 # -- the fields a seal covers ------------------------------------------------------------------------
 
 
-def sealed_fields(rec: RunRecord, requested_by: str | None) -> dict[str, Any]:
-    """What decides what a run does, as the store holds it now."""
+def sealed_fields(rec: RunRecord, requested_by: str | None, escalated: bool = False) -> dict[str, Any]:
+    """What decides what a run does, as the store holds it now (``escalated``: an
+    ``approval.required`` event made an automatic run wait for a person)."""
     return {"run_id": rec.id, "runbook": rec.runbook, "node": rec.nodes[0] if rec.nodes else "",
             "nodes": list(rec.nodes), "params": dict(rec.params), "source": rec.source,
-            "approval_required": bool(rec.approval_required), "requested_by": requested_by,
+            "approval_required": bool(rec.approval_required) or escalated, "requested_by": requested_by,
             "plan_digest": rec.plan_digest, "approved_digest": rec.approved_digest,
             "approved_by": rec.approved_by}
 
@@ -247,7 +249,8 @@ class RunIntegrity:
         events = self.store.events(run_id)
         requested = next((e.data.get("by") for e in events if e.kind == "run.requested"), None)
         seals = [e.data for e in events if e.kind == SEAL_EVENT]
-        return rec, sealed_fields(rec, requested), seals
+        escalated = any(e.kind == ESCALATED_EVENT for e in events)
+        return rec, sealed_fields(rec, requested, escalated), seals
 
     def seal(self, run_id: str, **expected: Any) -> None:
         """Seal the run as recorded now, after checking that the fields in ``expected`` (those the
@@ -345,5 +348,6 @@ def _record_kube_event(store: RunStore, run_id: str, reason: str) -> None:
         log.warning("run %s: could not record the integrity Event: %s", run_id, e)
 
 
-__all__ = ["KEY_SECRET", "SEAL_EVENT", "IntegrityError", "Keyring", "RunIntegrity", "approve_sealed", "keyring_for",
+__all__ = ["ESCALATED_EVENT", "KEY_SECRET", "SEAL_EVENT", "IntegrityError", "Keyring", "RunIntegrity",
+           "approve_sealed", "keyring_for",
            "plan_problems", "sealed_fields"]

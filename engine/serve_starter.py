@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from engine.errors import RunbookError, StalePlan, UsageError
+from engine.integrity import ESCALATED_EVENT
 from engine.loader import list_runbooks
 from engine.locks import LeaseObservation, holder_for, lease_name
 from engine.model import PlanState, RunState
@@ -153,9 +154,10 @@ class JournalRunStarter:
             refused = self._diagnose(run_id, loaded, dict(rec.params))
             if refused is not None:
                 return refused
+        approval_required = rec.approval_required or self._escalated(run_id)
         if rec.plan is None:
             prepared = prepare_run(loaded, dict(rec.params))
-            plan = self.service.plan(prepared, preview=rec.approval_required)
+            plan = self.service.plan(prepared, preview=approval_required)
             self.service.record_plan(run_id, plan)
             resume = False
         else:
@@ -165,11 +167,23 @@ class JournalRunStarter:
             reason = "; ".join(plan.blocked_reasons)
             self.service.record_blocked(run_id, reason)
             return RunOutcome(run_id, RunState.BLOCKED.value, plan.digest, 3, reason)
-        if rec.approval_required and rec.approved_digest != plan.digest:
+        if approval_required and rec.approved_digest != plan.digest:
             self.service.park(run_id, plan, "approve-mode run: POST /runs/{id}/approve with this plan_digest")
             return RunOutcome(run_id, RunState.WAITING_APPROVAL.value, plan.digest, None, "waiting for approval")
         result = self.service.execute(run_id, prepared, plan, approved=True, wait_approval=False, resume=resume)
         return RunOutcome(run_id, result.state.value, plan.digest, result.exit_code, result.reason)
+
+    def require_approval(self, run_id: str, reason: str) -> None:
+        """A recovered or taken-over automatic run that the server's rules would not let run
+        automatically now (``force_mode``, ``mode_overrides``, the breaker): from now on it waits for
+        a person, as a new run would (an ``approval.required`` event, sealed with the run)."""
+        if self.service.refuse_unverified(run_id) is not None or self._escalated(run_id):
+            return
+        self.journal.append(run_id, ESCALATED_EVENT, reason=reason)
+        self.service.integrity.seal(run_id, approval_required=True)
+
+    def _escalated(self, run_id: str) -> bool:
+        return any(e.kind == ESCALATED_EVENT for e in self.journal.events(run_id))
 
     def _requires_diagnosis(self, run_id: str) -> bool:
         notes = [e.data for e in self.journal.events(run_id) if e.kind == "run.note"]
@@ -212,7 +226,9 @@ class JournalRunStarter:
         events = self.journal.events(run_id)
         notes = [e.data for e in events if e.kind == "run.note"]
         requested = [e.data.get("by") for e in events if e.kind == "run.requested"]
-        return {**rec.summary(), "plan": rec.plan, "warnings": notes[0].get("warnings", []) if notes else [],
+        escalated = any(e.kind == ESCALATED_EVENT for e in events)
+        return {**rec.summary(), "approval_required": rec.approval_required or escalated, "plan": rec.plan,
+                "warnings": notes[0].get("warnings", []) if notes else [],
                 "reason": notes[0].get("reason", "") if notes else "",
                 "dedup_key": notes[0].get("dedup_key", "") if notes else "",
                 "requested_by": requested[0] if requested else None,

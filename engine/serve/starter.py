@@ -143,6 +143,11 @@ class RunStarter(Protocol):
         StalePlan when it is not waiting for approval, UsageError for an unknown id."""
         ...
 
+    def require_approval(self, run_id: str, reason: str) -> None:
+        """A recovered automatic run may no longer run automatically (the configuration or the
+        breaker say so now): it waits for a person's approval from now on, recorded with ``reason``."""
+        ...
+
     def runs(self, limit: int = 100) -> Sequence[Mapping[str, Any]]:
         """Newest first, ``RunRecord.summary()`` dicts."""
         ...

@@ -252,3 +252,23 @@ def test_concurrent_first_uses_of_the_key_file_agree_on_one_ring(tmp_path: Path)
         t.join()
     assert len(rings) == 4 and all(r == rings[0] for r in rings)
     journal.close()
+
+
+# -- item 4: an automatic run the server now holds for approval stays held ------------------------------
+
+
+def test_a_run_the_server_made_wait_for_approval_is_sealed_so_and_removing_that_record_is_refused(
+        tmp_path: Path) -> None:
+    from engine.params import prepare_run
+    from engine.serve_starter import JournalRunStarter
+
+    repo = Path(__file__).resolve().parents[2]
+    starter = JournalRunStarter(Settings(journal=tmp_path / "j.sqlite", runbooks_dir=repo / "runbooks"))
+    prepared = prepare_run(starter._runbooks["gpu-node-recovery"], {"node": "omen2"})
+    run_id = starter.service.create(prepared, None, source="alertmanager")
+    starter.require_approval(run_id, "the configuration (force_mode) makes this runbook approve-mode")
+    assert starter.run(run_id)["approval_required"] is True
+    assert starter.service.integrity.problem(run_id) is None
+    with sqlite3.connect(tmp_path / "j.sqlite") as db:  # someone deletes the record of it
+        db.execute("DELETE FROM events WHERE run_id=? AND kind='approval.required'", (run_id,))
+    assert "approval_required" in str(starter.service.integrity.problem(run_id))
