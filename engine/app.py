@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from engine.params import PreparedRun
     from engine.runs import FleetResult, RunService
     from engine.settings import Settings
+    from engine.store import RunStore
 
 
 # -- catalogue ----------------------------------------------------------------------------------
@@ -297,11 +298,44 @@ def approve(settings: Settings, run_id: str, digest: str, approved_by: str | Non
         who = authorize_approval(cast(IdentityAPI, settings.kube()), settings.store_namespace, run_id)
     else:
         who = approved_by or current_user()
-    from engine.integrity import RunIntegrity, approve_sealed
+    from engine.integrity import IntegrityError, RunIntegrity, approve_sealed
 
     journal = settings.open_journal()
-    rec = approve_sealed(RunIntegrity(journal), run_id, digest, who)
+    integrity = RunIntegrity(journal)
+    if settings.store == "kubernetes":
+        try:
+            integrity.keys()
+        except IntegrityError:  # an approver holds no run key: a request the server verifies instead
+            return _request_store_approval(settings, journal, run_id, digest, who)
+    rec = approve_sealed(integrity, run_id, digest, who)
     print(f"run {run_id} approved by {rec.approved_by} for plan {digest}")
+    return ExitCode.OK
+
+
+def _request_store_approval(settings: Settings, journal: RunStore, run_id: str, digest: str, who: str) -> int:
+    """``runbook approve --store kubernetes`` by an approver: a CertificateSigningRequest whose author
+    the API server records (engine.store_approvals); the server's leader verifies it with a
+    SubjectAccessReview and records the approval."""
+    from engine import store_approvals
+    from engine.cluster_auth import ApprovalForbidden
+    from engine.errors import Forbidden
+
+    rec = journal.get_run(run_id)
+    if rec.plan_digest != digest:
+        raise StalePlan(f"run {run_id}: approval names plan {digest!r}, but the run's plan is {rec.plan_digest!r}; "
+                        "re-read the plan and approve that digest")
+    if rec.state != "waiting-approval":
+        raise StalePlan(f"run {run_id} is {rec.state}, not waiting for approval")
+    body = store_approvals.request_body(settings.store_namespace, run_id, digest)
+    try:
+        settings.objects().create_object(store_approvals.API_VERSION, store_approvals.PLURAL, "", body)
+    except Forbidden as e:
+        raise ApprovalForbidden(f"forbidden: you may not request an approval of run {run_id}: it needs verb "
+                                '"create" on "certificatesigningrequests" (apiGroup certificates.k8s.io); bind '
+                                "the ClusterRole runbook-approver-requests (deploy/kubernetes/approver-rbac.yaml)"
+                                ) from e
+    print(f"run {run_id}: approval of plan {digest} by {who} requested (CertificateSigningRequest "
+          f"{body['metadata']['name']}); the server records it at its next sweep")
     return ExitCode.OK
 
 

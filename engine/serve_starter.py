@@ -14,6 +14,7 @@ the CLI too.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import socket
 import threading
@@ -30,6 +31,8 @@ from engine.params import prepare_run
 from engine.runs import RunService
 from engine.serve.starter import WEBHOOK_SOURCES, AlreadyStarted, RunOutcome, RunRequest, RunTicket, TriggerSpec
 from engine.store import ACTIVE_STATES, FINAL_STATES, RunStore
+
+log = logging.getLogger("runbook.serve")
 
 if TYPE_CHECKING:
     from engine.connectors.base import KubeAPI
@@ -259,6 +262,7 @@ class JournalRunStarter:
         re-announced; runs another live process owns are left to it."""
         out = []
         running = set()
+        self._ingest_store_approvals()
         for rec in self.journal.list_runs(limit=1000, states=(*ACTIVE_STATES, "interrupted")):
             if rec.source not in WEBHOOK_SOURCES:
                 continue  # a CLI run: its operator resumes it
@@ -288,6 +292,67 @@ class JournalRunStarter:
         for gone in set(self._watching) - running:
             del self._watching[gone]
         return list(reversed(out))
+
+    def _ingest_store_approvals(self) -> None:
+        """Approvals made with ``runbook approve --store kubernetes`` (engine.store_approvals): each
+        request whose author, as the API server recorded it, RBAC lets approve runs in the store
+        namespace and who did not request the run, approves exactly the plan digest it names of a
+        run waiting for it; recorded sealed, as an approval through the HTTP API."""
+        from engine import store_approvals
+        from engine.kube_store import KubeRunStore
+
+        store = self.journal
+        if not isinstance(store, KubeRunStore):
+            return
+        try:
+            items = store.api.list_objects(store_approvals.API_VERSION, store_approvals.PLURAL,
+                                           label_selector=f"{store_approvals.LABEL}=true")
+        except Exception as e:  # Why: not served or not allowed: approvals through HTTP still work
+            log.debug("store approvals not read: %s", e)
+            return
+        for item in items:
+            found = store_approvals.parse(item)
+            if found is None or found.namespace != store.namespace:
+                continue
+            try:
+                rec = store.get_run(found.run_id)
+            except RunbookError:
+                continue
+            if rec.state != RunState.WAITING_APPROVAL.value or rec.plan_digest != found.digest or \
+                    rec.approved_digest == found.digest:
+                continue
+            why = self._store_approval_refused(found, rec.id)
+            if why is not None:
+                self.journal.append(rec.id, "approval.refused", by=found.username, request=found.name, reason=why)
+                continue
+            try:
+                self.service.approve(rec.id, found.digest, found.username)
+            except RunbookError as e:
+                log.warning("run %s: approval %s not recorded: %s", rec.id, found.name, e)
+                continue
+            self.journal.append(rec.id, "approval.request", by=found.username, request=found.name)
+
+    def _store_approval_refused(self, found: Any, run_id: str) -> str | None:
+        """Why the author of a store approval may not approve this run (None: they may)."""
+        from engine.cluster_auth import GROUP, RESOURCE, VERB
+
+        requested = [e.data.get("by") for e in self.journal.events(run_id) if e.kind == "run.requested"]
+        if requested and requested[0] == found.username:
+            return f"{found.username} requested this run and may not approve it"
+        reviews: Any = self._kube()
+        try:
+            answer = reviews.review_access(user=found.username, groups=found.groups, uid=found.uid,
+                                           extra=found.extra, verb=VERB, resource=RESOURCE, group=GROUP,
+                                           namespace=self.journal_namespace())
+        except Exception as e:  # Why: RBAC could not be asked: no approval (fail closed)
+            return f"the API server could not be asked whether {found.username} may approve: {e}"
+        if not answer.allowed:
+            return (f"{found.username} may not approve: RBAC allows no verb approve on remediationruns in "
+                    f"namespace {self.journal_namespace()} ({answer.reason or 'no rule'})")
+        return None
+
+    def journal_namespace(self) -> str:
+        return str(getattr(self.journal, "namespace", ""))
 
     def _silent_executor(self, rec: RunRecord) -> bool:
         """A ``running`` run of another replica whose executor is gone: its node Lease (held by
