@@ -11,7 +11,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from fakes import FakeClock, FakeKube, FakeNodes, incident_host, incident_node, install_recovery_effects
+from fakes import (
+    FakeClock,
+    FakeKube,
+    FakeNodes,
+    RecordingSink,
+    incident_host,
+    incident_node,
+    install_recovery_effects,
+)
 
 from engine.integrity import (
     KEY_SECRET,
@@ -146,6 +154,19 @@ def test_plan_problems_recompute_the_digest_and_hold_the_plan_to_the_run_s_node_
     _, other = lab.plan("omen3")
     assert any("for node 'omen3'" in p for p in plan_problems(other, rec))
     assert any("params to execute with" in p for p in plan_problems(plan, rec, {"node": "omen3"}))
+
+
+def test_the_executor_refuses_a_plan_whose_content_no_longer_hashes_to_its_digest(lab: Lab) -> None:
+    from engine.errors import PlanError
+    from engine.execution import Executor
+
+    prepared, plan = lab.plan("omen2")
+    edited = plan.model_copy(update={"node": "omen3"})  # the digest left as reviewed
+    executor = Executor(lab.kube, lab.nodes, events=RecordingSink(), playbooks_dir=prepared.loaded.playbooks_dir,
+                        cancel=threading.Event())
+    with pytest.raises(PlanError, match="not the plan that was reviewed"):
+        executor.execute(edited, prepared.runbook, prepared.params)
+    assert not lab.changed()
 
 
 def test_a_resumed_run_takes_its_params_from_the_approved_plan(lab: Lab) -> None:
