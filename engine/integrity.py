@@ -3,17 +3,20 @@
 The store is writable by more identities than the engine's: anyone who may create a
 ``RemediationRun`` (or edit its status) could otherwise hand the executor a run it never planned,
 a plan for another node, or an approval nobody gave. So every run the engine records is **sealed**:
-an HMAC-SHA256, keyed by a secret only the engine holds, over the canonical JSON of what decides
-what a run does (``sealed_fields``): its id, the spec (runbook, node, nodes, params, source, mode),
-who requested it, the recorded plan digest, and the approval (digest and approver). The seal is
-an event of the run (``run.seal``: key id, MAC, and a short hash per field, so a failed check can
-name the field that changed), written by the run service right after each write it makes to those
-fields (create, plan, approval), after reading them back and checking they are what it wrote.
+an HMAC-SHA256, keyed by a secret only the engine holds, over the SHA-256 of the canonical JSON of
+each field that decides what a run does (``sealed_fields``): its id, the spec (runbook, node, nodes,
+params, source, mode), who requested it, the recorded plan digest, and the approval (digest and
+approver). The seal is an event of the run (``run.seal``: key id, the per-field hashes, the MAC over
+them), so a failed check names the field that changed. The run service seals right after each write
+it makes to those fields (create, plan, approval, an ``approval.required``): it reads them back and
+seals only when the fields it wrote are as written and every other field is what the last seal
+covered (a change slipped in by someone else meanwhile is never sealed).
 
-Before a run is planned, resumed, taken over or executed, ``RunIntegrity.check`` recomputes the MAC
-from the record as it is now; a run with no seal, a seal by an unknown key, or a MAC that does not
-match is refused: ``block`` records phase ``Blocked`` with the reason (and, in the Kubernetes store,
-a Warning Event on the RemediationRun) and nothing else happens. ``plan_problems`` then holds the
+Before a run is planned, resumed, taken over or executed, ``RunIntegrity.check`` verifies the last
+seal's MAC and compares its hashes with the record as it is now; a run with no seal, a seal by an
+unknown key or altered, or a field that changed is refused: ``block`` records phase ``Blocked``
+with the reason (and, in the Kubernetes store, a Warning Event on the RemediationRun) and nothing
+else happens. ``plan_problems`` then holds the
 plan itself to the run (item 2 of issue 25): its digest recomputed from its content equals the
 recorded one (and the approved one, for an approve-mode run), and its node, runbook and params are
 the run's spec.
@@ -123,7 +126,7 @@ def sealed_fields(rec: RunRecord, requested_by: str | None, escalated: bool = Fa
 
 
 def _field_hashes(fields: Mapping[str, Any]) -> dict[str, str]:
-    return {k: hashlib.sha256(canonical(fields.get(k))).hexdigest()[:16] for k in SEALED}
+    return {k: hashlib.sha256(canonical(fields.get(k))).hexdigest()[:32] for k in SEALED}
 
 
 def plan_problems(plan: Plan, rec: RunRecord, params: Mapping[str, Any] | None = None) -> list[str]:
@@ -252,30 +255,54 @@ class RunIntegrity:
         escalated = any(e.kind == ESCALATED_EVENT for e in events)
         return rec, sealed_fields(rec, requested, escalated), seals
 
-    def seal(self, run_id: str, **expected: Any) -> None:
-        """Seal the run as recorded now, after checking that the fields in ``expected`` (those the
-        caller just wrote) read back as written: a change slipped in between is never sealed."""
+    def _signed(self, fields: Mapping[str, Any]) -> dict[str, Any]:
+        """A seal event's data: per-field hashes, and the current key's MAC over them."""
         keys = self.keys()
-        _, fields, _ = self._now(run_id)
-        changed = sorted(k for k, v in expected.items() if canonical(fields.get(k)) != canonical(v))
+        hashes = _field_hashes(fields)
+        return {"key": keys.current, "mac": keys.mac(keys.current, canonical(hashes)), "fields": hashes}
+
+    def _authentic(self, seal: Mapping[str, Any]) -> tuple[dict[str, str] | None, str]:
+        """The field hashes of a seal whose MAC verifies, else (None, why)."""
+        key_id, mac = str(seal.get("key", "")), str(seal.get("mac", ""))
+        given = seal.get("fields")
+        hashes = {str(k): str(v) for k, v in given.items()} if isinstance(given, Mapping) else {}
+        keys = self.keys()
+        if key_id not in keys.keys:
+            keys = self.keys(reload=True)
+        if key_id not in keys.keys:
+            return None, f"its seal names key {key_id!r}, which the run key ring does not hold"
+        if set(hashes) != set(SEALED) or not hmac.compare_digest(keys.mac(key_id, canonical(hashes)), mac):
+            return None, "its seal was altered (the MAC does not verify)"
+        return hashes, ""
+
+    def seal(self, run_id: str, **expected: Any) -> None:
+        """Seal the run as recorded now. Refused (``IntegrityError``, nothing written) unless the
+        fields in ``expected`` (those the caller just wrote) read back as written and every other
+        field is what the run's last seal covered: a change slipped in meanwhile is never sealed."""
+        _, fields, seals = self._now(run_id)
+        changed = [k for k, v in expected.items() if canonical(fields.get(k)) != canonical(v)]
+        if not seals:
+            raise IntegrityError(f"run {run_id}: it carries no seal to continue from; not sealed")
+        before, why = self._authentic(seals[-1])
+        if before is None:
+            raise IntegrityError(f"run {run_id}: {why}; not sealed")
+        now = _field_hashes(fields)
+        changed += [k for k in SEALED if k not in expected and before[k] != now[k]]
         if changed:
-            raise IntegrityError(f"run {run_id}: {', '.join(changed)} changed in the store right after this "
-                                 "process wrote them; not sealed")
-        self.store.append(run_id, SEAL_EVENT, key=keys.current, mac=keys.mac(keys.current, canonical(fields)),
-                          fields=_field_hashes(fields))
+            raise IntegrityError(f"run {run_id}: {', '.join(sorted(set(changed)))} changed in the store by "
+                                 "someone else; not sealed")
+        self.store.append(run_id, SEAL_EVENT, **self._signed(fields))
 
     def first_seal(self, run_id: str, *, runbook: str, nodes: list[str], params: Mapping[str, Any], source: str,
                    approval_required: bool, requested_by: str) -> tuple[str, dict[str, Any]]:
         """The seal of a run about to be created (an event for ``create_run``'s first events: one
         commit), over the values as the store will hold them (masked, plain JSON)."""
-        keys = self.keys()
         fields = {"run_id": run_id, "runbook": runbook, "node": nodes[0] if nodes else "", "nodes": list(nodes),
                   "params": json.loads(json.dumps(self.store.redact(dict(params)), default=str)),
                   "source": source, "approval_required": bool(approval_required),
                   "requested_by": self.store.redact(requested_by), "plan_digest": None, "approved_digest": None,
                   "approved_by": None}
-        return SEAL_EVENT, {"key": keys.current, "mac": keys.mac(keys.current, canonical(fields)),
-                            "fields": _field_hashes(fields)}
+        return SEAL_EVENT, self._signed(fields)
 
     def problem(self, run_id: str) -> str | None:
         """Why the run does not verify (None: it does). ``IntegrityError`` when no key can be read."""
@@ -283,21 +310,14 @@ class RunIntegrity:
         if not seals:
             return ("it carries no seal of this engine: it was not created by runbook (created with kubectl or "
                     "another tool, or by a version before run seals)")
-        seal = seals[-1]
-        key_id, mac = str(seal.get("key", "")), str(seal.get("mac", ""))
-        keys = self.keys()
-        if key_id not in keys.keys:
-            keys = self.keys(reload=True)
-        if key_id not in keys.keys:
-            return f"its seal names key {key_id!r}, which the run key ring does not hold"
-        if hmac.compare_digest(keys.mac(key_id, canonical(fields)), mac):
-            return None
-        given = seal.get("fields")
-        recorded: Mapping[str, Any] = given if isinstance(given, Mapping) else {}
+        recorded, why = self._authentic(seals[-1])
+        if recorded is None:
+            return why
         now = _field_hashes(fields)
-        named = sorted(k for k in SEALED if recorded.get(k) != now[k])
-        which = ", ".join(named) if named else "its seal itself"
-        return f"its {which} changed after runbook recorded them (the seal does not verify)"
+        named = sorted(k for k in SEALED if recorded[k] != now[k])
+        if not named:
+            return None
+        return f"its {', '.join(named)} changed after runbook recorded them (the seal does not verify)"
 
     def check(self, run_id: str) -> None:
         """``IntegrityError`` naming what did not verify; None when the run may go on."""

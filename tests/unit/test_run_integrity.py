@@ -113,6 +113,27 @@ def test_a_run_the_engine_recorded_executes_and_a_later_edit_of_its_params_is_na
     assert not lab.changed()
 
 
+def test_a_change_slipped_in_before_the_engine_seals_its_own_write_is_never_sealed(lab: Lab) -> None:
+    prepared, plan = lab.plan("omen2")
+    run_id = lab.service.create(prepared, None, source="alertmanager")  # the server's submit: no plan yet
+    with sqlite3.connect(lab.path) as db:  # edited while the server plans
+        db.execute("UPDATE runs SET params=? WHERE id=?", ('{"node": "omen3"}', run_id))
+    with pytest.raises(IntegrityError, match="params changed in the store by someone else; not sealed"):
+        lab.service.record_plan(run_id, plan)
+    assert "params" in str(lab.service.integrity.problem(run_id))
+
+
+def test_a_seal_whose_field_hashes_were_rewritten_is_named_altered(lab: Lab) -> None:
+    prepared, plan = lab.plan("omen2")
+    run_id = lab.service.create(prepared, plan)
+    with sqlite3.connect(lab.path) as db:
+        ((seq, data),) = db.execute("SELECT seq, data FROM events WHERE run_id=? AND kind='run.seal' "
+                                    "ORDER BY seq DESC LIMIT 1", (run_id,)).fetchall()
+        forged = data.replace('"node": "', '"node": "0')
+        db.execute("UPDATE events SET data=? WHERE run_id=? AND seq=?", (forged, run_id, seq))
+    assert "seal was altered" in str(lab.service.integrity.problem(run_id))
+
+
 def test_a_sealed_run_runs_to_its_end(lab: Lab) -> None:
     prepared, plan = lab.plan("omen2")
     run_id = lab.service.create(prepared, plan)
