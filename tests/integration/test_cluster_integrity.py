@@ -90,6 +90,10 @@ def cluster(kubectl: Kubectl, control_plane: ControlPlane, tmp_path_factory: pyt
         kubectl("delete", "csr", "-l", "runbook.io/approval=true", check=False)
         for role in ("runbook-approver-identity", "runbook-approver-requests"):
             kubectl("delete", "clusterrolebinding", f"alice-{role}", "--ignore-not-found", check=False)
+        kubectl("-n", NS, "delete", "rolebinding", "rr-writer", "alice-approves-integrity", "--ignore-not-found",
+                check=False)
+        kubectl("-n", NS, "delete", "role", "rr-writer", "--ignore-not-found", check=False)
+        kubectl("-n", NS, "delete", "serviceaccount", "rr-writer", "approver-alice", "--ignore-not-found", check=False)
 
 
 def _rr(kubectl: Kubectl, name: str) -> dict[str, Any]:
