@@ -508,11 +508,11 @@ class RunService:
                                   "it back; nothing was done on resume: check the node and finish by hand")
         journal.set_state(run_id, RunState.RUNNING.value)
         with self._guard_lock:  # one node at a time, so that a batch's GPU budget counts its own nodes
-            # Why a resume is held to the capacity guards too (issue 25 item 4): it may come much
-            # later, when other nodes are out; its own node, already out of service, is not counted
-            # as newly out (engine.run_guards), so only a budget spent meanwhile stops it.
+            # A resumed run started before (its node's capacity is already taken): only new work
+            # is held to the capacity guards. A recovered run that never started is new work
+            # (resume=False) and is held to them, as every other guard holds every run.
             refused = self._pass_guards(run_id, prepared.node, overrides or {},
-                                        changes=plan.state is not PlanState.NOTHING_TO_DO)
+                                        changes=not resume and plan.state is not PlanState.NOTHING_TO_DO)
         if refused is not None:
             # A resume stopped by a guard stays resumable; a new run is simply blocked.
             state = RunState.INTERRUPTED if resume else RunState.BLOCKED
