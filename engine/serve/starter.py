@@ -47,6 +47,8 @@ Rules every implementation must keep:
   (who asked for the run: the sender identity, or the user of a CLI run).
 * ``approve``'s ``approved_by`` is the identity bound to the approver's credential, never a name the
   caller typed.
+* ``require_approval`` (a recovered automatic run the rules would no longer let run automatically)
+  makes ``execute`` park that run for approval from then on, durably and tamper-evidently.
 * ``preview`` changes nothing and records nothing: no journal run, no Lease, no mutation (facts are
   read, previews are Ansible check mode and server-side dry-runs, as ``runbook plan``).
 """
