@@ -9,6 +9,7 @@ decides how a run proceeds.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -120,6 +121,12 @@ def plan(settings: Settings, name: str, *, node: str | None, selector: str | Non
     finally:
         settings.close()
     _print_plans(plans, output)
+    if targets:
+        from engine.run_windows import window_state
+
+        shown = window_state(targets[0].loaded.runbook, service.clock())
+        if shown.windows:  # `runbook plan` shows the next window (stderr for machine formats)
+            print(f"maintenance window: {shown.describe()}", file=sys.stdout if output == "text" else sys.stderr)
     if out_file is not None:
         if len(plans) != 1:
             raise UsageError("--out saves the plan of one node; use --node")
@@ -296,20 +303,44 @@ def approve(settings: Settings, run_id: str, digest: str, approved_by: str | Non
             raise UsageError("--by is refused with --store kubernetes: the approver recorded is the identity "
                              "your kubeconfig authenticates as")
         who = authorize_approval(cast(IdentityAPI, settings.kube()), settings.store_namespace, run_id)
+        roles: frozenset[str] = frozenset()
     else:
-        who = approved_by or current_user()
-    from engine.integrity import IntegrityError, RunIntegrity, approve_sealed
-
-    journal = settings.open_journal()
-    integrity = RunIntegrity(journal)
+        # The SQLite store cannot tell who typed the command: the approver is the operating-system
+        # user; --by may name only the identity the approvals configuration gives this CLI.
+        who, roles = current_user(), os_groups()
+        if approved_by is not None and approved_by not in (who, settings.approval_config().cli_identity):
+            raise UsageError(f"--by {approved_by}: the approver recorded is you ({who}); --by may only name "
+                             "approvals.cli_identity of the guards configuration")
+        who = approved_by or who
     if settings.store == "kubernetes":
+        from engine.integrity import IntegrityError, RunIntegrity
+
+        journal = settings.open_journal()
         try:
-            integrity.keys()
+            RunIntegrity(journal).keys()
         except IntegrityError:  # an approver holds no run key: a request the server verifies instead
             return _request_store_approval(settings, journal, run_id, digest, who)
-    rec = approve_sealed(integrity, run_id, digest, who)
-    print(f"run {run_id} approved by {rec.approved_by} for plan {digest}")
+    summary = _service(settings, live=False).approve(run_id, digest, who, roles=roles)
+    approvals = summary["approvals"]
+    if approvals["satisfied"]:
+        print(f"run {run_id} approved by {summary['approved_by']} for plan {digest} ({approvals['text']})")
+    else:
+        print(f"run {run_id}: approval by {who} recorded for plan {digest} ({approvals['text']}; "
+              f"waiting for {approvals['required'] - approvals['count']} more: {approvals['who_may']})")
     return ExitCode.OK
+
+
+def os_groups() -> frozenset[str]:
+    """The names of the current operating-system user's groups (the roles a CLI approver has)."""
+    import grp
+
+    names = set()
+    for gid in os.getgroups():
+        try:
+            names.add(grp.getgrgid(gid).gr_name)
+        except KeyError:
+            continue
+    return frozenset(names)
 
 
 def _request_store_approval(settings: Settings, journal: RunStore, run_id: str, digest: str, who: str) -> int:
@@ -397,6 +428,74 @@ def resume(settings: Settings, run_id: str, *, yes: bool, output: str,
         settings.close()
 
 
+# -- rollback -----------------------------------------------------------------------------------
+
+
+def plan_rollback(settings: Settings, run_id: str, *, output: str) -> int:
+    """``runbook plan --rollback RUN_ID``: the rollback's plan, skipped steps and refusals. Changes nothing."""
+    from engine.rollback import rollback_target
+
+    service = _service(settings, live=False)
+    try:
+        target = rollback_target(service, run_id)
+        the_plan = service.plan(target.prepared, preview=True)
+    finally:
+        settings.close()
+    _print_plans([the_plan], output)
+    _print_rollback_notes(run_id, target.skipped, target.refused)
+    return ExitCode.BLOCKED if target.refused else the_plan.exit_code
+
+
+def _print_rollback_notes(run_id: str, skipped: Sequence[str], refused: Sequence[str]) -> None:
+    for s in skipped:
+        print(f"rollback of {run_id}: skipped {s}", file=sys.stderr)
+    for r in refused:
+        print(f"rollback of {run_id}: REFUSED: {r}", file=sys.stderr)
+
+
+def rollback(settings: Settings, run_id: str, *, yes: bool, output: str,
+             overrides: dict[str, str] | None = None) -> int:
+    """``runbook rollback RUN_ID``: plan the inverses, confirm, run them as a run linked to RUN_ID."""
+    from engine.rollback import rollback_target
+
+    service = _service(settings)
+    try:
+        service.check_overrides(overrides or {})
+        target = rollback_target(service, run_id)
+        the_plan = service.plan(target.prepared)
+        if output != "json":
+            _print_plans([the_plan], "text")
+        _print_rollback_notes(run_id, target.skipped, target.refused)
+        if target.refused or the_plan.state is PlanState.BLOCKED:
+            if output == "json":
+                _print_plans([the_plan], "json")
+            print(f"rollback of run {run_id} refused; nothing was changed", file=sys.stderr)
+            return ExitCode.BLOCKED
+        confirm(f"Roll back run {run_id} on {target.prepared.node}?", yes)
+        return _execute_rollback(service, run_id, target.prepared, the_plan, output=output,
+                                 overrides=overrides, reason="runbook rollback")
+    finally:
+        settings.close()
+
+
+def _execute_rollback(service: RunService, run_id: str, prepared: PreparedRun, the_plan: Plan, *, output: str,
+                      overrides: dict[str, str] | None, reason: str) -> int:
+    from engine.rollback import link
+
+    new_id = service.create(prepared, the_plan, source="rollback")
+    link(service.journal, run_id, new_id, reason=reason)
+    print(f"run {new_id} rolls back run {run_id}", file=sys.stderr)
+    if service.live is not None:
+        service.live.expect([the_plan])
+    try:
+        with cancellation(on_abort=service.settings.abort_actions) as cancel:
+            result = service.execute(new_id, prepared, the_plan, cancel=cancel, overrides=overrides)
+    finally:
+        _stop_live(service)
+    _print_result(result, new_id, output)
+    return result.exit_code
+
+
 # -- history ------------------------------------------------------------------------------------
 
 
@@ -427,9 +526,16 @@ def show_run(settings: Settings, run_id: str, fmt: str) -> int:
     journal = settings.open_journal()
     rec = journal.get_run(run_id)
     events = journal.events(run_id)
+    from engine.escalation import lineage
+
+    links = lineage(events)
     if fmt == "json":
-        print(output.dump_json({**rec.summary(), "plan": rec.plan,
+        print(output.dump_json({**rec.summary(), "plan": rec.plan, **links,
                                 "events": [e.as_dict() for e in events]}))
     else:
         print(output.events_text(rec, events))
+        if links["parent"]:
+            print(f"{links['parent']['why']} run {links['parent']['run']}")
+        for c in links["children"]:
+            print(f"{c['why']} run {c['run']}" + (f" ({c['runbook']})" if c.get("runbook") else ""))
     return ExitCode.OK

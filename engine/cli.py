@@ -402,17 +402,27 @@ def schema() -> None:
 
 @main.command()
 @common_options
-@click.argument("name", shell_complete=complete_runbook)
+@click.argument("name", required=False, shell_complete=complete_runbook)
 @target_options
 @params_option
 @click.option("-o", "--output", type=OUTPUT_MD, default="text")
 @click.option("--out", "out_file", type=click.Path(dir_okay=False), help="Save the plan to FILE for `runbook apply`.")
 @click.option("--expires", default="1h", show_default=True, help="Saved plan lifetime (e.g. 30m, 2h).")
-def plan(settings: Settings, name: str, node: str | None, selector: str | None, max_parallel: int,
-         settle: float, params: tuple[str, ...], output: str, out_file: str | None, expires: str) -> int:
+@click.option("--rollback", "rollback_of", metavar="RUN_ID", default=None,
+              help="Plan the rollback of recorded run RUN_ID instead (what `runbook rollback RUN_ID` would do).")
+def plan(settings: Settings, name: str | None, node: str | None, selector: str | None, max_parallel: int,
+         settle: float, params: tuple[str, ...], output: str, out_file: str | None, expires: str,
+         rollback_of: str | None) -> int:
     """Show what a run would do to the node now (live facts, dry-run previews). Changes nothing."""
     from engine import app
+    from engine.errors import UsageError
 
+    if rollback_of is not None:
+        if name or node or selector or params or out_file:
+            raise UsageError("--rollback RUN_ID plans that run's rollback: give no runbook, node or params")
+        return yaml_or_direct(output, lambda fmt: app.plan_rollback(settings, rollback_of, output=fmt))
+    if not name:
+        raise UsageError("give the runbook NAME to plan (or --rollback RUN_ID)")
     return yaml_or_direct(output, lambda fmt: app.plan(
         settings, name, node=node, selector=selector, raw_params=params, output=fmt,
         out_file=Path(out_file) if out_file else None, expires=expires))
@@ -501,6 +511,24 @@ def resume(settings: Settings, run_id: str, yes: bool, output: str, override_gua
     overrides = overrides_from(override_guards, override_reasons)
     return yaml_or_direct(output, lambda fmt: app.resume(settings, run_id, yes=yes, output=fmt,
                                                          overrides=overrides))
+
+
+@main.command()
+@common_options
+@click.argument("run_id", shell_complete=complete_run_id)
+@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
+@click.option("-o", "--output", type=OUTPUT, default="text")
+@override_options
+def rollback(settings: Settings, run_id: str, yes: bool, output: str, override_guards: tuple[str, ...],
+             override_reasons: tuple[str, ...]) -> int:
+    """Undo what run RUN_ID changed: its steps' declared inverses, newest first, as a guarded and
+    verified run linked to it. Refused (exit 3) when a changed step has no inverse or an inverse's
+    guard does not hold now."""
+    from engine import app
+
+    overrides = overrides_from(override_guards, override_reasons)
+    return yaml_or_direct(output, lambda fmt: app.rollback(settings, run_id, yes=yes, output=fmt,
+                                                           overrides=overrides))
 
 
 @main.group(invoke_without_command=True)

@@ -98,6 +98,13 @@ class StalePlan(RunbookError):
     exit_code = ExitCode.STALE
 
 
+class ApprovalRefused(RunbookError):
+    """The approval policy does not let this person approve this run (not an approver, the requester,
+    or an approval already given)."""
+
+    exit_code = ExitCode.BLOCKED
+
+
 class JournalError(RunbookError):
     """The journal cannot be opened, read or written (locked by another writer past the wait, disk
     full, read-only, corrupt). One line naming the file and the cause; nothing more is done, and no
@@ -122,6 +129,11 @@ class KubeError(ConnectorError):
     def __init__(self, message: str, *, status: int | None = None, retryable: bool = False) -> None:
         super().__init__(message, retryable=retryable)
         self.status = status
+
+
+class NamespaceTerminating(KubeError):
+    """An eviction (a create) refused because the pod's namespace is being deleted (HTTP 403, cause
+    ``NamespaceTerminating``): kubectl drain waits for a pod already deleting, else retries."""
 
 
 class NotFound(KubeError):

@@ -44,7 +44,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -60,7 +60,8 @@ ESCALATED_EVENT = "approval.required"  # the server made an automatic run wait f
 KEY_SECRET = "runbook-run-key"  # the Secret in the store namespace (Kubernetes store)
 KEY_FILE_SUFFIX = ".key"  # beside the SQLite journal
 SEALED = ("run_id", "runbook", "node", "nodes", "params", "source", "approval_required", "requested_by",
-          "plan_digest", "approved_digest", "approved_by")
+          "plan_digest", "approvals", "approved_digest", "approved_by")
+APPROVAL_RECORDED = "approval.recorded"  # engine.approvals: one person's approval under the policy
 log = logging.getLogger("runbook.integrity")
 
 
@@ -115,14 +116,16 @@ class Keyring:
 # -- the fields a seal covers ------------------------------------------------------------------------
 
 
-def sealed_fields(rec: RunRecord, requested_by: str | None, escalated: bool = False) -> dict[str, Any]:
+def sealed_fields(rec: RunRecord, requested_by: str | None, escalated: bool = False,
+                  approvals: list[list[Any]] | None = None) -> dict[str, Any]:
     """What decides what a run does, as the store holds it now (``escalated``: an
-    ``approval.required`` event made an automatic run wait for a person)."""
+    ``approval.required`` event made an automatic run wait for a person; ``approvals``: each
+    person's approval the policy counts, [by, plan digest, roles])."""
     return {"run_id": rec.id, "runbook": rec.runbook, "node": rec.nodes[0] if rec.nodes else "",
             "nodes": list(rec.nodes), "params": dict(rec.params), "source": rec.source,
             "approval_required": bool(rec.approval_required) or escalated, "requested_by": requested_by,
-            "plan_digest": rec.plan_digest, "approved_digest": rec.approved_digest,
-            "approved_by": rec.approved_by}
+            "plan_digest": rec.plan_digest, "approvals": list(approvals or []),
+            "approved_digest": rec.approved_digest, "approved_by": rec.approved_by}
 
 
 def _field_hashes(fields: Mapping[str, Any]) -> dict[str, str]:
@@ -253,7 +256,13 @@ class RunIntegrity:
         requested = next((e.data.get("by") for e in events if e.kind == "run.requested"), None)
         seals = [e.data for e in events if e.kind == SEAL_EVENT]
         escalated = any(e.kind == ESCALATED_EVENT for e in events)
-        return rec, sealed_fields(rec, requested, escalated), seals
+        approvals = [[e.data.get("by"), e.data.get("plan_digest"), list(e.data.get("roles") or [])]
+                     for e in events if e.kind == APPROVAL_RECORDED]
+        return rec, sealed_fields(rec, requested, escalated, approvals), seals
+
+    def fields(self, run_id: str) -> dict[str, Any]:
+        """The sealed fields as the store holds them now."""
+        return self._now(run_id)[1]
 
     def _signed(self, fields: Mapping[str, Any]) -> dict[str, Any]:
         """A seal event's data: per-field hashes, and the current key's MAC over them."""
@@ -300,8 +309,8 @@ class RunIntegrity:
         fields = {"run_id": run_id, "runbook": runbook, "node": nodes[0] if nodes else "", "nodes": list(nodes),
                   "params": json.loads(json.dumps(self.store.redact(dict(params)), default=str)),
                   "source": source, "approval_required": bool(approval_required),
-                  "requested_by": self.store.redact(requested_by), "plan_digest": None, "approved_digest": None,
-                  "approved_by": None}
+                  "requested_by": self.store.redact(requested_by), "plan_digest": None, "approvals": [],
+                  "approved_digest": None, "approved_by": None}
         return SEAL_EVENT, self._signed(fields)
 
     def problem(self, run_id: str) -> str | None:
@@ -336,16 +345,26 @@ class RunIntegrity:
         _record_kube_event(self.store, run_id, reason)
 
 
-def approve_sealed(integrity: RunIntegrity, run_id: str, digest: str, approved_by: str) -> RunRecord:
-    """Record an approval and seal it. The key is read first and the run verified first: an identity
-    that cannot seal writes nothing, and a run that does not verify is never approved (sealing it
-    would make a forged run look like the engine's)."""
+def approve_sealed(integrity: RunIntegrity, run_id: str, digest: str, approved_by: str,
+                   record: Callable[[str], Mapping[str, Any]], *,
+                   roles: frozenset[str] = frozenset()) -> Mapping[str, Any]:
+    """Record ``approved_by``'s approval of plan ``digest`` (``record``: the approval policy's
+    ``engine.approvals.approve``, returning the run's summary with ``approvals``) and seal it. The
+    key is read first and the run verified first: an identity that cannot seal writes nothing, and a
+    run that does not verify is never approved (sealing it would make a forged run look like the
+    engine's). The seal expects exactly this approval added (and, once the policy is satisfied, the
+    run's approval): anything else slipped in meanwhile is never sealed."""
     integrity.keys()
-    with contextlib.suppress(UsageError):  # an unknown run: record_approval says so, after the store's lock wait
+    before: list[Any] | None = None
+    with contextlib.suppress(UsageError):  # an unknown run: record says so, after the store's lock wait
         integrity.check(run_id)
-    integrity.store.record_approval(run_id, digest, approved_by)
-    integrity.seal(run_id, approved_digest=digest, approved_by=approved_by)
-    return integrity.store.get_run(run_id)
+        before = list(integrity.fields(run_id)["approvals"])
+    summary = record(approved_by)
+    expected: dict[str, Any] = {"approvals": [*(before or []), [approved_by, digest, sorted(roles)]]}
+    if (summary.get("approvals") or {}).get("satisfied"):
+        expected.update(approved_digest=digest, approved_by=summary.get("approved_by"))
+    integrity.seal(run_id, **expected)
+    return summary
 
 
 def _record_kube_event(store: RunStore, run_id: str, reason: str) -> None:

@@ -237,6 +237,8 @@ class KubeRunStore:
         if _size(body) > EVENT_MAX:
             body = shrink(body, EVENT_MAX)
         events.append({"seq": seq, "ts": now, "kind": kind, "step": step, "data": body})
+        if kind in ("escalation.of", "rollback.of"):  # `kubectl get rr -o wide`: the run it came from
+            status["parent"] = str(data.get("run"))
         status["heartbeatAt"] = format_time(now)
         if step and kind in ("step.start", "step.outcome"):
             steps = status.setdefault("steps", [])

@@ -101,7 +101,7 @@ class PlainProgress:
         elif kind == "step.outcome":
             took = time.monotonic() - self.step_t0.get(step, self.t0)
             self._say(f"step {step}: {data.get('status', '')} in {took:.1f}s {short(data.get('reason', ''))}".rstrip())
-        elif kind in ("run.blocked", "run.failed", "approval.waiting", "lock.waiting"):
+        elif kind in ("run.blocked", "run.failed", "approval.waiting", "lock.waiting", "run.escalated"):
             self._say(f"{kind}: {short(data.get('reason', '') or data)}")
 
 

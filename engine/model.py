@@ -31,6 +31,7 @@ from pydantic import (
 )
 
 from engine.checkkind import Check, FormatModel
+from engine.windows import Window
 
 API_VERSION = "runbook/v1"
 PLAN_FORMAT = "runbook-plan/v1"
@@ -144,11 +145,27 @@ class DrainSpec(_Model):
     grace_period: int | None = Field(default=None, ge=0)  # seconds; the pod's own when omitted
     timeout: Duration = "300s"  # evicting (429s retried) and waiting for the pods to be gone
     selector: str | None = None  # only pods matching this label selector (kubectl --pod-selector)
+    # Pods a disruption budget still refuses this long after the evictions start are deleted
+    # instead (kured #303, NVSentinel's DeleteAfterTimeout), each named in the evidence. Off by default.
+    delete_after: Duration | None = None
 
     @model_validator(mode="before")
     @classmethod
     def _true_is_defaults(cls, v: Any) -> Any:
         return {} if v is None or v is True else v
+
+    @model_validator(mode="after")
+    def _delete_after_within_timeout(self) -> DrainSpec:
+        if self.delete_after is not None:
+            if self.disable_eviction:
+                raise ValueError("delete_after deletes pods a budget refuses; with disable_eviction nothing is evicted")
+            try:
+                after, timeout = parse_duration(self.delete_after), parse_duration(self.timeout)
+            except ValueError:
+                return self  # templated durations are checked when rendered
+            if after >= timeout:
+                raise ValueError(f"delete_after ({self.delete_after}) must be shorter than timeout ({self.timeout})")
+        return self
 
 
 class WaitSpec(_Model):
@@ -440,8 +457,49 @@ class Verify(_Model):
 
 
 class Rollback(_Model):
+    """``on_failure: {rollback: [actions]}`` (the step's own rollback), or ``{rollback: all}``: after
+    the step's failure, roll back the whole run (every step's declared inverse, newest first)."""
+
     KEY: ClassVar[str] = "rollback"
-    rollback: tuple[Action, ...] = Field(min_length=1)
+    rollback: tuple[Action, ...] | Literal["all"]
+
+    @field_validator("rollback")
+    @classmethod
+    def _some(cls, v: tuple[Action, ...] | str) -> tuple[Action, ...] | str:
+        if not v:
+            raise ValueError("give at least one rollback action, or `all`")
+        return v
+
+
+class Inverse(_Model):
+    """A step's declared inverse (whole-run rollback, ``runbook rollback RUN_ID``): one action, the
+    guards that must hold to take it now (else the rollback is refused with the reason), and its
+    verification."""
+
+    action: Action | None = None
+    auto: bool = False  # the kube verb's own inverse (as ``rollback: auto``), under these guards
+    why: str = ""
+    guards: tuple[Check, ...] = ()
+    verify: tuple[Verify, ...] = ()
+
+    @model_validator(mode="after")
+    def _one(self) -> Inverse:
+        if (self.action is None) == (not self.auto):
+            raise ValueError("give the inverse's action, or auto: true (not both)")
+        return self
+
+
+class NoInverse(_Model):
+    """``rollback: {none: WHY}``: the step cannot or must not be undone, and why."""
+
+    none: str = Field(min_length=1)
+
+
+# ``auto``: the kube verb's own inverse (label/unlabel/annotate restore the values the run found;
+# cordon <-> uncordon), from the changes its run recorded. ``none``: no inverse (say why in a
+# comment, or use ``{none: why}``).
+StepRollback = Literal["auto", "none"] | NoInverse | Inverse
+AUTO_INVERSE_VERBS = ("label", "unlabel", "annotate", "cordon", "uncordon")
 
 
 def _on_failure_tag(value: Any) -> str | None:
@@ -467,6 +525,15 @@ class Step(_Model):
     on_failure: OnFailure = "stop"
     idempotent: bool = True
     approval: bool = False
+    rollback: StepRollback | None = None  # the inverse for a whole-run rollback (engine.rollback)
+
+    @model_validator(mode="after")
+    def _auto_inverse(self) -> Step:
+        auto = self.rollback == "auto" or (isinstance(self.rollback, Inverse) and self.rollback.auto)
+        if auto and not (isinstance(self.action, KubeAction) and self.action.kube.KEY in AUTO_INVERSE_VERBS):
+            raise ValueError(f"rollback: auto is the inverse of the kube verbs {', '.join(AUTO_INVERSE_VERBS)}; "
+                             "declare the inverse action ({action: ..., verify: [...]}) or {none: why}")
+        return self
 
     @property
     def mutating(self) -> bool:
@@ -474,12 +541,38 @@ class Step(_Model):
 
     @property
     def rollback_actions(self) -> tuple[KubeAction | AnsibleAction | CheckAction, ...]:
-        return self.on_failure.rollback if isinstance(self.on_failure, Rollback) else ()
+        if isinstance(self.on_failure, Rollback) and not isinstance(self.on_failure.rollback, str):
+            return self.on_failure.rollback
+        return ()
+
+    @property
+    def rollback_all(self) -> bool:
+        """``on_failure: {rollback: all}``: a failure of this step rolls the whole run back."""
+        return isinstance(self.on_failure, Rollback) and self.on_failure.rollback == "all"
+
+    def describe_rollback(self) -> str:
+        """What the plan shows as this step's inverse."""
+        if self.rollback is None:
+            return "no inverse declared" if self.mutating else ""
+        if self.rollback == "auto" or (isinstance(self.rollback, Inverse) and self.rollback.auto):
+            guards = len(self.rollback.guards) if isinstance(self.rollback, Inverse) else 0
+            return "auto: restore what the step changed" + (f" (under {guards} guard(s))" if guards else "")
+        if self.rollback == "none":
+            return "none"
+        if isinstance(self.rollback, NoInverse):
+            return f"none: {self.rollback.none}"
+        a = self.rollback.action
+        assert a is not None
+        what = f"playbook {a.ansible.playbook}" if isinstance(a, AnsibleAction) else \
+            f"kube {a.kube.KEY}" if isinstance(a, KubeAction) else "check"
+        return f"{what}{': ' + self.rollback.why if self.rollback.why else ''}"
 
 
 class PagerDutyMatch(_Model):
     service: str | None = None
     title_pattern: str | None = None  # regex; named groups become params
+    # with notify.pagerduty_rest: the incident is resolved when the run succeeded (else left open)
+    resolve_incident: bool = False
 
 
 class Trigger(_Model):
@@ -494,6 +587,9 @@ class Trigger(_Model):
     # Fire only when the runbook's declared diagnosis matches the node (read-only facts first); a
     # page for a node sick for another cause ends blocked with the evidence and changes nothing.
     require_diagnosis: bool = False
+    # The trigger's own maintenance windows (as the runbook's ``windows``): its automatic runs
+    # start only inside them (and inside the runbook's).
+    windows: tuple[Window, ...] = ()
 
 
 class DiagnosisCause(_Model):
@@ -527,6 +623,24 @@ class DiagnosisSpec(_Model):
     params: dict[str, str] = Field(default_factory=dict)
 
 
+class RunbookOnFailure(_Model):
+    """``on_failure: {escalate: [RUNBOOK, ...]}``: when a run of this runbook fails (an action or a
+    verification, never a blocked step), the named runbooks (each with the same node param) are
+    tried in order, each planned, guarded, approved per its own mode and verified (engine.escalation)."""
+
+    escalate: tuple[str, ...] = Field(min_length=1)
+
+    @field_validator("escalate")
+    @classmethod
+    def _names(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for name in v:
+            if not re.fullmatch(DNS_LABEL, name):
+                raise ValueError(f"escalate: {name!r} is not a runbook name")
+        if len(set(v)) != len(v):
+            raise ValueError("escalate names a runbook twice")
+        return v
+
+
 class Runbook(_Model):
     api_version: Literal["runbook/v1"] = Field(alias="apiVersion")
     name: str = Field(pattern=DNS_LABEL, max_length=63)
@@ -539,6 +653,12 @@ class Runbook(_Model):
     report: str | None = None
     triggers: tuple[Trigger, ...] = ()
     diagnosis: DiagnosisSpec | None = None
+    # Maintenance windows (engine.windows): outside them an automatic run is deferred until the
+    # next opening (or refused, ``outside_windows: refuse``); a person's run needs
+    # ``--override-guard window --reason``.
+    windows: tuple[Window, ...] = ()
+    outside_windows: Literal["defer", "refuse"] = "defer"
+    on_failure: RunbookOnFailure | None = None  # escalation when a run fails (engine.escalation)
 
     @field_validator("params")
     @classmethod
@@ -646,6 +766,7 @@ class PlannedStep(_Model):
     idempotent: bool = True
     approval: bool = False
     mutating: bool = False
+    rollback: str = ""  # the step's declared inverse, as a whole-run rollback would take it
 
 
 def canonical_json(data: Any) -> bytes:

@@ -136,6 +136,8 @@ def plan_text(plan: Plan, *, color: bool = False) -> str:
             lines.append(f"       guard: {g.check} = {_holds(g.holds)} ({g.observed})")
         for v in s.verify:
             lines.append(f"       then verify: {v.check} (within {v.timeout_seconds:g}s)")
+        if s.rollback and s.kind == "change":
+            lines.append(f"       rollback: {s.rollback}")
         if s.preview:
             lines.append("       preview:")
             for ln in s.preview.rstrip().splitlines():

@@ -212,7 +212,7 @@ class _Planner:
         base: dict[str, Any] = {
             "id": step.id, "why": " ".join(step.why.split()), "action": step.action.KEY,
             "requires": step.requires, "idempotent": step.idempotent, "approval": step.approval,
-            "mutating": step.mutating,
+            "mutating": step.mutating, "rollback": step.describe_rollback(),
         }
         problems: list[str] = []
         verify: list[PlannedVerify] = []

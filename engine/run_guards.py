@@ -46,8 +46,10 @@ from engine.connectors.base import KubeAPI
 from engine.errors import KubeError, UsageError
 from engine.facts import NodeFacts
 
-GuardName = Literal["exclusion", "kured-lock", "nhc-pause", "gpu-budget", "unhealthy-capacity"]
+GuardName = Literal["exclusion", "kured-lock", "nhc-pause", "gpu-budget", "unhealthy-capacity", "window"]
 GUARD_NAMES: tuple[GuardName, ...] = ("exclusion", "kured-lock", "nhc-pause", "gpu-budget", "unhealthy-capacity")
+# ``window``: the runbook's maintenance windows (engine.run_windows), judged by the run service
+OVERRIDABLE: tuple[GuardName, ...] = (*GUARD_NAMES, "window")
 
 EXCLUDE_LABEL = "runbook.io/exclude"  # ours: `runbook.io/exclude=true` keeps every runbook run off a node
 MEDIK8S_EXCLUDE_LABEL = "remediation.medik8s.io/exclude-from-remediation"
@@ -130,8 +132,8 @@ def load_guard_config(path: Path | str | None) -> GuardConfig:
 def check_overrides(overrides: Mapping[str, str]) -> None:
     """``UsageError`` for an unknown guard name or an override without a reason."""
     for name, reason in overrides.items():
-        if name not in GUARD_NAMES:
-            raise UsageError(f"--override-guard {name}: no such guard (one of {', '.join(GUARD_NAMES)})")
+        if name not in OVERRIDABLE:
+            raise UsageError(f"--override-guard {name}: no such guard (one of {', '.join(OVERRIDABLE)})")
         if not reason or not reason.strip():
             raise UsageError(f"--override-guard {name}: give the reason (--reason TEXT)")
 

@@ -48,6 +48,7 @@ from engine import loader, planning, previews, probes
 from engine.batch import SharedPlaybooks
 from engine.checks import HOST
 from engine.errors import ExitCode, LockHeld, RunbookError, StalePlan, UsageError
+from engine.escalation import escalate_after_failure
 from engine.execution import Executor, Progress
 from engine.integrity import RunIntegrity, approve_sealed, plan_problems
 from engine.journal import JournalSink, new_run_id
@@ -56,6 +57,7 @@ from engine.locks import DEFAULT_TTL_SECONDS, NodeLock, acquire_node_lock
 from engine.model import AnsibleAction, Plan, PlanState, RunResult, RunState
 from engine.output import Fanout
 from engine.params import PreparedRun, prepare_fleet, prepare_run
+from engine.rollback import roll_back_after_failure
 from engine.run_guards import (
     GuardConfig,
     GuardVerdict,
@@ -65,7 +67,9 @@ from engine.run_guards import (
     judge,
     read_guard_facts,
 )
+from engine.run_windows import run_window_verdict
 from engine.store import RunStore, StepProgress
+from engine.windows import Clock, clock_from_env
 
 if TYPE_CHECKING:
     from engine.connectors.base import KubeAPI, NodeAutomation
@@ -258,6 +262,7 @@ class RunService:
     automatic: bool = False
     guards: GuardConfig | None = None
     gather_window: float = 0.3  # a batch's facts requests wait this long for each other (engine.batch)
+    clock: Clock = field(default_factory=clock_from_env)  # maintenance windows' time (RUNBOOK_CLOCK: the lab's)
 
     def __post_init__(self) -> None:
         self.journal: RunStore = self.settings.open_journal()
@@ -372,8 +377,27 @@ class RunService:
             raise UsageError(f"run {run_id} has no recorded plan")
         return Plan.model_validate(rec.plan)
 
-    def approve(self, run_id: str, plan_digest: str, approved_by: str | None = None) -> Mapping[str, Any]:
-        return approve_sealed(self.integrity, run_id, plan_digest, approved_by or current_user()).summary()
+    def approve(self, run_id: str, plan_digest: str, approved_by: str | None = None, *,
+                roles: frozenset[str] = frozenset(), requester_default: bool = True) -> Mapping[str, Any]:
+        """Record an approval under the approval policy (``engine.approvals``); the run's approval
+        is recorded once the policy counts enough distinct approvers. Verified first and sealed
+        after (``engine.integrity.approve_sealed``): a forged run is never approved."""
+        from engine.approvals import approve
+
+        return approve_sealed(self.integrity, run_id, plan_digest, approved_by or current_user(), lambda who: approve(
+            self.journal, run_id, plan_digest, who, config=self.settings.approval_config(), roles=roles,
+            labels=self.node_labels(run_id), requester_default=requester_default), roles=roles)
+
+    def node_labels(self, run_id: str) -> Callable[[], Mapping[str, str] | None]:
+        """Reads the run's node's labels when the approval policy selects by them (None: unreadable)."""
+        def read() -> Mapping[str, str] | None:
+            rec = self.journal.get_run(run_id)
+            try:
+                node = self.settings.kube().read_node(rec.nodes[0]) if rec.nodes else None
+            except RunbookError:
+                return None
+            return dict(node.labels) if node is not None else None
+        return read
 
     def refuse_unverified(self, run_id: str, plan: Plan | None = None,
                           params: Mapping[str, Any] | None = None) -> str | None:
@@ -439,9 +463,11 @@ class RunService:
                 out[n] = "; ".join(f"guard {v.name}: {v.reason}" for v in stops)
         return out
 
-    def _pass_guards(self, run_id: str, node: str, overrides: Mapping[str, str], *, changes: bool) -> str | None:
-        """Under the guard lock: evaluate, journal, and (when they pass) count the node in flight."""
-        verdicts = self.guard_verdicts(node, overrides)
+    def _pass_guards(self, run_id: str, node: str, overrides: Mapping[str, str], *, changes: bool,
+                     window: GuardVerdict | None = None) -> str | None:
+        """Under the guard lock: evaluate, journal, and (when they pass) count the node in flight.
+        ``window``: the maintenance-window verdict of the run's runbook (``engine.run_windows``)."""
+        verdicts = [*self.guard_verdicts(node, overrides), *([window] if window is not None else [])]
         self.journal.append(run_id, "guards", node=node, verdicts=[v.as_dict() for v in verdicts])
         for v in verdicts:
             if v.overridden is not None:
@@ -511,19 +537,24 @@ class RunService:
             # A resumed run started before (its node's capacity is already taken): only new work
             # is held to the capacity guards. A recovered run that never started is new work
             # (resume=False) and is held to them, as every other guard holds every run.
-            refused = self._pass_guards(run_id, prepared.node, overrides or {},
+            window = run_window_verdict(journal, run_id, prepared.loaded.runbook, self.clock(),
+                                        overrides=overrides or {}, actor=current_user(), automatic=self.automatic)
+            refused = self._pass_guards(run_id, prepared.node, overrides or {}, window=window,
                                         changes=not resume and plan.state is not PlanState.NOTHING_TO_DO)
         if refused is not None:
             # A resume stopped by a guard stays resumable; a new run is simply blocked.
             state = RunState.INTERRUPTED if resume else RunState.BLOCKED
             return self._stop(run_id, prepared, plan, state, ExitCode.BLOCKED, refused, event="run.blocked")
         try:
-            return self._locked_execute(run_id, prepared, plan, kube, nodes, progress, cancel=cancel,
-                                        approved=approved, wait_approval=wait_approval, resume=resume,
-                                        confirm_rerun=confirm_rerun)
+            result = self._locked_execute(run_id, prepared, plan, kube, nodes, progress, cancel=cancel,
+                                          approved=approved, wait_approval=wait_approval, resume=resume,
+                                          confirm_rerun=confirm_rerun)
         finally:
             with self._guard_lock:
                 self._in_flight.discard(prepared.node)
+        roll_back_after_failure(self, run_id, prepared, result)  # on_failure: {rollback: all} (engine.rollback)
+        escalate_after_failure(self, run_id, prepared, result)  # on_failure: {escalate: [...]} (engine.escalation)
+        return result
 
     def _locked_execute(self, run_id: str, prepared: PreparedRun, plan: Plan, kube: KubeAPI,
                         nodes: NodeAutomation | None, progress: StepProgress, *, cancel: threading.Event | None,

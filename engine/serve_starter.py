@@ -26,7 +26,7 @@ from engine.errors import RunbookError, StalePlan, UsageError
 from engine.integrity import ESCALATED_EVENT
 from engine.loader import list_runbooks
 from engine.locks import LeaseObservation, holder_for, lease_name
-from engine.model import PlanState, RunState
+from engine.model import PlanState, Runbook, RunState
 from engine.params import prepare_run
 from engine.runs import RunService
 from engine.serve.starter import WEBHOOK_SOURCES, AlreadyStarted, RunOutcome, RunRequest, RunTicket, TriggerSpec
@@ -86,7 +86,9 @@ class JournalRunStarter:
             run_id = self.service.create(
                 prepared, None, source=request.source, approval_required=request.mode == "approve",
                 note={"mode": request.mode, "reason": request.reason, "warnings": list(request.warnings),
-                      "dedup_key": request.dedup_key, "require_diagnosis": request.require_diagnosis},
+                      "dedup_key": request.dedup_key, "require_diagnosis": request.require_diagnosis,
+                      **({"windows": [w.model_dump(mode="json", exclude_defaults=True) for w in request.windows]}
+                         if request.windows else {})},
                 requested_by=request.requested_by or request.source, run_id=wanted)
         except RunbookError:
             if wanted is not None and self._exists(wanted):
@@ -153,11 +155,14 @@ class JournalRunStarter:
             return RunOutcome(run_id, rec.state, rec.plan_digest, rec.exit_code,
                               f"executed by another process (pid {rec.owner_pid} on {rec.owner_host})")
         loaded = self._runbooks[rec.runbook]
+        approval_required = rec.approval_required or self._escalated(run_id)
+        outside = self._outside_window(run_id, loaded.runbook, approval_required and rec.approved_digest is None)
+        if outside is not None:
+            return outside
         if rec.plan is None and self._requires_diagnosis(run_id):
             refused = self._diagnose(run_id, loaded, dict(rec.params))
             if refused is not None:
                 return refused
-        approval_required = rec.approval_required or self._escalated(run_id)
         if rec.plan is None:
             prepared = prepare_run(loaded, dict(rec.params))
             plan = self.service.plan(prepared, preview=approval_required)
@@ -188,6 +193,27 @@ class JournalRunStarter:
     def _escalated(self, run_id: str) -> bool:
         return any(e.kind == ESCALATED_EVENT for e in self.journal.events(run_id))
 
+    def _outside_window(self, run_id: str, runbook: Runbook, awaiting_approval: bool) -> RunOutcome | None:
+        """An automatic run outside its maintenance windows (engine.run_windows): deferred (stays
+        pending, ``run.deferred`` names the next opening; the server executes it again then) or
+        refused (blocked). A run still to be approved is planned at any time: its window is checked
+        when it may start."""
+        if awaiting_approval:
+            return None
+        from engine.run_windows import deferral, note_of, trigger_windows
+
+        found = deferral(runbook, self.service.clock(), trigger_windows(note_of(self.journal.events(run_id))))
+        if found is None:
+            return None
+        if found.action == "refuse":
+            self.service.record_blocked(run_id, found.reason)
+            return RunOutcome(run_id, RunState.BLOCKED.value, None, 3, found.reason)
+        events = self.journal.events(run_id)
+        last = next((e for e in reversed(events) if e.kind == "run.deferred"), None)
+        if last is None or last.data.get("until") != found.as_event()["until"]:
+            self.journal.append(run_id, "run.deferred", **found.as_event())
+        return RunOutcome(run_id, "deferred", None, None, found.reason, extra=found.as_event())
+
     def _requires_diagnosis(self, run_id: str) -> bool:
         notes = [e.data for e in self.journal.events(run_id) if e.kind == "run.note"]
         return bool(notes and notes[0].get("require_diagnosis"))
@@ -208,8 +234,9 @@ class JournalRunStarter:
         self.service.record_blocked(run_id, reason)
         return RunOutcome(run_id, RunState.BLOCKED.value, None, 3, reason)
 
-    def approve(self, run_id: str, plan_digest: str, approved_by: str) -> Mapping[str, Any]:
-        return self.service.approve(run_id, plan_digest, approved_by)
+    def approve(self, run_id: str, plan_digest: str, approved_by: str, *,
+                roles: frozenset[str] = frozenset()) -> Mapping[str, Any]:
+        return self.service.approve(run_id, plan_digest, approved_by, roles=roles)
 
     def reject(self, run_id: str, reason: str, rejected_by: str) -> Mapping[str, Any]:
         rec = self.journal.get_run(run_id)
@@ -236,7 +263,18 @@ class JournalRunStarter:
                 "dedup_key": notes[0].get("dedup_key", "") if notes else "",
                 "requested_by": requested[0] if requested else None,
                 "outcome_reason": outcome_reason(events),
+                "approvals": self._approvals(run_id, rec.state),
                 "events": [e.as_dict() for e in events]}
+
+    def _approvals(self, run_id: str, state: str) -> Mapping[str, Any] | None:
+        """"1 of 2 approvals" for a waiting run (engine.approvals); None otherwise."""
+        if state != RunState.WAITING_APPROVAL.value:
+            return None
+        from engine.approvals import policy_status
+
+        status = policy_status(self.journal, run_id, self.service.settings.approval_config(),
+                               labels=self.service.node_labels(run_id))
+        return status.as_dict() if status is not None else None
 
     def record_event(self, run_id: str, kind: str, data: Mapping[str, Any]) -> None:
         self.journal.get_run(run_id)  # UsageError for an unknown id

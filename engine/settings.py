@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, cast
 from engine.errors import KubeError, UsageError
 
 if TYPE_CHECKING:
+    from engine.approval_policy import ApprovalConfig
     from engine.connectors.base import KubeAPI, NodeAutomation, ObjectAPI
     from engine.run_guards import GuardConfig
     from engine.store import RunStore
@@ -143,6 +144,15 @@ class Settings:
         if self.namespace:
             return self.namespace
         return self.store_namespace if self.store == "kubernetes" else DEFAULT_NAMESPACE
+
+    def approval_config(self) -> ApprovalConfig:
+        """The approval policy: the serve configuration's ``approvals:`` (set by serve), else the
+        ``approvals:`` section of ``--guards-config``, else the default (one approval by anyone)."""
+        if "approvals" not in self._cache:
+            from engine.approval_policy import load_approval_config
+
+            self._cache["approvals"] = load_approval_config(self.guards_config)
+        return cast("ApprovalConfig", self._cache["approvals"])
 
     def open_journal(self) -> RunStore:
         """The run store of this command (``--store``): the SQLite journal, or RemediationRuns."""

@@ -45,7 +45,7 @@ from engine.connectors.base import (
     PodRef,
     TokenReviewResult,
 )
-from engine.errors import Conflict, Forbidden, KubeError, NotFound
+from engine.errors import Conflict, Forbidden, KubeError, NamespaceTerminating, NotFound
 from engine.facts import Condition, NodeFacts, Taint
 from engine.resources import format_quantity, pod_spec_requests
 
@@ -383,6 +383,13 @@ class KubeConnector:
             self._raw("POST", path, what, body=body, query=[("dryRun", "All")] if dry_run else ())
         except NotFound:
             return  # the pod is already gone: nothing to evict
+        except Forbidden as e:
+            # NamespaceLifecycle refuses every create, evictions included, in a namespace being
+            # deleted (cause NamespaceTerminating): kubectl drain waits or retries, never fails at once.
+            if "being terminated" in str(e):
+                raise NamespaceTerminating(f"{what}: its namespace {pod.namespace} is being deleted", status=403,
+                                           retryable=True) from e
+            raise
         except KubeError as e:
             if e.status == 429:
                 raise KubeError(f"{what}: refused by a disruption budget: {e}", status=429,

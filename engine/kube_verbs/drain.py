@@ -28,7 +28,7 @@ from decimal import Decimal
 from typing import Any, Literal
 
 from engine.connectors.base import PodRef
-from engine.errors import ActionFailed, KubeError, RunbookError
+from engine.errors import ActionFailed, KubeError, NamespaceTerminating, RunbookError
 from engine.facts import NodeFacts
 from engine.kube_verbs.cordon import CORDON_PATCH
 from engine.kube_verbs.effects import Decide, EffectFailed, KubeContext, PodOperation, PodRules
@@ -48,7 +48,8 @@ def decide(verb: KubeDrain, node: NodeFacts) -> PodOperation:
     s = verb.drain
     rules = PodRules(selector=s.selector, cordon=True, ignore_daemonsets=s.ignore_daemonsets,
                      delete_emptydir_data=s.delete_emptydir_data, force=s.force, strict=True,
-                     delete=s.disable_eviction, grace_seconds=s.grace_period, timeout=parse_duration(s.timeout))
+                     delete=s.disable_eviction, grace_seconds=s.grace_period, timeout=parse_duration(s.timeout),
+                     delete_after=parse_duration(s.delete_after) if s.delete_after is not None else None)
     flags = [flag for flag, on in (("--ignore-daemonsets", s.ignore_daemonsets),
                                    ("--delete-emptydir-data", s.delete_emptydir_data), ("--force", s.force),
                                    ("--disable-eviction", s.disable_eviction)) if on]
@@ -64,7 +65,9 @@ def decide(verb: KubeDrain, node: NodeFacts) -> PodOperation:
     how = "delete" if s.disable_eviction else "evict"
     summary = (f"drain {node.name}: " + ("cordon, " if not node.unschedulable else "already cordoned, ")
                + f"{how} its pods" + (f" matching {s.selector}" if s.selector else "")
-               + (", DaemonSet pods left" if s.ignore_daemonsets else ""))
+               + (", DaemonSet pods left" if s.ignore_daemonsets else "")
+               + (f"; pods a budget still refuses after {rules.delete_after:g}s are DELETED"
+                  if rules.delete_after is not None else ""))
     return PodOperation("drain", summary, command, rules, changes, {"node.unschedulable": node.unschedulable})
 
 
@@ -176,13 +179,23 @@ def apply(effect: PodOperation, ctx: KubeContext) -> dict[str, Any]:
                     kube.delete_pod(pod, grace_seconds=rules.grace_seconds)
                 else:
                     kube.evict_pod(pod, grace_seconds=rules.grace_seconds)
-            except KubeError as e:
-                if e.status == 429:
+            except NamespaceTerminating:
+                if not pod.deleting:  # kubectl: retried until the timeout
                     refusals[pod.key] = refusals.get(pod.key, 0) + 1
+                    ctx.progress(f"{pod.key}: eviction refused (namespace terminating), retrying")
+                    continue
+                # kubectl: a pod already being deleted is waited for (the eviction can never succeed)
+                evidence.setdefault("namespace_terminating", []).append(pod.key)
+                ctx.progress(f"{pod.key}: its namespace is terminating and the pod is being deleted: waiting")
+            except KubeError as e:
+                if e.status != 429:
+                    evidence["failed"] = {"pod": pod.key, "error": str(e)}
+                    raise EffectFailed(f"{effect.verb}: {pod.key}: {e}", evidence, outage=e.retryable) from e
+                refusals[pod.key] = refusals.get(pod.key, 0) + 1
+                if rules.delete_after is None or ctx.clock() - start < rules.delete_after:
                     ctx.progress(f"{pod.key}: eviction refused (429), retrying: {e}")
                     continue
-                evidence["failed"] = {"pod": pod.key, "error": str(e)}
-                raise EffectFailed(f"{effect.verb}: {pod.key}: {e}", evidence, outage=e.retryable) from e
+                _delete_past_budget(pod, rules, ctx, evidence, refusals[pod.key], ctx.clock() - start)
             pending.remove(pod)
             evidence["pods"].append(pod.key)
             evidence["evictions"].append({"pod": pod.key, "at": round(ctx.clock() - start, 3),
@@ -195,6 +208,8 @@ def apply(effect: PodOperation, ctx: KubeContext) -> dict[str, Any]:
                 raise EffectFailed(
                     f"{effect.verb} timed out after {rules.timeout:g}s: a disruption budget still refuses "
                     + ", ".join(p.key for p in pending), evidence)
+            if rules.delete_after is not None and (due := start + rules.delete_after - ctx.clock()) > 0:
+                left = min(left, max(due, 0.001))  # wake up when delete_after is reached
             ctx.sleep(min(backoff, left))
             backoff = min(backoff * 2, BACKOFF_MAX)
     evidence["refusals"] = refusals
@@ -221,6 +236,23 @@ def apply(effect: PodOperation, ctx: KubeContext) -> dict[str, Any]:
         evidence["left"] = still
         raise EffectFailed(f"{effect.verb}: pods still on {ctx.node}: " + ", ".join(still[:10]), evidence)
     return evidence
+
+
+def _delete_past_budget(pod: PodRef, rules: PodRules, ctx: KubeContext, evidence: dict[str, Any], refused: int,
+                        elapsed: float) -> None:
+    """``delete_after``: the budget still refuses ``pod``: delete it (never silently: named in the
+    evidence and the progress), then it is waited for like an evicted pod."""
+    try:
+        ctx.kube.delete_pod(pod, grace_seconds=rules.grace_seconds)
+    except KubeError as e:
+        evidence["failed"] = {"pod": pod.key, "error": f"delete after budget refusals: {e}"}
+        raise EffectFailed(f"drain: {pod.key}: deleting it after {elapsed:g}s of budget refusals failed: {e}",
+                           evidence, outage=e.retryable) from e
+    evidence.setdefault("deleted_after_budget", []).append({
+        "pod": pod.key, "refused": refused, "after": round(elapsed, 3),
+        "reason": f"a disruption budget refused its eviction for {rules.delete_after:g}s (delete_after): deleted"})
+    ctx.progress(f"{pod.key}: DELETED: a disruption budget still refused its eviction after "
+                 f"{rules.delete_after:g}s (delete_after)")
 
 
 def _past(rules: PodRules) -> str:

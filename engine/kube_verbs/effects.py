@@ -73,6 +73,7 @@ class PodRules:
     strict: bool = False  # drain: DaemonSet, emptyDir and unmanaged pods refuse the whole operation
     grace_seconds: int | None = None
     timeout: float = 300.0
+    delete_after: float | None = None  # drain: delete the pods a budget still refuses after this long
 
 
 @dataclass(frozen=True)

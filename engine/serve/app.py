@@ -4,6 +4,7 @@ Routes (roles from ``engine.serve.access``)::
 
     POST /hooks/alertmanager   Alertmanager webhook v4                      sender
     POST /hooks/pagerduty      PagerDuty v3 webhook (signature, then fresh signed time, then replay)
+    POST /hooks/slack          Slack interactions: approve/reject clicks (signature, time, replay)  Slack
     GET  /healthz              liveness + worker/breaker status             open
     GET  /readyz               the store answers; leader or follower (503: not ready)  open
     GET  /metrics              Prometheus text format                       reads
@@ -68,6 +69,8 @@ from engine.serve.pagerduty import (
     parse_delivery,
     verify_signature,
 )
+from engine.serve.routing import warn_about_routing
+from engine.serve.slack import SlackInteractions
 from engine.serve.starter import RunStarter
 from engine.serve.triggers import TriggerIndex
 from engine.serve.worker import WorkerPool
@@ -248,6 +251,10 @@ class ServeApp:
         self.access = access or Access(config)
         self.budget = BodyBudget(config.limits.max_body_reads, config.limits.buffered_bytes)
         self._clock = clock
+        slack = config.notify.slack
+        self.slack_clicks = None if slack is None else SlackInteractions(
+            slack, dispatcher, replays=replays, notify=dispatcher.notifier.notify, clock=clock,
+            body_timeout=config.limits.body_timeout)
 
     async def _body(self, request: Request, limit: int) -> bytes:
         return await read_body(request, limit, budget=self.budget, timeout=self.config.limits.body_timeout)
@@ -371,6 +378,14 @@ class ServeApp:
                 raise
 
         return await self._timed("pagerduty", handle, request)
+
+    async def slack(self, request: Request) -> Response:
+        async def handle() -> tuple[Response, str]:
+            if self.slack_clicks is None:
+                return _error(503, "no Slack app configured (notify.slack)"), "unavailable"
+            return await self.slack_clicks.handle(request)
+
+        return await self._timed("slack", handle)
 
     async def _incident(self, delivery: Delivery) -> tuple[Response, str]:
         event = delivery.event
@@ -521,6 +536,8 @@ def create_app(config: ServeConfig, starter: RunStarter, *, cluster: ClusterView
     """
     metrics = metrics or ServeMetrics()
     notifier = notifier or Notifier.from_config(config.notify, public_url=config.public_url)
+    if notifier.observer is None:
+        notifier.observer = metrics.notification_result  # per target successes and failures
     index = TriggerIndex(starter.trigger_index(), config.pagerduty.mappings)
     dispatcher = Dispatcher(config, starter, cluster, index=index, guards=Guards(config, clock=clock),
                             worker=WorkerPool(config.workers, config.queue_size), notifier=notifier,
@@ -545,6 +562,9 @@ def create_app(config: ServeConfig, starter: RunStarter, *, cluster: ClusterView
             await run_in_threadpool(elector.try_once)
             elector.start()
         await run_in_threadpool(dispatcher.start, sweep_interval=sweep_interval)
+        if config.alertmanager.url:
+            # Why a task: Alertmanager being slow or away must not delay the server's start
+            asyncio.get_running_loop().run_in_executor(None, warn_about_routing, config, index)
         try:
             yield
         finally:
@@ -556,6 +576,7 @@ def create_app(config: ServeConfig, starter: RunStarter, *, cluster: ClusterView
     routes = [
         Route("/hooks/alertmanager", handlers.alertmanager, methods=["POST"]),
         Route("/hooks/pagerduty", handlers.pagerduty, methods=["POST"]),
+        Route("/hooks/slack", handlers.slack, methods=["POST"]),
         Route("/healthz", handlers.healthz, methods=["GET"]),
         Route("/readyz", handlers.readyz, methods=["GET"]),
         Route("/metrics", handlers.metrics_endpoint, methods=["GET"]),

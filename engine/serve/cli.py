@@ -32,6 +32,7 @@ def load_run_starter(settings: Settings, config: ServeConfig) -> RunStarter:
     of the server's configuration (never overridden). Replicas sharing a store (``--store
     kubernetes``) share the webhook dedup through it."""
     shared = config.dedup.fingerprint_window if settings.store == "kubernetes" else None
+    settings._cache["approvals"] = config.approvals  # the serve configuration's approval policy
     return JournalRunStarter(settings, guards=config.run_guards(), shared_dedup_window=shared)
 
 

@@ -25,6 +25,7 @@ from pydantic import (
     model_validator,
 )
 
+from engine.approval_policy import ApprovalConfig
 from engine.configfile import read_mapping
 from engine.errors import UsageError
 from engine.model import parse_duration
@@ -105,6 +106,89 @@ class PagerDutyEventsConfig(_Section):
         return _check_http_url(v, "notify.pagerduty.url") or v
 
 
+# Secret-bearing settings of the on-call targets, declared once (never logged, never in a repr;
+# refused blank or short at start): switch ``Secret`` to the project's secret type when there is one.
+Secret = Annotated[str, Field(min_length=1, max_length=4096, repr=False)]
+ONCALL_SECRETS: dict[str, str] = {  # config key -> environment variable
+    "notify.pagerduty_rest.token": "RUNBOOK_PAGERDUTY_API_TOKEN",
+    "notify.pagerduty_rest.from_email": "RUNBOOK_PAGERDUTY_FROM",
+    "notify.slack.bot_token": "RUNBOOK_SLACK_BOT_TOKEN",
+    "notify.slack.signing_secret": "RUNBOOK_SLACK_SIGNING_SECRET",
+}
+_NOT_TOKENS = frozenset({"notify.pagerduty_rest.from_email"})  # secret, but an address: no length rule
+
+
+class RetryConfig(_Section):
+    """``notify.retry``: how a notification request is retried (``engine.serve.delivery``)."""
+
+    attempts: int = Field(default=5, ge=1, le=20)  # tries per request, the first included
+    backoff: Seconds = 1.0  # before the first retry; doubled each time
+    max_backoff: Seconds = 60.0
+    max_retry_after: Seconds = 300.0  # a longer Retry-After (429) is cut to this
+
+
+class PagerDutyRestConfig(_Section):
+    """``notify.pagerduty_rest``: notes on, acknowledge and resolve of the incident that paged
+    (PagerDuty REST API v2; ``engine.serve.pagerduty_rest``)."""
+
+    token: Secret  # a REST API key; env RUNBOOK_PAGERDUTY_API_TOKEN
+    from_email: Secret  # the From header: a PagerDuty user's e-mail; env RUNBOOK_PAGERDUTY_FROM
+    url: str = "https://api.pagerduty.com"
+    acknowledge: bool = True  # acknowledge the incident when its run starts executing
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, v: str) -> str:
+        return _check_http_url(v, "notify.pagerduty_rest.url") or v
+
+    @field_validator("from_email")
+    @classmethod
+    def _email(cls, v: str) -> str:
+        if not re.match(r"^[^@\s]+@[^@\s]+$", v):
+            raise ValueError("must be the e-mail address of a PagerDuty user")
+        return v
+
+
+class SlackConfig(_Section):
+    """``notify.slack``: the Slack app that posts interactive approval messages
+    (``engine.serve.slack``) and whose clicks ``POST /hooks/slack`` receives."""
+
+    bot_token: Secret  # xoxb-...; env RUNBOOK_SLACK_BOT_TOKEN
+    signing_secret: Secret  # the app's signing secret; env RUNBOOK_SLACK_SIGNING_SECRET
+    channel: str = Field(min_length=1, max_length=80)  # channel id (C0123ABCD) the messages go to
+    api_url: str = "https://slack.com/api"
+    users: dict[str, str] = Field(default_factory=dict)  # Slack user id -> approver name
+    events: tuple[Literal["started", "waiting-approval", "finished", "failed", "blocked"], ...] = (
+        "started", "waiting-approval", "finished", "failed", "blocked")
+    max_age: Seconds = 300.0  # a click signed longer ago than this is refused (Slack: 5 minutes)
+
+    @field_validator("api_url")
+    @classmethod
+    def _http_url(cls, v: str) -> str:
+        return _check_http_url(v, "notify.slack.api_url") or v
+
+    @field_validator("users")
+    @classmethod
+    def _users(cls, v: dict[str, str]) -> dict[str, str]:
+        for user, name in v.items():
+            if not re.match(r"^[UW][A-Z0-9]{2,30}$", user):
+                raise ValueError(f"{user!r} is not a Slack user id (U0123ABCD)")
+            if not _IDENTITY.match(name):
+                raise ValueError(f"approver name {name!r} must be a short name (letters, digits, . _ @ + -)")
+        return v
+
+
+class AlertmanagerConfig(_Section):
+    """``alertmanager``: the Alertmanager whose routing the server checks at start."""
+
+    url: str | None = None  # e.g. http://127.0.0.1:9093 (GET /api/v2/status); null: not checked
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, v: str | None) -> str | None:
+        return _check_http_url(v, "alertmanager.url")
+
+
 class NotifyConfig(_Section):
     url: str | None = None  # generic webhook; the JSON has Slack's "text" key
     timeout: Seconds = 5.0
@@ -112,6 +196,9 @@ class NotifyConfig(_Section):
         "started", "waiting-approval", "finished", "failed", "blocked")
     secret: str | None = Field(default=None, repr=False)  # signs webhook POSTs; env RUNBOOK_NOTIFY_SECRET
     pagerduty: PagerDutyEventsConfig | None = None
+    pagerduty_rest: PagerDutyRestConfig | None = None
+    slack: SlackConfig | None = None
+    retry: RetryConfig = Field(default_factory=RetryConfig)
 
     @field_validator("url")
     @classmethod
@@ -127,6 +214,7 @@ class PagerDutyMapping(_Section):
     runbook: str
     params: dict[str, str | int | bool] = Field(default_factory=dict)  # fixed params, merged under the groups
     mode: Literal["auto", "approve"] = "approve"
+    resolve_incident: bool = False  # with notify.pagerduty_rest: resolve the incident when the run succeeded
 
     @field_validator("title_pattern")
     @classmethod
@@ -240,16 +328,20 @@ class ServeConfig(_Section):
     # trip (None: half of cluster_cache_ttl; 0: only when a page finds it older than the TTL).
     cluster_refresh: Seconds | None = None
     shutdown_grace: Seconds = 30.0
+    deferred_poll: Seconds = 30.0  # how often a run deferred to its maintenance window asks again
     dedup: DedupConfig = Field(default_factory=DedupConfig)
     breaker: BreakerConfig = Field(default_factory=BreakerConfig)
     exclusions: ExclusionConfig = Field(default_factory=ExclusionConfig)
     guards: GuardConfig | None = None  # the run guards (engine.run_guards); exclusions above when unset
+    approvals: ApprovalConfig = Field(default_factory=ApprovalConfig)  # who may approve (engine.approval_policy)
     notify: NotifyConfig = Field(default_factory=NotifyConfig)
     pagerduty: PagerDutyConfig = Field(default_factory=PagerDutyConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     retention: RetentionConfig = Field(default_factory=RetentionConfig)
     replicas: ReplicasConfig = Field(default_factory=ReplicasConfig)
+    alertmanager: AlertmanagerConfig = Field(default_factory=AlertmanagerConfig)
+
     @field_validator("public_url")
     @classmethod
     def _public_url(cls, v: str | None) -> str | None:
@@ -340,6 +432,12 @@ def check_secrets(data: Mapping[str, Any], where: Mapping[str, str], origin: str
     notify = data.get("notify")
     if isinstance(notify, Mapping) and notify.get("secret") is not None:
         found.append(("notify.secret", notify["secret"]))
+    if isinstance(notify, Mapping):
+        for key in ONCALL_SECRETS:
+            _, section, name = key.split(".")
+            block = notify.get(section)
+            if isinstance(block, Mapping) and name in block:
+                found.append((key, block[name]))
     pd = data.get("pagerduty")
     if isinstance(pd, Mapping) and isinstance(pd.get("secrets"), list | tuple):
         found += [(f"pagerduty.secrets[{i}]", v) for i, v in enumerate(pd["secrets"])]
@@ -354,10 +452,13 @@ def check_secrets(data: Mapping[str, Any], where: Mapping[str, str], origin: str
             raise UsageError(f"{named}: is blank; a blank secret is an error, not 'unset'")
         if value != value.strip():
             raise UsageError(f"{named}: has leading or trailing whitespace")
+        if key in _NOT_TOKENS:
+            continue
         if len(value.encode("utf-8")) < MIN_SECRET_BYTES:
             raise UsageError(f"{named}: is shorter than {MIN_SECRET_BYTES} bytes; use a random secret "
                              "(e.g. `openssl rand -hex 24`)")
-        if not key.startswith("pagerduty."):  # Why notify.secret too: a receiver holding it must not hold a token
+        # Why notify.secret too: a receiver holding it must not hold a token
+        if not key.startswith(("pagerduty.", "notify.pagerduty_rest.", "notify.slack.")):
             other = owners.get(value)
             if other is not None and other != key and {other, key} != {"webhook_token", "auth.senders.alertmanager"}:
                 raise UsageError(f"{named}: the same token is also given to {where.get(other, other)}; "
@@ -391,6 +492,13 @@ def load_config(path: Path | str | None = None, *, env: Mapping[str, str] | None
             notify["pagerduty"] = {}
         notify["pagerduty"] = {**dict(notify["pagerduty"]), "routing_key": env["RUNBOOK_PAGERDUTY_ROUTING_KEY"]}
         data["notify"] = notify
+    for key, var in ONCALL_SECRETS.items():
+        if var in env:  # Why "in": a blank value is an error, not "unset"
+            _, section, name = key.split(".")
+            notify = dict(data.get("notify") or {})
+            notify[section] = {**dict(notify.get(section) or {}), name: env[var]}
+            data["notify"] = notify
+            sources[key] = var
     if "RUNBOOK_PAGERDUTY_SECRET" in env:
         pd = dict(data.get("pagerduty") or {})
         pd["secrets"] = (env["RUNBOOK_PAGERDUTY_SECRET"], *tuple(pd.get("secrets") or ()))

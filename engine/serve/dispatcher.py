@@ -40,7 +40,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any, Literal
 
-from engine.errors import RunbookError
+from engine.errors import ApprovalRefused, RunbookError
 from engine.serve.access import Identity
 from engine.serve.alertmanager import Alert, WebhookPayload
 from engine.serve.cluster import ClusterSnapshot, ClusterUnavailable, ClusterView, RefreshingClusterView
@@ -49,6 +49,7 @@ from engine.serve.guards import Guards, NodeBreaker, Reservation, SharedBreaker
 from engine.serve.leader import Leadership, SingleReplica
 from engine.serve.metrics import ServeMetrics
 from engine.serve.notify import Notification, Notifier, RefusalDigest, run_report, step_outcomes
+from engine.serve.page_groups import PageGroups
 from engine.serve.pagerduty import Incident
 from engine.serve.starter import WEBHOOK_SOURCES, AlreadyStarted, Mode, RunOutcome, RunRequest, RunStarter
 from engine.serve.triggers import Candidate, Matches, TriggerIndex
@@ -61,6 +62,7 @@ _FINAL = ("succeeded", "failed", "blocked", "cancelled", "interrupted")
 _ENDED = ("succeeded", "failed", "blocked", "cancelled")  # final, not resumable
 BREAKER_RESET = "breaker.reset"  # event on a run: a person reset the breaker that run held open
 _BREAKER_SCAN = 500  # newest runs read for the shared breaker
+INCIDENT_KEY = "pd-incident-"  # dedup key prefix of runs paged by a PagerDuty incident (triggers.py)
 
 
 @dataclass(frozen=True)
@@ -103,12 +105,14 @@ class _RunMeta:
     alert_key: str = ""
     group_key: str = ""
     alert_started: float | None = None
+    incident_id: str = ""  # the PagerDuty incident that paged (REST notes)
+    resolve_incident: bool = False  # the trigger resolves that incident when the run succeeded
 
     def note(self, event: str, run_id: str, **kw: Any) -> Notification:
-        """A notification about this run, carrying the alert it came from."""
+        """A notification about this run, carrying the alert (or incident) it came from."""
         kw.setdefault("mode", self.mode)
         return Notification(event, self.runbook, node=self.node, run_id=run_id, alert_key=self.alert_key,
-                            group_key=self.group_key, **kw)
+                            group_key=self.group_key, incident_id=self.incident_id, **kw)
 
 
 class NotFound(Exception):
@@ -116,7 +120,8 @@ class NotFound(Exception):
 
 
 class SelfApproval(Exception):
-    """The approver is the identity that requested the run (HTTP 403, ``auth.requester_cannot_approve``)."""
+    """The approver is the identity that requested the run (HTTP 403, ``auth.requester_cannot_approve``),
+    or the approval policy does not count this approver (``engine.approval_policy``)."""
 
 
 def _cut(text: str, limit: int) -> str:
@@ -133,6 +138,21 @@ def _epoch(iso: Any) -> float | None:
         return datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp()
     except ValueError:
         return None
+
+
+def incident_of(summary: Mapping[str, Any]) -> str:
+    """The PagerDuty incident id a recorded run was paged by (its dedup key), or ``""``."""
+    key = summary.get("dedup_key")
+    return key[len(INCIDENT_KEY):] if isinstance(key, str) and key.startswith(INCIDENT_KEY) else ""
+
+
+def plan_summary(run: Mapping[str, Any]) -> str:
+    """``"relabel-container -> swap-off -> restart-kubelet"``: the steps of a recorded run's plan."""
+    plan = run.get("plan")
+    steps = plan.get("steps") if isinstance(plan, Mapping) else None
+    if not isinstance(steps, list | tuple):
+        return ""
+    return " -> ".join(str(s.get("id")) for s in steps if isinstance(s, Mapping))[:1000]
 
 
 def node_of(summary: Mapping[str, Any]) -> str | None:
@@ -168,6 +188,7 @@ class Dispatcher:
         self._wake = threading.Event()  # leadership won: do the singleton duties now
         self._sweeper: threading.Thread | None = None
         self.digest = RefusalDigest(config.dedup.node_cooldown, clock=clock)
+        self.pages = PageGroups()  # Alertmanager groups: their nodes, recovered or not
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -192,7 +213,7 @@ class Dispatcher:
                 with self._lock:
                     self._runs[run_id] = _RunMeta(str(s.get("runbook")), node, mode, state=state,
                                                   approved=bool(s.get("approved_by")),
-                                                  plan_digest=s.get("plan_digest"))
+                                                  plan_digest=s.get("plan_digest"), incident_id=incident_of(s))
                 self.guards.track_active(node, run_id, approve=mode == "approve")
             elif state in _FINAL:
                 self.guards.track_ended(node, run_id, _epoch(s.get("finished")) or started)
@@ -272,7 +293,8 @@ class Dispatcher:
             with self._lock:
                 self._runs[run_id] = _RunMeta(str(s.get("runbook")), node, mode, state=str(s.get("state")),
                                               approved=bool(s.get("approved_by")),
-                                              plan_digest=s.get("plan_digest"), source=str(s.get("source", "")))
+                                              plan_digest=s.get("plan_digest"), source=str(s.get("source", "")),
+                                              incident_id=incident_of(s))
             self.guards.track_active(node, run_id, approve=mode == "approve")
             if self.worker.submit(functools.partial(self._execute, run_id), reserved=False):
                 queued.append(run_id)
@@ -340,6 +362,8 @@ class Dispatcher:
             out.update(ready=False, store=f"unreachable: {type(e).__name__}: {str(e)[:300]}")
             return out
         out.update(ready=True, store="ok")
+        # Why here and not /healthz: a dead notification target is worth seeing, never worth a restart
+        out["notify"] = self.notifier.health()
         return out
 
     def flush_refusals(self, *, force: bool = False) -> None:
@@ -375,17 +399,43 @@ class Dispatcher:
     def handle_alerts(self, payload: WebhookPayload, requested_by: str = "alertmanager") -> list[Decision]:
         self.flush_refusals()
         decisions: list[Decision] = []
-        for i, alert in enumerate(payload.alerts):
+        matched = [(alert, self.index.for_alert(alert) if alert.firing else None) for alert in payload.alerts]
+        # Why first: a run may end before this delivery is answered; the page's nodes must be known then
+        self._observe_page(payload, matched)
+        for i, (alert, matches) in enumerate(matched):
             if i % 20 == 19:
                 time.sleep(0)  # Why: yield the interpreter so the event loop answers in between
             label = _cut(alert.describe(), 512)
-            if not alert.firing:
+            if matches is None:
                 decisions.append(self._resolved(alert, label))
                 continue
-            decisions += self._decide(self.index.for_alert(alert), label, requested_by,
-                                      group_key=payload.group_key,
+            decisions += self._decide(matches, label, requested_by, group_key=payload.group_key,
                                       alert_started=alert.starts_at.timestamp() if alert.starts_at else None)
         return decisions
+
+    def _observe_page(self, payload: WebhookPayload, matched: Sequence[tuple[Alert, Matches | None]]) -> None:
+        """Record the nodes of the delivery's group (``PageGroups``): firing and recovered."""
+        if not payload.group_key:
+            return
+        firing = [next((c.node for c in m.candidates if c.node), None) or self._node_of_alert(a)
+                  for a, m in matched if m is not None]
+        resolved = [self._node_of_alert(a) for a, m in matched if m is None]
+        self.pages.observe(payload.group_key, firing, resolved)
+        nodes = set(firing) | set(resolved)
+        if len(nodes) > 1 and self.pages.first_mixed(payload.group_key):
+            log.warning("Alertmanager group %s holds the alerts of %d nodes (%s): its page is resolved only when "
+                        "every one recovered; route with group_by: [alertname, node] for one page per node "
+                        "(docs/serve.md)", payload.group_key[:200], len(nodes), ", ".join(sorted(nodes)[:5]))
+
+    def _node_of_alert(self, alert: Alert) -> str:
+        """The node an alert is about: as its trigger renders it (a resolved alert: as its firing
+        did), else its ``node`` label, else the alert itself (a target runbook cannot recover)."""
+        firing = alert if alert.firing else alert.model_copy(update={"status": "firing"})
+        try:
+            node = next((c.node for c in self.index.for_alert(firing).candidates if c.node), None)
+        except Exception:  # Why: bookkeeping must never fail a delivery
+            node = None
+        return node or alert.labels.get("node") or f"alert {alert.dedup_key}"
 
     def _resolved(self, alert: Alert, label: str) -> Decision:
         """Record a resolved alert against the run its firing started (once), then ignore it."""
@@ -415,19 +465,21 @@ class Dispatcher:
         Why: an alert storm is mostly re-sends of what already started; answering those inline
         keeps them out of the thread pool, where they would queue behind real work."""
         decisions: list[Decision] = []
-        for alert in payload.alerts:
+        matched = [(a, self.index.for_alert(a) if a.firing else None) for a in payload.alerts]
+        for alert, matches in matched:
             label = _cut(alert.describe(), 512)
-            if not alert.firing:
+            if matches is None:
                 with self._lock:
                     started_a_run = alert.dedup_key in self._alert_runs
                 if started_a_run:
                     return None  # recording it is I/O: the full path does it
                 decisions.append(Decision("ignored", "resolved alerts never start runs", alert=label))
                 continue
-            quick = self._quick(self.index.for_alert(alert), label)
+            quick = self._quick(matches, label)
             if quick is None:
                 return None
             decisions += quick
+        self._observe_page(payload, matched)  # a node may have recovered (its alert resolved)
         return decisions
 
     def quick_incident(self, incident: Incident) -> list[Decision] | None:
@@ -529,7 +581,8 @@ class Dispatcher:
                                  transient=True)
         request = RunRequest(runbook=c.runbook, params=dict(c.params), node=c.node, mode=mode,
                              source=c.source, reason=c.reason, warnings=warnings, dedup_key=c.dedup_key,
-                             requested_by=requested_by, require_diagnosis=c.require_diagnosis)
+                             requested_by=requested_by, require_diagnosis=c.require_diagnosis,
+                             windows=c.windows)
         try:
             ticket = self.starter.submit(request)
         except AlreadyStarted as e:  # another replica took this page first (shared store)
@@ -557,7 +610,8 @@ class Dispatcher:
         with self._lock:
             self._runs[run_id] = _RunMeta(c.runbook, c.node, mode, warnings, c.reason, state=ticket.state,
                                           source=c.source, alert_key=c.dedup_key, group_key=c.group_key,
-                                          alert_started=c.alert_started)
+                                          alert_started=c.alert_started, incident_id=c.incident_id,
+                                          resolve_incident=c.resolve_incident)
             if c.source == "alertmanager":
                 if len(self._alert_runs) >= 10000:  # bounded: forget the oldest
                     self._alert_runs.pop(next(iter(self._alert_runs)))
@@ -597,12 +651,22 @@ class Dispatcher:
         except Exception as e:
             log.exception("run %s raised", run_id)
             outcome = RunOutcome(run_id, "failed", reason=f"{type(e).__name__}: {e}")
+        if outcome.state == "deferred":
+            # Outside its maintenance windows (engine.run_windows): ask again after deferred_poll;
+            # the starter executes it once a window is open (a restart re-queues it: still pending).
+            with self._lock:
+                meta.state = "deferred"
+            self._defer(run_id)
+            return
         if outcome.state == "waiting-approval":
             with self._lock:
                 meta.state, meta.plan_digest = outcome.state, outcome.plan_digest
+            extra: dict[str, Any] = {"plan_digest": outcome.plan_digest}
+            if (plan := self._plan_summary(run_id)):
+                extra["plan"] = plan
             self.notifier.notify(meta.note(
                 "waiting-approval", run_id, reason=meta.reason, warnings=meta.warnings, state=outcome.state,
-                extra={"plan_digest": outcome.plan_digest}))
+                extra=extra))
             return
         if outcome.state not in _FINAL:
             log.warning("run %s returned state %s; treating it as still active", run_id, outcome.state)
@@ -610,6 +674,41 @@ class Dispatcher:
                 meta.state = outcome.state
             return
         self._finish(run_id, meta, outcome)
+
+    def _defer(self, run_id: str) -> None:
+        def again() -> None:
+            if not self._stop.is_set() and not self.worker.submit(functools.partial(self._execute, run_id),
+                                                                  reserved=False):
+                self._defer(run_id)  # the pool is full: ask again later
+
+        timer = threading.Timer(self.config.deferred_poll, again)
+        timer.daemon = True
+        timer.start()
+
+    def _plan_summary(self, run_id: str) -> str:
+        """The recorded plan's steps, for notes and messages (``""`` when unreadable or not planned)."""
+        try:
+            return plan_summary(self.starter.run(run_id))
+        except Exception:  # Why: the notification is still sent without the plan
+            return ""
+
+    def _resolves(self, meta: _RunMeta, outcome: RunOutcome) -> tuple[bool, str]:
+        """Whether this run's success resolves its page, and what the final note adds.
+
+        A PagerDuty incident: only when the trigger says so. An Alertmanager group: only when every
+        node of its alerts has recovered (a run reports success for its own node only)."""
+        if outcome.state != "succeeded":
+            return False, ""
+        if meta.incident_id:
+            return (True, "") if meta.resolve_incident else \
+                (False, "; the trigger does not resolve the incident (resolve_incident: false)")
+        if meta.source == "alertmanager" and meta.group_key:
+            left = self.pages.recovered(meta.group_key, meta.node)
+            if left:
+                shown = ", ".join(left[:10]) + (f" and {len(left) - 10} more" if len(left) > 10 else "")
+                return False, (f"; success for {meta.node} only: this page's alerts also name {shown}, "
+                               "not recovered yet, so the page stays open")
+        return True, ""
 
     def _finish(self, run_id: str, meta: _RunMeta, outcome: RunOutcome) -> None:
         with self._lock:
@@ -630,6 +729,8 @@ class Dispatcher:
         reason = outcome.reason or outcome.state
         if opened:
             reason += f"; the breaker for {meta.node} is open: no automatic run there until reset"
+        resolve, why = self._resolves(meta, outcome)
+        reason += why
         self.metrics.runs_finished.labels(runbook=meta.runbook, state=outcome.state,
                                           trigger=meta.source or "unknown").inc()
         if outcome.state == "succeeded" and meta.alert_started is not None:
@@ -647,7 +748,7 @@ class Dispatcher:
                                            extra={"step": step["step"], "status": step["status"]}))
         self.notifier.notify(meta.note(event, run_id, reason=reason, state=outcome.state,
                                        report=run_report(events, outcome.state, reason),
-                                       extra={"exit_code": outcome.exit_code}))
+                                       extra={"exit_code": outcome.exit_code}, resolve=resolve))
 
     # -- API --------------------------------------------------------------------------------------
 
@@ -669,7 +770,17 @@ class Dispatcher:
             raise SelfApproval(f"run {run_id} was requested by {who.name}; another person must approve it "
                                "(auth.requester_cannot_approve)")
         approved_by = who.name
-        summary = dict(self.starter.approve(run_id, plan_digest, approved_by))
+        try:
+            summary = dict(self.starter.approve(run_id, plan_digest, approved_by,
+                                                roles=frozenset({who.role}) - {"any", "none"}))
+        except ApprovalRefused as e:
+            raise SelfApproval(str(e)) from e
+        approvals = summary.get("approvals")
+        if isinstance(approvals, Mapping) and not approvals.get("satisfied", True):
+            # The policy wants more distinct approvers: the run keeps waiting (engine.approvals).
+            return {"run": summary, "queued": False, "approvals": dict(approvals),
+                    "note": f"approval recorded ({approvals.get('text')}); the run starts when the policy "
+                            "is satisfied"}
         with self._lock:
             meta = self._runs.get(run_id)
             if meta is not None:
@@ -681,8 +792,10 @@ class Dispatcher:
         if not self.worker.submit(lambda: self._execute(run_id), reserved=False):
             return {"run": summary, "queued": False,
                     "note": "approval recorded, but the worker pool is full: the run is queued at the next start"}
+        plan = plan_summary(summary) or self._plan_summary(run_id)
         self.notifier.notify(meta.note("started", run_id, reason=f"approved by {approved_by}",
-                                       warnings=meta.warnings, state="approved"))
+                                       warnings=meta.warnings, state="approved",
+                                       extra={"plan": plan} if plan else {}))
         return {"run": summary, "queued": True}
 
     def reject(self, run_id: str, reason: str, who: Identity) -> dict[str, Any]:

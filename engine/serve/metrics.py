@@ -22,7 +22,10 @@ Names (all prefixed ``runbook_serve_``):
 * ``guard_blocks_total{runbook,guard}``: step guards that did not hold (the check, cut to 100 chars);
 * ``lock_wait_seconds{runbook}``: from the event before ``lock.acquired`` (the run being claimed) to
   its node Lease being acquired;
-* ``journal_errors_total{operation}``: journal/store reads or writes that failed in the server.
+* ``journal_errors_total{operation}``: journal/store reads or writes that failed in the server;
+* ``notifications_total{target,outcome}``: notification requests per target (``webhook``,
+  ``pagerduty-events``, ``pagerduty-rest``, ``slack``) by outcome: ``success``, ``failure`` (given up
+  after retries, or refused), ``retry`` (one per retry), ``dropped`` (the target's queue was full).
 
 This module only counts; it decides nothing and never raises into a request.
 """
@@ -82,6 +85,12 @@ class ServeMetrics:
                                            buckets=_FAST + _SLOW[3:], registry=r)
         self.journal_errors = Counter("runbook_serve_journal_errors", "Journal/store operations that failed",
                                       ["operation"], registry=r)
+        self.notifications = Counter("runbook_serve_notifications", "Notification requests by target and outcome",
+                                     ["target", "outcome"], registry=r)
+
+    def notification_result(self, target: str, outcome: str) -> None:
+        """One notification request's outcome (``engine.serve.delivery``'s observer)."""
+        self.notifications.labels(target=target, outcome=outcome).inc()
 
     def observe_run(self, runbook: str, events: Sequence[Mapping[str, Any]]) -> None:
         """Step, verification, guard and lock figures of one ended run, from its journal events

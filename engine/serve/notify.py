@@ -7,9 +7,11 @@ ignores the rest. ``link`` is the run's console page, ``<public_url>/ui/runs/<ru
 ``public_url`` is configured. With
 ``notify.secret`` every webhook POST is signed: ``X-Runbook-Signature: t=<unix seconds>,v1=<hex of
 HMAC-SHA256(secret, "<t>.<body>")>`` (``verify_webhook`` is what a receiver does). PagerDuty events
-are built by ``engine.serve.pagerduty_events``. Delivery happens in one background thread through a
-bounded queue: a slow or dead receiver never delays a webhook answer or a run, and failures are
-logged, never raised. Secrets are never put in a notification.
+are built by ``engine.serve.pagerduty_events``; PagerDuty REST notes by ``engine.serve.pagerduty_rest``;
+Slack messages by ``engine.serve.slack``. Delivery is ``engine.serve.delivery``'s: one lane (bounded
+queue, thread) per target, retries with backoff: a slow or dead receiver never delays a webhook
+answer, a run or another target, and failures are counted and logged, never raised. Secrets are
+never put in a notification.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import hashlib
 import hmac
 import json
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -27,6 +28,8 @@ from typing import Any, Literal
 from urllib.parse import quote
 
 import httpx
+
+from engine.serve.delivery import Lane, Observer, RetryPolicy, Sender, Target
 
 log = logging.getLogger(__name__)
 MAX_NOTIFICATION_BYTES = 60 * 1024  # every POST stays under 64 KiB whatever an alert carried
@@ -55,6 +58,10 @@ class Notification:
     alert_key: str = ""  # the alert fingerprint or PagerDuty incident id that paged
     group_key: str = ""  # Alertmanager's groupKey of that page (PagerDuty dedup_key)
     pagerduty_key: str = ""  # an explicit PagerDuty dedup_key (CLI: --pagerduty-dedup-key)
+    incident_id: str = ""  # the PagerDuty incident that paged (REST notes go to it)
+    # a ``finished`` notification resolves the page: False while other nodes of the page's
+    # Alertmanager group are not recovered, or when a PagerDuty trigger does not resolve incidents
+    resolve: bool = True
 
     def text(self) -> str:
         icon = _ICONS.get(self.event, "")
@@ -96,7 +103,8 @@ class Notification:
                             run_id=self.run_id, mode=self.mode, reason=_cut(self.reason), warnings=warnings,
                             extra=extra, state=self.state, report=_cut(self.report, _MAX_REPORT),
                             link=_cut(self.link, 1024) if self.link else None, alert_key=_cut(self.alert_key, 200),
-                            group_key=_cut(self.group_key, 4096), pagerduty_key=self.pagerduty_key[:255])
+                            group_key=_cut(self.group_key, 4096), pagerduty_key=self.pagerduty_key[:255],
+                            incident_id=self.incident_id[:100], resolve=self.resolve)
 
 
 _KEYS = frozenset({"event", "run_id", "runbook", "node", "state", "mode", "reason", "warnings", "report", "link"})
@@ -203,135 +211,163 @@ class PagerDutyTarget:
     dedup_key: Literal["alertmanager-group", "alert"] = "alertmanager-group"
 
 
-class Notifier:
-    """Posts notifications to ``url`` (and PagerDuty) in a background thread; no target: only logs.
+class WebhookTarget:
+    """The generic (Slack-compatible) webhook: one signed JSON POST per wanted event."""
 
-    ``step`` notifications go to PagerDuty only, unless ``events`` names ``step`` for the webhook."""
+    name = "webhook"
+
+    def __init__(self, url: str, *, events: frozenset[str] | None, secret: str | None,
+                 clock: Callable[[], float]) -> None:
+        self.url = url
+        self.events = events
+        self._secret = secret
+        self._clock = clock
+
+    def wants(self, n: Notification) -> bool:
+        if n.event not in _ICONS:
+            return False  # internal events (a Slack decision) are for their own target only
+        return n.event != "step" if self.events is None else n.event in self.events
+
+    def deliver(self, n: Notification, send: Sender) -> None:
+        body = json.dumps(n.payload(), separators=(",", ":")).encode("utf-8")
+        headers = {"Content-Type": "application/json"}
+        if self._secret:
+            headers[SIGNATURE_HEADER] = sign_webhook(body, self._secret, int(self._clock()))
+        send("POST", self.url, body, headers, what=f"{n.event} for {n.run_id or n.runbook}")
+
+
+class PagerDutyEventsTarget:
+    """PagerDuty Events API v2. A run paged by a PagerDuty incident is left to the REST target when
+    one is configured (``skip_incidents``): an Events v2 event would open a second alert."""
+
+    name = "pagerduty-events"
+
+    def __init__(self, pd: PagerDutyTarget, *, skip_incidents: bool = False) -> None:
+        self.pd = pd
+        self.skip_incidents = skip_incidents
+
+    def wants(self, n: Notification) -> bool:
+        if n.event not in _ICONS or (self.skip_incidents and n.incident_id):
+            return False
+        from engine.serve.pagerduty_events import dedup_key
+
+        return dedup_key(n, self.pd.dedup_key) is not None
+
+    def deliver(self, n: Notification, send: Sender) -> None:
+        from engine.serve.pagerduty_events import events_for
+
+        pd = self.pd
+        for ev in events_for(n, routing_key=pd.routing_key, source=pd.source, severity=pd.severity,
+                             acknowledge_on_start=pd.acknowledge_on_start, dedup=pd.dedup_key):
+            send("POST", pd.url, json.dumps(ev, separators=(",", ":")).encode("utf-8"),
+                 {"Content-Type": "application/json"}, what=f"{ev['event_action']} for {n.run_id or n.runbook}")
+
+
+class Notifier:
+    """Sends notifications to its targets (``engine.serve.delivery``: one lane per target, retries);
+    no target: only logs.
+
+    ``step`` notifications go to PagerDuty only, unless ``events`` names ``step`` for the webhook.
+    ``targets`` adds targets built elsewhere (PagerDuty REST, Slack)."""
 
     def __init__(self, url: str | None, *, events: Sequence[str] = (), timeout: float = 5.0,
                  max_queue: int = 1000, transport: httpx.BaseTransport | None = None,
                  secret: str | None = None, pagerduty: PagerDutyTarget | None = None,
-                 public_url: str | None = None, clock: Callable[[], float] = time.time) -> None:
+                 public_url: str | None = None, clock: Callable[[], float] = time.time,
+                 targets: Sequence[Target] = (), retry: RetryPolicy | None = None,
+                 observer: Observer | None = None) -> None:
         self.url = url
         self.events = frozenset(events) if events else None
         self.timeout = timeout
-        self.secret = secret
         self.pagerduty = pagerduty
         # set: each run's notification links to its console page, {public_url}/ui/runs/{id}
         self.public_url = public_url.rstrip("/") if public_url else None
-        self.sent = 0
-        self.failed = 0
+        self.retry = retry or RetryPolicy()
+        self.observer = observer
         self._clock = clock
-        self._queue: queue.Queue[Notification | None] = queue.Queue(maxsize=max_queue)
-        self._transport = transport
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
+        own: list[Target] = []
+        if url is not None:
+            own.append(WebhookTarget(url, events=self.events, secret=secret, clock=clock))
+        if pagerduty is not None:
+            skip = any(t.name == "pagerduty-rest" for t in targets)
+            own.append(PagerDutyEventsTarget(pagerduty, skip_incidents=skip))
+        self.lanes = [Lane(t, retry=self.retry, timeout=timeout, max_queue=max_queue, transport=transport,
+                           observer=self._observe, clock=clock) for t in [*own, *targets]]
+
+    def _observe(self, target: str, outcome: str) -> None:
+        if self.observer is not None:
+            self.observer(target, outcome)
 
     @classmethod
-    def from_config(cls, notify: Any, *, public_url: str | None = None) -> Notifier:
+    def from_config(cls, notify: Any, *, public_url: str | None = None,
+                    transport: httpx.BaseTransport | None = None) -> Notifier:
         """A notifier for a ``NotifyConfig`` (the serve config's ``notify:`` section)."""
+        from engine.serve.pagerduty_rest import PagerDutyRestTarget
+        from engine.serve.slack import SlackTarget
+
         pd = notify.pagerduty
         target = None if pd is None else PagerDutyTarget(
             routing_key=pd.routing_key, url=pd.url, source=pd.source, severity=pd.severity,
             acknowledge_on_start=pd.acknowledge_on_start, dedup_key=pd.dedup_key)
+        extra: list[Target] = []
+        if notify.pagerduty_rest is not None:
+            extra.append(PagerDutyRestTarget.from_config(notify.pagerduty_rest))
+        if notify.slack is not None:
+            extra.append(SlackTarget.from_config(notify.slack))
+        r = notify.retry
         return cls(notify.url, events=notify.events, timeout=notify.timeout, secret=notify.secret,
-                   pagerduty=target, public_url=public_url)
+                   pagerduty=target, public_url=public_url, targets=extra, transport=transport,
+                   retry=RetryPolicy(attempts=r.attempts, backoff=r.backoff, max_backoff=r.max_backoff,
+                                     max_retry_after=r.max_retry_after))
 
-    def _wants_webhook(self, event: str) -> bool:
-        if self.url is None:
-            return False
-        if self.events is None:
-            return event != "step"
-        return event in self.events
+    def target(self, name: str) -> Any:
+        """The target called ``name`` (None when not configured)."""
+        return next((lane.target for lane in self.lanes if lane.name == name), None)
+
+    @property
+    def sent(self) -> int:
+        return sum(lane.stats.sent for lane in self.lanes)
+
+    @property
+    def failed(self) -> int:
+        return sum(lane.stats.failed for lane in self.lanes)
+
+    def health(self) -> dict[str, dict[str, Any]]:
+        """Per target: requests sent, failed, retried, and the last error with its time (``/readyz``)."""
+        return {lane.name: lane.stats.as_dict() for lane in self.lanes}
 
     def notify(self, n: Notification) -> None:
-        """Queue ``n``; never blocks and never raises."""
-        if n.event != "step":
+        """Queue ``n`` for every target that wants it; never blocks and never raises."""
+        if n.event in _ICONS and n.event != "step":
             log.info("%s", n.text().replace("\n", " | "))
-        if not self._wants_webhook(n.event) and self.pagerduty is None:
-            return
         if self.public_url and n.run_id and not n.link:
             n = replace(n, link=f"{self.public_url}/ui/runs/{quote(n.run_id, safe='')}")
-        self._ensure_thread()
-        try:
-            self._queue.put_nowait(n)
-        except queue.Full:
-            self.failed += 1
-            log.warning("notification queue full: dropped %s for %s", n.event, n.run_id or n.runbook)
-
-    def _requests(self, n: Notification) -> list[tuple[str, bytes, dict[str, str]]]:
-        out: list[tuple[str, bytes, dict[str, str]]] = []
-        if self._wants_webhook(n.event):
-            assert self.url is not None
-            body = json.dumps(n.payload(), separators=(",", ":")).encode("utf-8")
-            headers = {"Content-Type": "application/json"}
-            if self.secret:
-                headers[SIGNATURE_HEADER] = sign_webhook(body, self.secret, int(self._clock()))
-            out.append((self.url, body, headers))
-        if self.pagerduty is not None:
-            from engine.serve.pagerduty_events import events_for
-
-            pd = self.pagerduty
-            for ev in events_for(n, routing_key=pd.routing_key, source=pd.source, severity=pd.severity,
-                                 acknowledge_on_start=pd.acknowledge_on_start, dedup=pd.dedup_key):
-                out.append((pd.url, json.dumps(ev, separators=(",", ":")).encode("utf-8"),
-                            {"Content-Type": "application/json"}))
-        return out
-
-    def _ensure_thread(self) -> None:
-        with self._lock:
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._loop, name="runbook-notify", daemon=True)
-                self._thread.start()
-
-    def _loop(self) -> None:
-        with httpx.Client(timeout=self.timeout, transport=self._transport, follow_redirects=False) as client:
-            while True:
-                n = self._queue.get()
-                try:
-                    if n is None:
-                        return
-                    for url, body, headers in self._requests(n):
-                        self._post(client, n, url, body, headers)
-                except Exception as e:  # Why: a broken receiver must never break paging or runs
-                    self.failed += 1
-                    log.warning("notification %s could not be sent: %s", n.event if n else "?", e)
-                finally:
-                    self._queue.task_done()
-
-    def _post(self, client: httpx.Client, n: Notification, url: str, body: bytes, headers: dict[str, str]) -> None:
-        try:
-            resp = client.post(url, content=body, headers=headers)
-        except Exception as e:  # Why: one dead target must not keep the others from being told
-            self.failed += 1
-            log.warning("notification %s for %s could not be sent: %s", n.event, n.run_id or n.runbook, e)
-            return
-        if resp.status_code >= 300:
-            self.failed += 1
-            log.warning("notification %s for %s: HTTP %s", n.event, n.run_id or n.runbook, resp.status_code)
-        else:
-            self.sent += 1
+        for lane in self.lanes:
+            try:
+                wanted = lane.target.wants(n)
+            except Exception:  # Why: a broken target must never break paging or runs
+                log.exception("notification target %s", lane.name)
+                continue
+            if wanted:
+                lane.put(n)
 
     def flush(self, timeout: float = 5.0) -> bool:
         """Wait until queued notifications were attempted (tests, shutdown). True when drained."""
         done = threading.Event()
 
         def wait() -> None:
-            self._queue.join()
+            for lane in self.lanes:
+                lane.join()
             done.set()
 
         threading.Thread(target=wait, daemon=True).start()
         return done.wait(timeout)
 
     def close(self, timeout: float = 5.0) -> None:
-        with self._lock:
-            thread = self._thread
-        if thread is not None and thread.is_alive():
-            try:
-                self._queue.put(None, timeout=timeout)
-            except queue.Full:
-                return
-            thread.join(timeout)
+        for lane in self.lanes:
+            lane.stopping.set()  # Why all first: every lane stops waiting for a retry at once
+        for lane in self.lanes:
+            lane.close(timeout)
 
 
 def step_outcomes(events: Sequence[Mapping[str, Any]]) -> list[dict[str, str]]:

@@ -10,7 +10,9 @@ and appended to its log with its summary, ``custom_details`` and ``links``. So, 
   "note" with the run's state, the step or the evidence, and a link to the run: the incident stays
   open with the evidence attached;
 * ``finished`` (the run succeeded) -> a ``trigger`` note carrying the run's report, then ``resolve``
-  (``resolve`` events carry no payload PagerDuty keeps, hence the note first).
+  (``resolve`` events carry no payload PagerDuty keeps, hence the note first), unless the
+  notification says not to resolve (``Notification.resolve``: other nodes of the page's
+  Alertmanager group are not recovered yet; the note says which).
 
 ``dedup_key`` (at most 255 characters) is derived from the alert: with ``dedup_key: alertmanager-group``
 (the default) it is the SHA-256 hex of Alertmanager's ``groupKey``, which is exactly the key
@@ -82,6 +84,9 @@ def events_for(n: Notification, *, routing_key: str, source: str = "runbook", se
         "summary": _summary(b.text().replace("\n", " | ")), "source": (b.node or source)[:255],
         "severity": severity, "timestamp": datetime.now(UTC).isoformat(timespec="milliseconds"),
         "component": b.runbook[:255], "group": "runbook", "class": b.event, "custom_details": details}}
-    if n.event == "finished":
+    # Why only the group's key obeys ``resolve``: a key of one alert (or runbook's own) is this run's
+    # alone; the group's is shared by every node of the page (engine.serve.page_groups)
+    shared = dedup == "alertmanager-group" and bool(n.group_key) and not n.pagerduty_key
+    if n.event == "finished" and (n.resolve or not shared):
         return [note, {**base, "event_action": "resolve"}]
     return [note]

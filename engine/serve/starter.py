@@ -60,6 +60,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from engine.model import ParamValue, Trigger
+from engine.windows import Window
 
 Mode = Literal["auto", "approve"]
 Source = Literal["alertmanager", "pagerduty"]
@@ -89,6 +90,7 @@ class RunRequest:
     dedup_key: str = ""  # alert fingerprint or PagerDuty incident id, for the record
     requested_by: str = ""  # the sender identity that paged (recorded; it can never approve)
     require_diagnosis: bool = False  # execute checks the runbook's diagnosis on the node before planning
+    windows: tuple[Window, ...] = ()  # the trigger's maintenance windows (engine.run_windows)
 
 
 @dataclass(frozen=True)
@@ -104,7 +106,7 @@ class RunOutcome:
     """``execute``'s answer: ``waiting-approval`` (with the digest) or a final run state."""
 
     run_id: str
-    state: str  # waiting-approval | succeeded | failed | blocked | cancelled | interrupted
+    state: str  # waiting-approval | succeeded | failed | blocked | cancelled | interrupted | deferred
     plan_digest: str | None = None
     exit_code: int | None = None
     reason: str = ""  # one line: why it ended so (blocked precondition, failed step, lock holder)
@@ -135,8 +137,11 @@ class RunStarter(Protocol):
         """Plan and, unless it must wait for approval, run. Blocking; called in a worker thread."""
         ...
 
-    def approve(self, run_id: str, plan_digest: str, approved_by: str) -> Mapping[str, Any]:
-        """Record an approval of exactly ``plan_digest``; the run's summary. StalePlan / UsageError."""
+    def approve(self, run_id: str, plan_digest: str, approved_by: str, *,
+                roles: frozenset[str] = frozenset()) -> Mapping[str, Any]:
+        """Record an approval of exactly ``plan_digest`` under the approval policy; the run's summary
+        with ``approvals`` (count, required, satisfied, text) when a policy applies.
+        StalePlan / UsageError / ApprovalRefused."""
         ...
 
     def reject(self, run_id: str, reason: str, rejected_by: str) -> Mapping[str, Any]:

@@ -17,7 +17,8 @@ from contextlib import contextmanager
 from types import MappingProxyType
 from typing import Any
 
-from engine.errors import StalePlan, UsageError
+from engine.approval_policy import Approval, ApprovalConfig, judge, refusal, rule_for
+from engine.errors import ApprovalRefused, StalePlan, UsageError
 from engine.facts import Condition, NodeFacts
 from engine.model import Plan, Trigger, is_node_name
 from engine.serve.cluster import ClusterSnapshot, ClusterUnavailable, snapshot_from
@@ -92,8 +93,11 @@ class FakeRunStarter:
                  outcome: Callable[[Mapping[str, Any]], str] | None = None,
                  execute_delay: float = 0.0, submit_delay: float = 0.0, recover_ids: Iterable[str] = (),
                  preload: Iterable[Mapping[str, Any]] = (),
-                 plan: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None) -> None:
+                 plan: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None,
+                 approvals: ApprovalConfig | None = None) -> None:
         self.triggers = list(triggers)
+        self.approvals = approvals or ApprovalConfig()  # the approval policy, judged like the real starter
+        self._approvals: dict[str, list[Approval]] = {}
         self.plan = plan  # the plan (a Plan's JSON shape) a run waiting for approval shows; digest from it
         self.outcome = outcome or (lambda run: "succeeded")
         self.execute_delay = execute_delay
@@ -165,7 +169,8 @@ class FakeRunStarter:
             run["approval_required"] = True
             run.setdefault("escalations", []).append(reason)
 
-    def approve(self, run_id: str, plan_digest: str, approved_by: str) -> Mapping[str, Any]:
+    def approve(self, run_id: str, plan_digest: str, approved_by: str, *,
+                roles: frozenset[str] = frozenset()) -> Mapping[str, Any]:
         with self._cond:
             run = self._runs.get(run_id)
             if run is None:
@@ -175,7 +180,17 @@ class FakeRunStarter:
                                 f"{run['plan_digest']!r}")
             if run["state"] != "waiting-approval":
                 raise StalePlan(f"run {run_id} is {run['state']}, not waiting for approval")
-            run["approved_by"] = approved_by
+            rule = rule_for(self.approvals, run["runbook"], {})
+            earlier = self._approvals.setdefault(run_id, [])
+            new = Approval(approved_by, plan_digest, roles)
+            why = refusal(rule, new, requester=run.get("requested_by"), earlier=earlier)
+            if why is not None:
+                raise ApprovalRefused(f"run {run_id}: {why}")
+            earlier.append(new)
+            status = judge(rule, earlier, plan_digest, requester=run.get("requested_by"))
+            run["approvals"] = status.as_dict()
+            if status.satisfied:
+                run["approved_by"] = ", ".join(status.approvers)
             return dict(run)
 
     def reject(self, run_id: str, reason: str, rejected_by: str) -> Mapping[str, Any]:

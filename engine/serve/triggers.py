@@ -29,6 +29,7 @@ from engine.serve.config import PagerDutyMapping
 from engine.serve.matchers import Matcher, MatcherError, all_match, parse_all
 from engine.serve.pagerduty import Incident
 from engine.serve.starter import Mode, Source, TriggerSpec
+from engine.windows import Window
 
 _CONTEXT_NAMES = frozenset({"labels", "annotations", "alert", "incident"})
 _MAX_TITLE = 1024  # titles are matched against operator regexes: bound the input
@@ -48,6 +49,9 @@ class Candidate:
     group_key: str = ""  # Alertmanager's groupKey of the delivery (PagerDuty Events dedup_key)
     alert_started: float | None = None  # the alert's startsAt (epoch seconds), for metrics
     require_diagnosis: bool = False  # the run plans only if the runbook's diagnosis matches the node
+    windows: tuple[Window, ...] = ()  # the trigger's maintenance windows
+    incident_id: str = ""  # the PagerDuty incident that paged (its REST notes, acknowledge, resolve)
+    resolve_incident: bool = False  # the trigger resolves that incident when the run succeeded
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,7 @@ class _IncidentTrigger:
     node_param: str | None
     origin: str  # "runbook" | "config"
     require_diagnosis: bool = False
+    resolve_incident: bool = False
 
 
 @dataclass
@@ -145,13 +150,14 @@ class TriggerIndex:
                     continue
                 incident_triggers.append(_IncidentTrigger(
                     spec.runbook, t.pagerduty.service, pattern, {}, dict(t.params), t.mode,
-                    spec.node_param, "runbook", t.require_diagnosis))
+                    spec.node_param, "runbook", t.require_diagnosis, t.pagerduty.resolve_incident))
             if not names and not matchers and t.pagerduty is None:
                 problems.append(f"{where}: needs 'alert', 'matchers' or 'pagerduty' (it would match everything)")
         for j, m in enumerate(mappings):
             incident_triggers.append(_IncidentTrigger(
                 m.runbook, m.service, re.compile(m.title_pattern), dict(m.params), {}, m.mode,
-                self.node_params.get(m.runbook, "node"), f"config pagerduty.mappings[{j}]"))
+                self.node_params.get(m.runbook, "node"), f"config pagerduty.mappings[{j}]",
+                resolve_incident=m.resolve_incident))
         if problems:
             raise UsageError("invalid triggers:\n" + "\n".join(problems))
         self._alerts = tuple(alert_triggers)
@@ -159,6 +165,16 @@ class TriggerIndex:
 
     def __len__(self) -> int:
         return len(self._alerts) + len(self._incidents)
+
+    def node_labels(self) -> dict[str, str | None]:
+        """Per Alertmanager-triggered runbook, the label its node param is rendered from
+        (``{{ labels.node }}`` -> ``node``); None when it is not one label."""
+        out: dict[str, str | None] = {}
+        for t in self._alerts:
+            source = t.spec.trigger.params.get(t.spec.node_param or "node", "")
+            m = re.fullmatch(r"\{\{\s*labels\.([A-Za-z_][A-Za-z0-9_]*)\s*\}\}", source.strip())
+            out.setdefault(t.spec.runbook, m.group(1) if m else None)
+        return out
 
     def describe(self) -> list[dict[str, Any]]:
         """The index as JSON for ``GET /triggers``."""
@@ -169,7 +185,7 @@ class TriggerIndex:
             for t in self._alerts]
         out += [{"source": "pagerduty", "runbook": t.runbook, "service": t.service,
                  "title_pattern": t.pattern.pattern, "mode": t.mode, "from": t.origin,
-                 "require_diagnosis": t.require_diagnosis}
+                 "require_diagnosis": t.require_diagnosis, "resolve_incident": t.resolve_incident}
                 for t in self._incidents]
         return out
 
@@ -202,7 +218,8 @@ class TriggerIndex:
                 runbook=t.spec.runbook, params=params, node=_node_of(params, t.spec.node_param),
                 mode=t.spec.trigger.mode, source="alertmanager",
                 reason=f"alertmanager: {alert.describe()} fingerprint {alert.dedup_key}",
-                dedup_key=alert.dedup_key, require_diagnosis=t.spec.trigger.require_diagnosis))
+                dedup_key=alert.dedup_key, require_diagnosis=t.spec.trigger.require_diagnosis,
+                windows=t.spec.trigger.windows))
         return found
 
     def for_incident(self, incident: Incident) -> Matches:
@@ -233,5 +250,6 @@ class TriggerIndex:
                 source="pagerduty",
                 reason=f"pagerduty: incident {incident.id} {incident.title[:200]!r} "
                        f"(service {incident.service.summary or incident.service.id})",
-                dedup_key=f"pd-incident-{incident.id}", require_diagnosis=t.require_diagnosis))
+                dedup_key=f"pd-incident-{incident.id}", require_diagnosis=t.require_diagnosis,
+                incident_id=incident.id, resolve_incident=t.resolve_incident))
         return found

@@ -108,6 +108,11 @@ def test_kubectl_get_rr_shows_runbook_node_phase_and_age(crd: ControlPlane, kube
     lines = kubectl("get", "rr", run_id, "-n", NS).stdout.splitlines()
     assert lines[0].split() == ["NAME", "RUNBOOK", "NODE", "PHASE", "AGE"]
     assert lines[1].split()[:4] == [run_id, "gpu-node-recovery", "omen2", "WaitingApproval"]
+    child = store.create_run("node-reboot", {"node": "omen2"}, ["omen2"])
+    store.append(child, "escalation.of", run=run_id, runbook="gpu-node-recovery", remaining=[])
+    wide = kubectl("get", "rr", child, "-n", NS, "-o", "wide").stdout.splitlines()
+    assert wide[0].split() == ["NAME", "RUNBOOK", "NODE", "PHASE", "AGE", "PARENT"]
+    assert wide[1].split()[-1] == run_id  # escalated from it (issue 29)
 
 
 def test_retention_deletes_only_finished_runs_past_the_count_or_age(crd: ControlPlane) -> None:

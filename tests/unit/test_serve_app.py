@@ -12,6 +12,7 @@ from starlette.testclient import TestClient
 
 from engine.serve.app import create_app
 from engine.serve.config import load_config
+from engine.serve.delivery import RetryPolicy
 from engine.serve.notify import Notifier
 from engine.serve.testing import (
     APPROVE,
@@ -244,7 +245,8 @@ def test_notification_failures_are_logged_not_raised(caplog: pytest.LogCaptureFi
     config = load_config(None, env={"RUNBOOK_WEBHOOK_TOKEN": TOKEN},
                          overrides={"auth": {"allowed_hosts": ["testserver"]}})
     starter = FakeRunStarter([trigger_spec(mode="auto")])
-    notifier = Notifier("http://127.0.0.1:9/x", transport=httpx.MockTransport(broken))
+    notifier = Notifier("http://127.0.0.1:9/x", transport=httpx.MockTransport(broken),
+                        retry=RetryPolicy(attempts=2, backoff=0.01))  # retried once, then given up
     app = create_app(config, starter, cluster=StaticClusterView(NODES), notifier=notifier, sweep_interval=0)
     with TestClient(app) as client:
         r = client.post("/hooks/alertmanager", json=webhook(alert("omen2")), headers=AUTH)

@@ -8,6 +8,7 @@ import time
 
 import httpx
 
+from engine.serve.delivery import RetryPolicy
 from engine.serve.notify import Notification, Notifier
 from engine.serve.worker import WorkerPool
 
@@ -85,7 +86,9 @@ def test_a_slow_or_failing_receiver_never_blocks_the_caller() -> None:
         release.wait(15)  # a receiver that hangs far longer than the caller may wait
         return httpx.Response(500)
 
-    n = Notifier("http://127.0.0.1:9/hook", transport=httpx.MockTransport(slow), max_queue=2)
+    # one attempt per request: retries are test_serve_delivery.py's subject
+    n = Notifier("http://127.0.0.1:9/hook", transport=httpx.MockTransport(slow), max_queue=2,
+                 retry=RetryPolicy(attempts=1))
     n.notify(Notification("failed", "rb", run_id="r-0"))
     assert entered.wait(5)  # the sender is now stuck in the receiver
     started = time.monotonic()

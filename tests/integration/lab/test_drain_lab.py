@@ -179,3 +179,45 @@ def test_a_drain_respects_the_budget_one_eviction_at_a_time_and_leaves_daemonset
     assert not any(n.startswith("drain-web") for n in pods_on(core, NODE))
     web = core.list_namespaced_pod(NS, label_selector="app=drain-web").items
     assert len(web) == 2 and all(p.spec.node_name != NODE for p in web)
+
+
+@pytest.mark.timeout(600)
+def test_delete_after_deletes_the_one_pod_its_budget_holds_and_names_it(
+        api: tuple[ControlPlane, Any, Any, Any], sh: Any, tmp_path: Path) -> None:
+    """A budget that allows no disruption (minAvailable 1 of its one pod): the eviction is refused
+    (429) until ``delete_after``, then the pod is deleted, named in the evidence; the audit log shows
+    the refusals, then the deletion."""
+    plane, core, _apps, objects = api
+    core.create_namespaced_pod(NS, {"metadata": {"name": "held-web", "labels": {"app": "held", "drain-test": "yes"}},
+                                    "spec": {"nodeName": NODE, "containers": CONTAINERS}})
+    objects.create_namespaced_custom_object("policy", "v1beta1", NS, "poddisruptionbudgets", {
+        "apiVersion": "policy/v1beta1", "kind": "PodDisruptionBudget", "metadata": {"name": "held"},
+        "spec": {"minAvailable": 1, "selector": {"matchLabels": {"app": "held"}}}})
+    try:
+        wait_for(lambda: running(core.read_namespaced_pod("held-web", NS)), 60, "the held pod running")
+
+        def holds() -> bool:
+            status = objects.get_namespaced_custom_object("policy", "v1beta1", NS, "poddisruptionbudgets",
+                                                          "held").get("status") or {}
+            return status.get("currentHealthy") == 1 and status.get("disruptionsAllowed") == 0
+
+        wait_for(holds, 60, "the budget to hold the pod")
+        (tmp_path / "runbooks").mkdir()
+        (tmp_path / "runbooks" / "drain-node.yaml").write_text(RUNBOOK.replace(
+            "timeout: 300s}", "force: true, timeout: 120s, delete_after: 4s}"))
+        mark = plane.audit_mark()
+        done = runbook(sh, f"run drain-node --node {NODE} --yes -o json", tmp_path)
+        assert done.returncode == 0, done.stdout + done.stderr
+        evidence = json.loads(done.stdout)["outcomes"][0]["evidence"]["action"]
+        (deleted,) = evidence["deleted_after_budget"]
+        assert deleted["pod"] == f"{NS}/held-web" and deleted["refused"] >= 1
+        assert "(delete_after): deleted" in deleted["reason"] and deleted["after"] >= 4
+        events = plane.audit_events(since=mark)
+        refusals = [e for e in events if e.get("objectRef", {}).get("subresource") == "eviction"
+                    and e["responseStatus"]["code"] == 429 and "dryRun" not in e.get("requestURI", "")]
+        deletes = [e for e in events if e.get("verb") == "delete" and e.get("objectRef", {}).get("name") == "held-web"
+                   and not e["objectRef"].get("subresource")]
+        assert refusals and deletes and refusals[0]["stageTimestamp"] < deletes[0]["stageTimestamp"]
+        wait_for(lambda: "held-web" not in pods_on(core, NODE), 60, "the held pod to be gone")
+    finally:
+        objects.delete_namespaced_custom_object("policy", "v1beta1", NS, "poddisruptionbudgets", "held")

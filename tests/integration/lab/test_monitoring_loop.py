@@ -4,8 +4,10 @@ upstream kubernetes-mixin rules -> Alertmanager -> ``runbook serve`` (bearer tok
 One module, one monitoring set-up on the session's lab (reset to the incident first): Prometheus and
 Alertmanager are added to the running lab (``Lab.start_monitoring``, what ``runbook lab up
 --with-monitoring`` does on a running lab) with deploy/monitoring's rules loaded too; one ``runbook
-serve`` (approve mode, the runbook's own) with a notification receiver on 127.0.0.1; Alertmanager
-routed to it. From the incident, every NotReady node pages: omen2 (swap) is approved and recovered;
+serve`` (approve mode, the runbook's own) with a notification receiver and a Slack-shaped fake
+(``oncall_fakes``: the Web API the interactive approval message goes to) on 127.0.0.1; Alertmanager
+routed to it. From the incident, every NotReady node pages: omen2 (swap) is approved by a signed
+click on its Slack message (as alice, mapped from her Slack user id) and recovered, the message updated;
 gpu-3090-2 (containerd down) is refused by the preconditions with one notification however often
 Alertmanager re-sends. The lab's compressed clock (docs/lab.md) keeps it to a few minutes.
 """
@@ -25,6 +27,7 @@ from typing import Any
 import httpx
 import pytest
 from lab_helpers import wait_for
+from oncall_fakes import SLACK_BOT_TOKEN, SLACK_CHANNEL, SLACK_SIGNING_SECRET, OnCallFakes, click
 from serve_helpers import TOKEN, Server, alertmanager_binary, node_json, ready_status, serving
 
 from engine.lab.monitoring import Monitoring, binary
@@ -39,6 +42,7 @@ RUNBOOK = "gpu-node-recovery"
 ALERT_TIMEOUT = 120
 PLAN_TIMEOUT = 240
 RUN_TIMEOUT = 360
+SLACK_ALICE = "U0ALICE01"  # alice's Slack user id (notify.slack.users)
 
 
 class Receiver:
@@ -76,6 +80,7 @@ class Loop:
     monitoring: Monitoring
     server: Server
     receiver: Receiver
+    slack: OnCallFakes
 
 
 @pytest.fixture(scope="module")
@@ -87,17 +92,23 @@ def loop(lab: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Loop]:
     lab.dirty = True  # omen2 gets recovered
     workdir = tmp_path_factory.mktemp("monitoring-loop")
     receiver = Receiver()
+    slack = OnCallFakes()
+    env = {**lab.env(), "RUNBOOK_SLACK_BOT_TOKEN": SLACK_BOT_TOKEN,
+           "RUNBOOK_SLACK_SIGNING_SECRET": SLACK_SIGNING_SECRET}
+    notify = {"url": receiver.url, "slack": {"channel": SLACK_CHANNEL, "api_url": slack.url + "/api",
+                                             "users": {SLACK_ALICE: "alice"}}}
     try:
-        with serving(lab.env(), workdir, {"notify": {"url": receiver.url}}, token=TOKEN) as server:
+        with serving(env, workdir, {"notify": notify}, token=TOKEN) as server:
             lab.lab.start_monitoring(alert_webhook=f"{server.url}/hooks/alertmanager", webhook_token=TOKEN,
                                      extra_rules=[RUNBOOK_RULES])
             try:
                 lab.lab.scrape_serve("lab", f"127.0.0.1:{server.port}")
-                yield Loop(lab, lab.lab.monitoring(), server, receiver)
+                yield Loop(lab, lab.lab.monitoring(), server, receiver, slack)
             finally:
                 lab.lab.stop_monitoring()
     finally:
         receiver.close()
+        slack.close()
 
 
 def firing(loop: Loop, node: str, alertname: str = "KubeNodeNotReady") -> dict[str, Any] | None:
@@ -168,10 +179,17 @@ def test_an_alert_from_prometheus_pages_the_server_the_approved_run_recovers_ome
     wait_for(lambda: loop.monitoring.query(
         'sum(runbook_serve_alert_to_run_start_seconds_count{job="runbook-serve"}) > 0'), 60,
         "runbook_serve_alert_to_run_start_seconds scraped from the server")
-    approved = loop.server.approve(run["id"], waiting["plan_digest"], by="alice")
-    assert approved.status_code == 202, approved.text
+    # the on-call engineer approves from Slack: the interactive message shows the plan's digest, and a
+    # click signed as Slack signs it approves as the approver her Slack user id is mapped to
+    message = wait_for(lambda: loop.slack.approval_message(run["id"]), 60, "the approval message in Slack")
+    assert waiting["plan_digest"] in message.shown()
+    answer = httpx.post(f"{loop.server.url}/hooks/slack", content=(signed := click(message, user=SLACK_ALICE))[0],
+                        headers=signed[1], timeout=30)
+    assert (answer.status_code, answer.json()["status"]) == (200, "approved"), answer.text
     done = loop.server.wait_state(run["id"], ("succeeded",), RUN_TIMEOUT)
     assert (done["approved_by"], done["exit_code"]) == ("alice", 0)
+    wait_for(lambda: "Approved by alice" in message.shown(), 30, "the Slack message updated with the decision")
+    assert not message.buttons()
     node = node_json(sh, "omen2")
     assert ready_status(node) == "True" and node["status"]["allocatable"].get("nvidia.com/gpu") == "1"
 

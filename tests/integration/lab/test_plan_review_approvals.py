@@ -53,7 +53,14 @@ def test_a_run_waits_for_an_approval_of_its_plan_digest_from_another_process(
         assert unknown.returncode == 2 and "unknown run id" in unknown.stderr, unknown.stderr
         assert proc.poll() is None and waiting_run(sh, journal) is not None  # still waiting
 
-        ok = runbook(sh, f"approve {run_id} --plan-digest {digest} --by reviewer", journal=journal)
+        # With the SQLite store the approver is the OS user; --by may name only the configured identity.
+        policy = tmp_path / "approvals.yaml"
+        policy.write_text("approvals:\n  cli_identity: reviewer\n")
+        typed = runbook(sh, f"approve {run_id} --plan-digest {digest} --by mallory --guards-config {policy}",
+                        journal=journal)
+        assert typed.returncode == 2 and "--by mallory" in typed.stderr, typed.stderr
+        ok = runbook(sh, f"approve {run_id} --plan-digest {digest} --by reviewer --guards-config {policy}",
+                     journal=journal)
         assert ok.returncode == 0, ok.stderr
         assert proc.wait(timeout=240) == 0, (tmp_path / "run.log").read_text()
     finally:
