@@ -314,3 +314,19 @@ def test_a_run_the_server_made_wait_for_approval_is_sealed_so_and_removing_that_
     with sqlite3.connect(tmp_path / "j.sqlite") as db:  # someone deletes the record of it
         db.execute("DELETE FROM events WHERE run_id=? AND kind='approval.required'", (run_id,))
     assert "approval_required" in str(starter.service.integrity.problem(run_id))
+
+
+def test_an_approval_recorded_event_forged_into_the_store_does_not_count_toward_a_two_approver_policy(
+        lab: Lab) -> None:
+    from engine.approval_policy import load_approval_config
+
+    cfg = lab.path.parent / "guards.yaml"
+    cfg.write_text("approvals:\n  policies:\n    - {min_approvers: 2}\n")
+    lab.service.settings._cache["approvals"] = load_approval_config(cfg)
+    prepared, plan = lab.plan("omen2")
+    run_id = lab.service.create(prepared, plan, approval_required=True, source="alertmanager")
+    lab.service.park(run_id, plan, "approve-mode run")
+    lab.service.journal.append(run_id, "approval.recorded", by="bob", plan_digest=plan.digest, roles=[])
+    with pytest.raises(IntegrityError, match="approvals changed"):
+        lab.service.approve(run_id, plan.digest, "alice")
+    assert lab.service.journal.get_run(run_id).approved_digest is None
