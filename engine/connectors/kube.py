@@ -166,7 +166,8 @@ def token_review_from_dict(obj: Mapping[str, Any]) -> TokenReviewResult:
     return TokenReviewResult(authenticated=bool(status.get("authenticated")),
                              username=str(user.get("username") or ""), uid=str(user.get("uid") or ""),
                              groups=tuple(str(g) for g in user.get("groups") or ()),
-                             extra=MappingProxyType(extra), error=str(status.get("error") or ""))
+                             extra=MappingProxyType(extra), error=str(status.get("error") or ""),
+                             audiences=tuple(str(a) for a in status.get("audiences") or ()))
 
 
 def _status_message(body: str | bytes | None) -> str:

@@ -904,10 +904,13 @@ class Dispatcher:
         self._known_breaker_keys = set(current)
 
     def status(self) -> dict[str, Any]:
+        """``/healthz`` (open, any ``Host``): that the server lives, and counts. Never a node name, a
+        run id, the breaker's state or a replica's identity: those are for readers (``/breaker``,
+        ``/runs``, ``/readyz``)."""
         with self._lock:
             owned = len(self._runs)
         return {"triggers": len(self.index), "runs_tracked": owned, "workers": self.worker.stats(),
-                "breaker": self.guards.state(), "leadership": self.leadership.describe()}
+                "role": str(self.leadership.describe().get("role", ""))}
 
 
 def summarize(decisions: Sequence[Decision]) -> tuple[int, str]:
