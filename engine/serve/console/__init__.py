@@ -208,7 +208,8 @@ def node_of(run: Mapping[str, Any]) -> str:
 
 def trigger_text(run: Mapping[str, Any]) -> str:
     source = str(run.get("source") or "")
-    label = {"cli": "CLI", "alertmanager": "Alertmanager", "pagerduty": "PagerDuty"}.get(source, source)
+    label = {"cli": "CLI", "alertmanager": "Alertmanager", "pagerduty": "PagerDuty", "node-condition": "Node condition",
+             "remediation": "RunbookRemediation"}.get(source, source)
     # paged runs' reasons read "alertmanager: KubeNodeNotReady{node=...} ..." (engine.serve.triggers)
     reason = str(run.get("reason") or "")
     alert = ""
