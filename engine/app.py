@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from engine.params import PreparedRun
     from engine.runs import FleetResult, RunService
     from engine.settings import Settings
+    from engine.store import RunStore
 
 
 # -- catalogue ----------------------------------------------------------------------------------
@@ -312,6 +313,14 @@ def approve(settings: Settings, run_id: str, digest: str, approved_by: str | Non
             raise UsageError(f"--by {approved_by}: the approver recorded is you ({who}); --by may only name "
                              "approvals.cli_identity of the guards configuration")
         who = approved_by or who
+    if settings.store == "kubernetes":
+        from engine.integrity import IntegrityError, RunIntegrity
+
+        journal = settings.open_journal()
+        try:
+            RunIntegrity(journal).keys()
+        except IntegrityError:  # an approver holds no run key: a request the server verifies instead
+            return _request_store_approval(settings, journal, run_id, digest, who)
     from engine import lifecycle
 
     summary = lifecycle.approve(_service(settings, live=False), run_id, digest, who, roles=roles)
@@ -335,6 +344,33 @@ def os_groups() -> frozenset[str]:
         except KeyError:
             continue
     return frozenset(names)
+
+
+def _request_store_approval(settings: Settings, journal: RunStore, run_id: str, digest: str, who: str) -> int:
+    """``runbook approve --store kubernetes`` by an approver: a CertificateSigningRequest whose author
+    the API server records (engine.store_approvals); the server's leader verifies it with a
+    SubjectAccessReview and records the approval."""
+    from engine import store_approvals
+    from engine.cluster_auth import ApprovalForbidden
+    from engine.errors import Forbidden
+
+    rec = journal.get_run(run_id)
+    if rec.plan_digest != digest:
+        raise StalePlan(f"run {run_id}: approval names plan {digest!r}, but the run's plan is {rec.plan_digest!r}; "
+                        "re-read the plan and approve that digest")
+    if rec.state != "waiting-approval":
+        raise StalePlan(f"run {run_id} is {rec.state}, not waiting for approval")
+    body = store_approvals.request_body(settings.store_namespace, run_id, digest)
+    try:
+        settings.objects().create_object(store_approvals.API_VERSION, store_approvals.PLURAL, "", body)
+    except Forbidden as e:
+        raise ApprovalForbidden(f"forbidden: you may not request an approval of run {run_id}: it needs verb "
+                                '"create" on "certificatesigningrequests" (apiGroup certificates.k8s.io); bind '
+                                "the ClusterRole runbook-approver-requests (deploy/kubernetes/approver-rbac.yaml)"
+                                ) from e
+    print(f"run {run_id}: approval of plan {digest} by {who} requested (CertificateSigningRequest "
+          f"{body['metadata']['name']}); the server records it at its next sweep")
+    return ExitCode.OK
 
 
 def resume(settings: Settings, run_id: str, *, yes: bool, output: str,

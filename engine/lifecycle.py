@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from engine.errors import ExitCode, StalePlan, UsageError
+from engine.integrity import ESCALATED_EVENT
 from engine.model import Plan, PlanState, RunResult, RunState
 from engine.params import prepare_run
 
@@ -104,6 +105,12 @@ giving the event that cancels it. ``taken_over``: the run was claimed from a sil
     rec = service.journal.get_run(run_id)
     if rec.state.is_final:
         return Continued(run_id, rec.state, rec.exit_code, "already finished", rec.plan_digest)
+    # Why first: a run the server did not create, or whose sealed fields changed (engine.integrity),
+    # is never planned, resumed, taken over or executed; it is marked blocked and nothing else happens.
+    unverified = service.refuse_unverified(run_id)
+    if unverified is not None:
+        return Continued(run_id, RunState.BLOCKED, ExitCode.BLOCKED, unverified, rec.plan_digest)
+    approval_required = requires_approval(service, rec)
     interrupted = rec.state.is_resumable or taken_over  # read before a claim makes it look alive again
     if automatic:
         # Why: a run parked for approval has no owner; whoever executes it owns it from now on, so
@@ -127,7 +134,7 @@ giving the event that cancels it. ``taken_over``: the run was claimed from a sil
         loaded = runbooks[rec.runbook] if runbooks is not None and rec.runbook in runbooks else \
             service.load(rec.runbook)
         prepared = prepare_run(loaded, dict(rec.params))
-        plan = service.plan(prepared, preview=rec.approval_required if automatic else True)
+        plan = service.plan(prepared, preview=approval_required if automatic else True)
         service.record_plan(run_id, plan)
         if on_planned is not None:
             on_planned(plan)
@@ -140,7 +147,7 @@ giving the event that cancels it. ``taken_over``: the run was claimed from a sil
         service.record_blocked(run_id, reason)
         return Continued(run_id, RunState.BLOCKED, ExitCode.BLOCKED, reason, plan.digest)
     approved = rec.approved_digest == plan.digest
-    if automatic and rec.approval_required and not approved:
+    if automatic and approval_required and not approved:
         service.park(run_id, plan, "approve-mode run: POST /runs/{id}/approve with this plan_digest")
         return Continued(run_id, RunState.WAITING_APPROVAL, None, "waiting for approval", plan.digest)
     if not automatic and rec.state is RunState.WAITING_APPROVAL and not approved:
@@ -162,6 +169,12 @@ giving the event that cancels it. ``taken_over``: the run was claimed from a sil
     return Continued(run_id, result.state, result.exit_code, result.reason, plan.digest, result, executed=True)
 
 
+def requires_approval(service: RunService, rec: RunRecord) -> bool:
+    """The run waits for a person's approval: created so, or escalated to it since (a recovered
+    automatic run the server's rules no longer let run alone: ``integrity.ESCALATED_EVENT``, sealed)."""
+    return rec.approval_required or any(e.kind == ESCALATED_EVENT for e in service.journal.events(rec.id))
+
+
 def _cancel_reason(service: RunService, run_id: str) -> str:
     """Why the run was asked to stop: the newest ``run.cancel_requested`` event's reason."""
     asked = [e for e in service.journal.events(run_id) if e.kind == "run.cancel_requested"]
@@ -172,7 +185,7 @@ def take_over(service: RunService, rec: RunRecord, reason: str) -> bool:
     """Claim a run whose executor (another replica) went silent, and record that this process
     continues it (``run.taken_over``: why, and the previous owner). False, changing nothing, when
     another live process holds it. The caller then continues it (``continue_run(taken_over=True)``)."""
-    if not service.journal.claim(rec.id):
+    if service.refuse_unverified(rec.id) is not None or not service.journal.claim(rec.id):
         return False
     service.journal.append(rec.id, "run.taken_over", reason=reason,
                            previous_owner=f"{rec.owner_host}/{rec.owner_pid}")

@@ -15,6 +15,7 @@ executor counts as silent, and the shared dedup run ids.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import socket
 import threading
@@ -24,13 +25,16 @@ from typing import TYPE_CHECKING, Any
 
 from engine import lifecycle
 from engine.errors import RunbookError, UsageError
+from engine.integrity import ESCALATED_EVENT
 from engine.loader import list_runbooks
-from engine.locks import DEFAULT_NAMESPACE, LeaseObservation, holder_for, lease_name
+from engine.locks import LeaseObservation, holder_for, lease_name
 from engine.model import Runbook, RunState
 from engine.params import prepare_run
 from engine.runs import RunService
 from engine.serve.starter import WEBHOOK_SOURCES, AlreadyStarted, RunOutcome, RunRequest, RunTicket, TriggerSpec
 from engine.store import ACTIVE_STATES, RunStore
+
+log = logging.getLogger("runbook.serve")
 
 if TYPE_CHECKING:
     from engine.connectors.base import KubeAPI
@@ -53,7 +57,7 @@ class JournalRunStarter:
         self._shared_window = shared_dedup_window
         self._clock = clock
         self._kube = kube or settings.kube
-        self._lock_namespace = settings.namespace or DEFAULT_NAMESPACE
+        self._lock_namespace = settings.lease_namespace
         self._monotonic = monotonic
         self._watching: dict[str, LeaseObservation] = {}  # running runs of other replicas: their node Lease
         self._taken_over: set[str] = set()
@@ -65,6 +69,7 @@ class JournalRunStarter:
         self._cancels: dict[str, threading.Event] = {}  # runs executing here: their cancel (``cancel``)
         self._guard = threading.Lock()
         self.service.preload()  # at server start, not in the first run's worker (docs/performance.md, P8)
+        self.service.integrity.keys()  # the run key: read, or created at first start (engine.integrity)
 
     @property
     def journal(self) -> RunStore:
@@ -167,8 +172,8 @@ class JournalRunStarter:
 
         def window_gate(rec: RunRecord) -> lifecycle.Continued | None:
             """Maintenance windows (engine.run_windows): deferred or refused before anything else."""
-            outside = self._outside_window(run_id, self._runbooks[rec.runbook].runbook,
-                                           rec.approval_required and rec.approved_digest is None)
+            awaiting = lifecycle.requires_approval(self.service, rec) and rec.approved_digest is None
+            outside = self._outside_window(run_id, self._runbooks[rec.runbook].runbook, awaiting)
             if outside is None:
                 return None
             window.append(outside)
@@ -186,6 +191,18 @@ class JournalRunStarter:
         if not self._requires_diagnosis(rec.id):
             return None
         return self._diagnose(rec.id, self._runbooks[rec.runbook], dict(rec.params))
+
+    def require_approval(self, run_id: str, reason: str) -> None:
+        """A recovered or taken-over automatic run that the server's rules would not let run
+        automatically now (``force_mode``, ``mode_overrides``, the breaker): from now on it waits for
+        a person, as a new run would (an ``approval.required`` event, sealed with the run)."""
+        if self.service.refuse_unverified(run_id) is not None or self._escalated(run_id):
+            return
+        self.journal.append(run_id, ESCALATED_EVENT, reason=reason)
+        self.service.integrity.seal(run_id, approval_required=True)
+
+    def _escalated(self, run_id: str) -> bool:
+        return lifecycle.requires_approval(self.service, self.journal.get_run(run_id))
 
     def _outside_window(self, run_id: str, runbook: Runbook, awaiting_approval: bool) -> RunOutcome | None:
         """An automatic run outside its maintenance windows (engine.run_windows): deferred (stays
@@ -243,7 +260,9 @@ class JournalRunStarter:
         events = self.journal.events(run_id)
         notes = [e.data for e in events if e.kind == "run.note"]
         requested = [e.data.get("by") for e in events if e.kind == "run.requested"]
-        return {**rec.summary(), "plan": rec.plan, "warnings": notes[0].get("warnings", []) if notes else [],
+        escalated = any(e.kind == ESCALATED_EVENT for e in events)
+        return {**rec.summary(), "approval_required": rec.approval_required or escalated, "plan": rec.plan,
+                "warnings": notes[0].get("warnings", []) if notes else [],
                 "reason": notes[0].get("reason", "") if notes else "",
                 "dedup_key": notes[0].get("dedup_key", "") if notes else "",
                 "requested_by": requested[0] if requested else None,
@@ -285,6 +304,7 @@ class JournalRunStarter:
         re-announced; runs another live process owns are left to it."""
         out = []
         running = set()
+        self._ingest_store_approvals()
         for rec in self.journal.list_runs(limit=1000, states=(*ACTIVE_STATES, RunState.INTERRUPTED)):
             if rec.source not in WEBHOOK_SOURCES:
                 continue  # a CLI run: its operator resumes it
@@ -307,11 +327,73 @@ class JournalRunStarter:
                 # Queued at another replica whose death the store cannot see (another machine): its
                 # worker executes it; taking it here could make two executors.
                 continue
-            if (rec.state in (RunState.PENDING, RunState.INTERRUPTED) or approved) and self.journal.claim(rec.id):
+            if (rec.state in (RunState.PENDING, RunState.INTERRUPTED) or approved) and \
+                    self.service.refuse_unverified(rec.id) is None and self.journal.claim(rec.id):
                 out.append(rec.id)
         for gone in set(self._watching) - running:
             del self._watching[gone]
         return list(reversed(out))
+
+    def _ingest_store_approvals(self) -> None:
+        """Approvals made with ``runbook approve --store kubernetes`` (engine.store_approvals): each
+        request whose author, as the API server recorded it, RBAC lets approve runs in the store
+        namespace and who did not request the run, approves exactly the plan digest it names of a
+        run waiting for it; recorded sealed, as an approval through the HTTP API."""
+        from engine import store_approvals
+        from engine.kube_store import KubeRunStore
+
+        store = self.journal
+        if not isinstance(store, KubeRunStore):
+            return
+        try:
+            items = store.api.list_objects(store_approvals.API_VERSION, store_approvals.PLURAL,
+                                           label_selector=f"{store_approvals.LABEL}=true")
+        except Exception as e:  # Why: not served or not allowed: approvals through HTTP still work
+            log.debug("store approvals not read: %s", e)
+            return
+        for item in items:
+            found = store_approvals.parse(item)
+            if found is None or found.namespace != store.namespace:
+                continue
+            try:
+                rec = store.get_run(found.run_id)
+            except RunbookError:
+                continue
+            if rec.state != RunState.WAITING_APPROVAL.value or rec.plan_digest != found.digest or \
+                    rec.approved_digest == found.digest:
+                continue
+            why = self._store_approval_refused(found, rec.id)
+            if why is not None:
+                self.journal.append(rec.id, "approval.refused", by=found.username, request=found.name, reason=why)
+                continue
+            try:
+                self.service.approve(rec.id, found.digest, found.username)
+            except RunbookError as e:
+                log.warning("run %s: approval %s not recorded: %s", rec.id, found.name, e)
+                continue
+            self.journal.append(rec.id, "approval.request", by=found.username, request=found.name)
+
+    def _store_approval_refused(self, found: Any, run_id: str) -> str | None:
+        """Why the author of a store approval may not approve this run (None: they may)."""
+        from engine.cluster_auth import GROUP, RESOURCE, VERB
+
+        requested = [e.data.get("by") for e in self.journal.events(run_id) if e.kind == "run.requested"]
+        if requested and requested[0] == found.username:
+            return f"{found.username} requested this run and may not approve it"
+        reviews: Any = self._kube()
+        try:
+            answer = reviews.review_access(user=found.username, groups=found.groups, uid=found.uid,
+                                           extra=found.extra, verb=VERB, resource=RESOURCE, group=GROUP,
+                                           namespace=self.journal_namespace())
+        except Exception as e:  # Why: RBAC could not be asked: no approval (fail closed)
+            return f"the API server could not be asked whether {found.username} may approve: {e}"
+        if not answer.allowed:
+            return (f"{found.username} may not approve: RBAC allows no verb approve on remediationruns in "
+                    f"namespace {self.journal_namespace()} ({answer.reason or 'no rule'})")
+        return None
+
+    def journal_namespace(self) -> str:
+        return str(getattr(self.journal, "namespace", ""))
 
     def _silent_executor(self, rec: RunRecord) -> bool:
         """A ``running`` run of another replica whose executor is gone: its node Lease (held by

@@ -869,6 +869,12 @@ class FakeRunStarter:
         return RunOutcome(run_id, state, run["plan_digest"], run["exit_code"],
                           reason=f"fake run {state}")
 
+    def require_approval(self, run_id: str, reason: str) -> None:
+        with self._cond:
+            run = self._runs[run_id]
+            run["approval_required"] = True
+            run.setdefault("escalations", []).append(reason)
+
     def approve(self, run_id: str, plan_digest: str, approved_by: str, *,
                 roles: frozenset[str] = frozenset()) -> Mapping[str, Any]:
         with self._cond:

@@ -244,6 +244,8 @@ class Dispatcher:
                 if isinstance(key, str) and key:
                     self.guards.remember(f"{s.get('runbook')}|{key}", started, run_id)
         for run_id in queue_ids:
+            if self._readmit(run_id) is None:
+                continue
             if not self.worker.submit(functools.partial(self._execute, run_id), reserved=False):
                 log.warning("worker pool full at start: run %s stays pending until the next start", run_id)
         if sweep_interval > 0:
@@ -299,8 +301,11 @@ class Dispatcher:
                 continue
             if _final(s.get("state")):
                 continue  # finished meanwhile (by whoever executed it)
+            readmitted = self._readmit(run_id, s)
+            if readmitted is None:
+                continue
             node = node_of(s)
-            mode: Mode = "approve" if s.get("approval_required") else "auto"
+            mode: Mode = readmitted
             with self._lock:
                 self._runs[run_id] = _RunMeta(str(s.get("runbook")), node, mode, state=str(s.get("state")),
                                               approved=bool(s.get("approved_by")),
@@ -321,6 +326,48 @@ class Dispatcher:
         if pruned:
             log.info("retention: pruned %d finished runs", len(pruned))
         return {"leader": True, "resumed": queued, "pruned": list(pruned)}
+
+    def _readmit(self, run_id: str, s: Mapping[str, Any] | None = None) -> Mode | None:
+        """A run the leader resumes or takes over passes the rules a new run passes (issue 25 item 4):
+        its page stays a duplicate for the dedup window here too; an automatic run that
+        ``force_mode``/``mode_overrides`` or the breaker (the shared one too) would not let run
+        automatically now waits for a person instead (``RunStarter.require_approval``), within
+        ``max_pending_approvals``. The run's mode from now on, or None: not now (it stays
+        claimed and is looked at again at the next sweep). Guards and the GPU budget are
+        evaluated again by the run service before its Lease, as for any run."""
+        try:
+            s = s if s is not None else self.starter.run(run_id)
+        except RunbookError:
+            return None
+        runbook, node = str(s.get("runbook")), node_of(s)
+        key = s.get("dedup_key")
+        if isinstance(key, str) and key:
+            self.guards.remember(f"{runbook}|{key}", _epoch(s.get("started")) or self._clock(), run_id)
+        if s.get("approval_required") or s.get("approved_by"):
+            return "approve"
+        reasons: list[str] = []
+        if self.config.mode_for(runbook, "auto") == "approve":
+            reasons.append("the configuration (force_mode / mode_overrides) makes this runbook approve-mode")
+        else:
+            try:
+                snapshot = self.cluster.snapshot()
+                reasons += self.guards.check_auto(runbook, node, snapshot, self.shared_breaker(runbook, node))
+            except Exception as e:  # Why: the breaker fails closed, as for a new run
+                reasons.append(f"breaker: cannot be evaluated ({type(e).__name__}: {str(e)[:200]})")
+        if not reasons:
+            return "auto"
+        why = self.guards.reserve_approval()
+        if why is not None:
+            log.warning("run %s not resumed now: it needs an approval and %s", run_id, why)
+            return None
+        try:
+            self.starter.require_approval(run_id, "; ".join(reasons))
+        except Exception:
+            self.guards.bind_approval(None)
+            raise
+        self.guards.bind_approval(run_id)
+        self.metrics.runs_blocked.labels(runbook=runbook, reason="breaker").inc()
+        return "approve"
 
     def readiness(self) -> dict[str, Any]:
         """``/readyz``: the store answers (one read), and this replica's role (leader or follower)."""

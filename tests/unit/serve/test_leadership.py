@@ -79,6 +79,15 @@ def test_replicas_sharing_a_store_start_one_run_for_one_page_and_a_new_one_after
     assert [r["id"] for r in a.runs()] == [other, second, first]
 
 
+def _sealed_run(starter: Any, node: str) -> str:
+    """A running paged run as the engine records it (sealed: engine.integrity)."""
+    from engine.params import prepare_run
+
+    prepared = prepare_run(starter._runbooks["gpu-node-recovery"], {"node": node})
+    run_id: str = starter.service.create(prepared, None, source="alertmanager", state="running")
+    return run_id
+
+
 def test_the_running_run_of_a_replica_on_another_machine_is_taken_over_only_after_its_node_lease_went_silent(
         tmp_path: Any) -> None:
     import sqlite3
@@ -94,8 +103,7 @@ def test_the_running_run_of_a_replica_on_another_machine_is_taken_over_only_afte
     kube = FakeKube(clock=clock)
     settings = Settings(journal=tmp_path / "shared.sqlite", runbooks_dir=repo / "runbooks")
     leader = JournalRunStarter(settings, shared_dedup_window=3600, kube=lambda: kube, monotonic=clock.now)
-    run = leader.journal.create_run("gpu-node-recovery", {"node": "omen2"}, ["omen2"], source="alertmanager",
-                                    state="running")
+    run = _sealed_run(leader, "omen2")
     with sqlite3.connect(tmp_path / "shared.sqlite") as db:  # recorded by replica a, on another machine
         db.execute("UPDATE runs SET owner_host='runbook-7d9f-a', owner_pid=4242 WHERE id=?", (run,))
     lease = kube.create_lease(DEFAULT_NAMESPACE, lease_name("omen2"), holder_for(run), 30)
@@ -124,10 +132,7 @@ def test_the_leader_resumes_a_run_whose_executor_died_silently_but_not_one_the_e
     starter = JournalRunStarter(Settings(journal=tmp_path / "j.sqlite", runbooks_dir=repo / "runbooks"),
                                 shared_dedup_window=3600)
     journal = starter.journal
-    died = journal.create_run("gpu-node-recovery", {"node": "omen2"}, ["omen2"], source="alertmanager",
-                              state="running")
-    stopped = journal.create_run("gpu-node-recovery", {"node": "omen3"}, ["omen3"], source="alertmanager",
-                                 state="running")
+    died, stopped = _sealed_run(starter, "omen2"), _sealed_run(starter, "omen3")
     journal.set_state(stopped, "interrupted", exit_code=3)  # the engine stopped it (a Lease held, say)
     with sqlite3.connect(tmp_path / "j.sqlite") as db:  # what a store writes for a dead owner: no event
         db.execute("UPDATE runs SET state='interrupted', owner_pid=NULL WHERE id=?", (died,))

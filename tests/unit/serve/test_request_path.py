@@ -112,8 +112,8 @@ def test_a_paged_run_is_recorded_with_its_first_events_in_one_commit(tmp_path: P
     journal._db.set_trace_callback(None)
     assert len(commits) == 1
     run = starter.run(ticket.run_id)
-    assert [e["kind"] for e in run["events"]] == ["run.requested", "run.note"]
-    assert [e["seq"] for e in run["events"]] == [1, 2]
+    assert [e["kind"] for e in run["events"]] == ["run.requested", "run.note", "run.seal"]
+    assert [e["seq"] for e in run["events"]] == [1, 2, 3]
     assert (run["requested_by"], run["dedup_key"], run["reason"], run["warnings"]) == (
         "alertmanager", "fp-1", "KubeNodeNotReady omen2", ["breaker: 4 of 8 nodes"])
     assert (run["state"], run["approval_required"]) == ("pending", True)
