@@ -73,6 +73,13 @@ def parse_time(value: str | None) -> float:
     return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
 
 
+def _transition(value: Any) -> float:
+    try:
+        return parse_time(value) if isinstance(value, str) else 0.0
+    except ValueError:
+        return 0.0
+
+
 def _frozen(mapping: Mapping[str, Any] | None) -> Mapping[str, str]:
     return MappingProxyType({str(k): str(v) for k, v in (mapping or {}).items()})
 
@@ -92,7 +99,8 @@ def node_facts_from_dict(obj: Mapping[str, Any]) -> NodeFacts:
         ),
         conditions=tuple(
             Condition(type=c.get("type", ""), status=c.get("status", "Unknown"),
-                      reason=c.get("reason") or "", message=c.get("message") or "")
+                      reason=c.get("reason") or "", message=c.get("message") or "",
+                      since=_transition(c.get("lastTransitionTime")))
             for c in status.get("conditions") or ()
         ),
         capacity=_frozen(status.get("capacity")),
@@ -485,7 +493,8 @@ class KubeConnector:
                       subresource: str | None = None) -> str:
         prefix = f"/api/{_q(api_version)}" if "/" not in api_version else (
             "/apis/" + "/".join(_q(p) for p in api_version.split("/", 1)))
-        path = f"{prefix}/namespaces/{_q(namespace)}/{_q(kind_plural)}"
+        # namespace "": a cluster-scoped kind (CertificateSigningRequests: engine.store_approvals)
+        path = f"{prefix}/namespaces/{_q(namespace)}/{_q(kind_plural)}" if namespace else f"{prefix}/{_q(kind_plural)}"
         if name:
             path += f"/{_q(name)}"
         if subresource:

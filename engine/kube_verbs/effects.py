@@ -18,12 +18,22 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from engine.connectors.base import KubeAPI
 from engine.errors import ActionFailed
 from engine.facts import NodeFacts
 from engine.model import Change
+
+# Every cordon runbook makes carries the run that made it; runbook uncordons only nodes that carry it
+# (a node cordoned by a person, NVSentinel or another controller stays cordoned).
+CORDONED_BY_ANNOTATION = "runbook.io/cordoned-by"
+
+
+def cordon_patch(run_id: str) -> dict[str, Any]:
+    """The merge patch of a cordon by run ``run_id``: unschedulable, and the annotation naming the run."""
+    return {"metadata": {"annotations": {CORDONED_BY_ANNOTATION: run_id or "runbook"}},
+            "spec": {"unschedulable": True}}
 
 
 class EffectFailed(ActionFailed):
@@ -104,6 +114,24 @@ class Wait:
 
 KubeEffect = NodePatch | PodOperation | Wait
 Decide = Callable[[Any, NodeFacts], KubeEffect | NoOp]  # a verb module's decide(verb, node)
+D = TypeVar("D", bound=Decide)
+
+# The registry: a verb's spec class (``engine.model``, ``@kube_verb``) -> its module's decide(verb, node).
+DECIDE: dict[type, Decide] = {}
+
+
+def decides(*specs: type) -> Callable[[D], D]:
+    """Register the decorated ``decide`` for the kube verbs ``specs`` (a verb module's one
+    registration). A spec decided twice is a programming error."""
+
+    def register(decide: D) -> D:
+        for spec in specs:
+            if spec in DECIDE:
+                raise ValueError(f"kube verb {spec.__qualname__} already has a decide ({DECIDE[spec].__qualname__})")
+            DECIDE[spec] = decide
+        return decide
+
+    return register
 
 WaitUntil = Callable[[Any, float], tuple[bool, str, Mapping[str, Any]]]  # (check, timeout) -> holds, observed, evidence
 
@@ -119,6 +147,7 @@ class KubeContext:
     sleep: Callable[[float], None]
     cancel: threading.Event
     wait_until: WaitUntil | None = None
+    run_id: str = ""  # the run acting (a cordon's ``runbook.io/cordoned-by``)
     progress: Callable[[str], None] = field(default=lambda _msg: None)
 
     @property

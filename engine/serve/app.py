@@ -77,6 +77,7 @@ from engine.serve.pagerduty import (
     parse_delivery,
     verify_signature,
 )
+from engine.serve.remediator import cluster_loops
 from engine.serve.routing import warn_about_routing
 from engine.serve.slack import SlackInteractions
 from engine.serve.starter import RunStarter
@@ -494,12 +495,15 @@ class ServeApp:
 def create_app(config: ServeConfig, starter: RunStarter, *, cluster: ClusterView,
                notifier: Notifier | None = None, metrics: ServeMetrics | None = None,
                clock: Callable[[], float] = time.time, sweep_interval: float = 30.0,
-               identity: KubeIdentity | None = None, elector: LeaderElector | None = None) -> Starlette:
+               identity: KubeIdentity | None = None, elector: LeaderElector | None = None,
+               kube: Callable[[], Any] | None = None) -> Starlette:
     """The ASGI app. Startup (lifespan) recovers runs from the journal; shutdown drains workers.
 
     ``identity``: the Kubernetes identity backend (required with ``auth.mode: kubernetes``).
     ``elector``: several replicas share a store; it decides which one does the singleton duties
     (started before the dispatcher, so a sole replica leads from its first second; given up last).
+    ``kube``: the Kubernetes connection for the leader's loops over cluster objects (the
+    RunbookRemediation reconciler, Node-condition triggers: ``engine.serve.remediator.cluster_loops``).
 
     ``app.state.dispatcher`` gives tests and the CLI the dispatcher (worker pool, guards, notifier).
     """
@@ -513,6 +517,7 @@ def create_app(config: ServeConfig, starter: RunStarter, *, cluster: ClusterView
                             metrics=metrics, clock=clock, leadership=elector)
     if elector is not None:
         elector.on_change = dispatcher.on_leadership
+    loops = cluster_loops(config, dispatcher, kube)
     pd = config.pagerduty
     # Why this window: an older delivery is refused by its signed time anyway, so remembering
     # content keys longer buys nothing; X-Webhook-Id values share the same bounded memory.
@@ -531,12 +536,16 @@ def create_app(config: ServeConfig, starter: RunStarter, *, cluster: ClusterView
             await run_in_threadpool(elector.try_once)
             elector.start()
         await run_in_threadpool(dispatcher.start, sweep_interval=sweep_interval)
+        for loop in loops:
+            loop.start()
         if config.alertmanager.url:
             # Why a task: Alertmanager being slow or away must not delay the server's start
             asyncio.get_running_loop().run_in_executor(None, warn_about_routing, config, index)
         try:
             yield
         finally:
+            for loop in loops:
+                await run_in_threadpool(loop.stop)
             await run_in_threadpool(dispatcher.stop)
             handlers.access.close()
             sys.setswitchinterval(previous)
@@ -560,6 +569,7 @@ def create_app(config: ServeConfig, starter: RunStarter, *, cluster: ClusterView
     ]
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.dispatcher = dispatcher
+    app.state.loops = loops
     app.state.metrics = metrics
     app.state.handlers = handlers
     app.add_middleware(HostGuard, access=handlers.access)

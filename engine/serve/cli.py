@@ -79,13 +79,13 @@ def build_app(settings: Settings, config_file: Path | None, listen: str | None, 
                               refresh=config.cluster_refresh)
     identity = kube_identity(settings, config)
     if settings.store != "kubernetes":
-        return create_app(config, starter, cluster=cluster, identity=identity), config
+        return create_app(config, starter, cluster=cluster, identity=identity, kube=settings.kube), config
     from engine.serve.leader import LeaderElector
 
     # Replicas share the store: one of them (the Lease's holder) does the singleton duties, at
     # least once per Lease duration, so an orphaned run is resumed within two Lease durations.
     elector = LeaderElector(settings.kube, namespace=settings.store_namespace, ttl=config.replicas.lease_duration)
-    return create_app(config, starter, cluster=cluster, identity=identity, elector=elector,
+    return create_app(config, starter, cluster=cluster, identity=identity, elector=elector, kube=settings.kube,
                       sweep_interval=min(30.0, float(config.replicas.lease_duration))), config
 
 

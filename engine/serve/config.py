@@ -80,6 +80,15 @@ class RetentionConfig(_Section):
     max_age: Seconds | None = 30 * 86400.0  # finished longer ago than this: pruned (null: by count only)
 
 
+class RemediatorConfig(_Section):
+    """``RunbookRemediation`` objects (NodeHealthCheck / MachineHealthCheck external remediation),
+    reconciled by the leader (``engine.serve.remediator``, docs/remediator.md)."""
+
+    enabled: bool = False  # the deploy base turns it on
+    interval: Seconds = Field(default=5.0, gt=0)  # seconds between two passes over the objects
+    namespaces: tuple[str, ...] = ()  # where to look (empty: every namespace)
+
+
 class ReplicasConfig(_Section):
     """Leader election among replicas sharing a store (``--store kubernetes``)."""
 
@@ -371,6 +380,10 @@ class ServeConfig(_Section):
     retention: RetentionConfig = Field(default_factory=RetentionConfig)
     replicas: ReplicasConfig = Field(default_factory=ReplicasConfig)
     alertmanager: AlertmanagerConfig = Field(default_factory=AlertmanagerConfig)
+    remediator: RemediatorConfig = Field(default_factory=RemediatorConfig)
+    # How often the leader reads the nodes for runbook triggers with node_conditions
+    # (engine.serve.node_conditions); only when such a trigger exists.
+    node_conditions_interval: Seconds = Field(default=10.0, gt=0)
 
     @field_validator("public_url")
     @classmethod
