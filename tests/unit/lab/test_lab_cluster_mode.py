@@ -13,7 +13,7 @@ import yaml
 from engine.lab import cluster_mode, podspec
 from engine.lab.errors import LabError
 
-BASE = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
+BASE = Path(__file__).resolve().parents[3] / "deploy" / "kubernetes"
 LAB_INVENTORY = {"all": {"vars": {"ansible_user": "ops", "ansible_port": 22,
                                   "ansible_ssh_private_key_file": "/lab/id_ed25519",
                                   "ansible_ssh_common_args": "-o UserKnownHostsFile=/lab/known_hosts"},

@@ -17,7 +17,7 @@ import yaml
 from engine.lab import podspec
 from engine.lab.podspec import UnsupportedField
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 BASE = ROOT / "deploy" / "kubernetes"
 SECRETS = {"runbook-credentials": {"ssh-private-key": b"KEY", "webhook-token": b"w" * 24,
                                    "become-password": b"sudo-pass"}}
@@ -64,7 +64,7 @@ def test_the_containerfile_installs_this_package_and_the_entry_point_the_manifes
      "spec.template.spec.volumes[6].hostPath.path"),
     (lambda d: d["spec"]["template"]["spec"]["containers"][0]["env"].append(
         {"name": "X", "valueFrom": {"resourceFieldRef": {"resource": "limits.cpu"}}}),
-     "spec.template.spec.containers[0].env[8].valueFrom.resourceFieldRef.resource"),
+     "spec.template.spec.containers[0].env[9].valueFrom.resourceFieldRef.resource"),
     (lambda d: d["spec"].__setitem__("strategy", {"type": "Recreate"}), "spec.strategy.type"),
 ])
 def test_a_field_the_emulation_does_not_support_is_an_error_naming_it(rendered: list[dict[str, Any]], change: Any,
