@@ -143,7 +143,7 @@ def test_a_run_this_replica_planned_and_another_replica_executed_is_resumed_here
     """Cluster mode (issue 26): replica B planned the run (it waits for approval in B's memory); it was
     approved at the leader A, which executed it and died; B, now leader, claims it in ``recover``: B must
     execute it, not skip it as "already queued here" (the run hung Running in the lab test before)."""
-    from engine.serve.testing import AUTH, alert, webhook
+    from tests.fakes import AUTH, alert, webhook
 
     starter = FakeRunStarter([trigger_spec(mode="approve", matchers=('node=~"omen.*"',))])
     leadership = FakeLeadership()
