@@ -13,12 +13,15 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import click
 
 from engine.errors import ExitCode, RunbookError
 from engine.settings import Settings
+
+if TYPE_CHECKING:
+    from engine.store import RunStore
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -293,18 +296,28 @@ def notify_option(func: F) -> F:
             return func(settings, *args, **kwargs)
         import time
 
-        from engine.cli_notify import load_notify_config, send_cli_notifications
+        from engine.cli_notify import OwnRuns, load_notify_config, send_cli_notifications
 
         config = load_notify_config(notify_config)  # bad input: refused before anything runs
         if len(pagerduty_dedup_key) > 255:
             raise click.UsageError("--pagerduty-dedup-key: PagerDuty accepts at most 255 characters")
         since = time.time()
+        own: list[OwnRuns] = []
+
+        def note(store: RunStore) -> RunStore:
+            own.append(OwnRuns(store))
+            return cast("RunStore", own[0])
+
         try:
+            # Why: a shared store holds other operators' runs; this command tells about its own only
+            settings.wrap_journal(note)
             return func(settings, *args, **kwargs)
         finally:
             try:
-                send_cli_notifications(config, settings.open_journal(), since, pagerduty_key=pagerduty_dedup_key,
-                                       timeout=max(5.0, 3 * config.notify.timeout))
+                if own and own[0].ids:
+                    send_cli_notifications(config, settings.open_journal(), since,
+                                           pagerduty_key=pagerduty_dedup_key,
+                                           timeout=max(5.0, 3 * config.notify.timeout), only=own[0].ids)
             except Exception as e:  # Why: notifications must never change a run's outcome or exit code
                 click.echo(f"runbook: warning: could not send notifications: {e}", err=True)
 

@@ -4,7 +4,8 @@
 Slack-compatible webhook, signing ``secret``, ``pagerduty:``) and ``public_url`` are used, with the
 same environment overrides (``RUNBOOK_NOTIFY_URL``, ``RUNBOOK_NOTIFY_SECRET``,
 ``RUNBOOK_PAGERDUTY_ROUTING_KEY``); the rest of the file is validated and otherwise ignored. After
-the command, every CLI run that ended (or parked for approval) while it ran is notified: one
+the command, every run the command itself created or resumed (``OwnRuns``: never another
+operator's runs in a shared store) that ended (or parked for approval) while it ran is notified: one
 ``step`` notification per step outcome (PagerDuty only, unless ``notify.events`` lists ``step``),
 then ``finished`` / ``failed`` / ``blocked`` / ``waiting-approval`` with the run's report. A CLI run
 answers no alert, so PagerDuty is only told with ``--pagerduty-dedup-key KEY`` (the incident's
@@ -17,7 +18,10 @@ anything when no ``--notify-config`` was given.
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Collection, Mapping
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 from engine.serve.config import ServeConfig, load_config
@@ -35,16 +39,50 @@ def load_notify_config(path: str | Path) -> ServeConfig:
     return load_config(Path(path))
 
 
+class OwnRuns:
+    """A run store that notes the ids of the runs created (``create_run``) or claimed
+    (``claim``: a resume) through it, so that a command tells about its own runs only. Every other
+    call goes to the store unchanged."""
+
+    def __init__(self, store: RunStore) -> None:
+        self._store = store
+        self._lock = threading.Lock()
+        self._ids: set[str] = set()
+
+    @property
+    def ids(self) -> frozenset[str]:
+        with self._lock:
+            return frozenset(self._ids)
+
+    def create_run(self, runbook: str, params: Mapping[str, Any], nodes: list[str], **kwargs: Any) -> str:
+        run_id = self._store.create_run(runbook, params, nodes, **kwargs)
+        with self._lock:
+            self._ids.add(run_id)
+        return run_id
+
+    def claim(self, run_id: str) -> bool:
+        claimed = self._store.claim(run_id)
+        if claimed:
+            with self._lock:
+                self._ids.add(run_id)
+        return claimed
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+
 def notifications_since(store: RunStore | Path | None, since: float, *, pagerduty_key: str = "",
-                        public_url: str | None = None) -> list[Notification]:
+                        public_url: str | None = None, only: Collection[str] | None = None) -> list[Notification]:
     """What to send for the CLI runs that ended or parked at or after ``since`` (epoch seconds),
-    read from the run store (or the SQLite journal at that path)."""
+    read from the run store (or the SQLite journal at that path). ``only``: these runs (the ones a
+    command created or resumed, whatever their source), no other."""
     out: list[Notification] = []
     with opened(store) as journal:
         for r in reversed(journal.list_runs(limit=1000)):
             event = _EVENTS.get(r.state)
             changed = max(r.created, r.finished or 0.0)
-            if r.source != SOURCE or event is None or changed < since:
+            mine = r.source == SOURCE if only is None else r.id in only
+            if not mine or event is None or changed < since:
                 continue
             events = [e.as_dict() for e in journal.events(r.id)]
             node = r.nodes[0] if r.nodes else None
@@ -66,10 +104,11 @@ def notifications_since(store: RunStore | Path | None, since: float, *, pagerdut
 
 
 def send_cli_notifications(config: ServeConfig, store: RunStore | Path | None, since: float, *,
-                           pagerduty_key: str = "", timeout: float = 30.0) -> int:
-    """Send (and wait for) the notifications of the CLI runs that ended since ``since``; their count."""
+                           pagerduty_key: str = "", timeout: float = 30.0, only: Collection[str] | None = None) -> int:
+    """Send (and wait for) the notifications of the CLI runs that ended since ``since`` (``only``:
+    of these runs); their count."""
     notifier = Notifier.from_config(config.notify, public_url=config.public_url)
-    found = notifications_since(store, since, pagerduty_key=pagerduty_key, public_url=config.public_url)
+    found = notifications_since(store, since, pagerduty_key=pagerduty_key, public_url=config.public_url, only=only)
     for n in found:
         notifier.notify(n)
     if not notifier.flush(timeout):

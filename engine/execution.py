@@ -194,8 +194,9 @@ class Executor:
                  cancel: threading.Event | None = None, poll_interval: float = 2.0,
                  max_poll_interval: float = 10.0, watch_chunk: float = 15.0,
                  inventory_cmd_hint: str = "INVENTORY", host_facts_max_age: float = 10.0,
-                 fence: Callable[[], Mapping[str, Any]] | None = None) -> None:
+                 fence: Callable[[], Mapping[str, Any]] | None = None, run_id: str = "") -> None:
         self.kube = kube
+        self.run_id = run_id  # stamped on what the run leaves behind (a cordon's runbook.io/cordoned-by)
         self.nodes = nodes
         self.events = node_events.wrap(events, kube)  # issue 15: step outcomes as Node Events too
         self.playbooks_dir = Path(playbooks_dir)
@@ -546,7 +547,8 @@ class Executor:
             r = self._verify(step_id, Verify(check=check, timeout=f"{timeout}s"), None, wait=True)
             return r.holds, r.observed, r.evidence
 
-        return kv.KubeContext(self.kube, self._node, self.clock, self.sleep, self.cancel, wait_until)
+        return kv.KubeContext(self.kube, self._node, self.clock, self.sleep, self.cancel, wait_until,
+                              run_id=self.run_id)
 
     def _act_kube(self, step_id: str, action: KubeAction, facts: Facts, *, rollback: bool) -> _ActResult:
         emit = self.events.emit

@@ -26,6 +26,9 @@ class Condition:
     status: str  # "True" | "False" | "Unknown"
     reason: str = ""
     message: str = ""
+    # lastTransitionTime (epoch seconds; 0: unknown): how long the condition has had this status.
+    # Not part of equality: facts compare by what the node is, not since when.
+    since: float = field(default=0.0, compare=False)
 
 
 @dataclass(frozen=True)

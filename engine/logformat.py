@@ -5,8 +5,12 @@ logs readable lines. ``json`` sends every log record to stderr as one JSON objec
 ``ts``, ``level``, ``logger``, ``msg`` and, when the record carries them, ``run_id``, ``runbook``,
 ``step``, ``node``, ``event``, ``status``, ``reason`` (run events are logged by
 ``engine.journal.JournalSink`` on logger ``runbook.events``). No secret is written: keys that look
-secret (password, token, secret, authorization) are masked, and so is the value of every
-``RUNBOOK_*`` environment variable whose name says it holds a token, secret or password.
+secret (password, token, secret, authorization) are masked; so is the value of every setting typed
+``engine.secrecy.Secret`` in a loaded configuration (tokens, signing secrets, notification URLs,
+routing keys: masked by their type, ``engine.secrecy.register``), and of every ``RUNBOOK_*``
+environment variable whose name says it holds a token, secret or password. In both formats the HTTP
+client libraries (httpx, urllib3, the Kubernetes client) log no request URL path, query or body at
+any level (``engine.secrecy.quiet_http_client_logs``).
 
 This module formats and installs a handler; it decides nothing and reads only the environment.
 """
@@ -21,6 +25,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from engine import secrecy
 from engine.journal import redact
 
 FORMATS = ("text", "json")
@@ -53,7 +58,7 @@ class JsonFormatter(logging.Formatter):
                 out[name] = value
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
-        return json.dumps(redact(out, self.secrets), default=str, separators=(",", ":"))
+        return json.dumps(redact(out, self.secrets | secrecy.known()), default=str, separators=(",", ":"))
 
 
 def configure_logging(fmt: str, *, debug: bool = False) -> None:
@@ -62,6 +67,7 @@ def configure_logging(fmt: str, *, debug: bool = False) -> None:
     if fmt not in FORMATS:
         raise ValueError(f"log format is one of {', '.join(FORMATS)}, not {fmt!r}")
     _current = fmt
+    secrecy.quiet_http_client_logs()
     if fmt == "text":
         return
     handler = logging.StreamHandler(sys.stderr)

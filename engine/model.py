@@ -575,14 +575,35 @@ class PagerDutyMatch(_Model):
     resolve_incident: bool = False
 
 
+class NodeConditionMatch(_Model):
+    """A Node condition that pages by itself (``runbook serve``, no Prometheus needed), as NodeHealthCheck's
+    ``unhealthyConditions`` read it: ``type`` with one of ``status`` for at least ``for``."""
+
+    type: str = Field(min_length=1, max_length=316)
+    status: tuple[Literal["True", "False", "Unknown"], ...] = Field(min_length=1)
+    for_: Duration = Field(alias="for")
+
+    @field_validator("status", mode="before")
+    @classmethod
+    def _one_or_many(cls, v: Any) -> Any:
+        return (v,) if isinstance(v, str) else v
+
+    def seconds(self) -> float:
+        return parse_duration(self.for_)
+
+
 class Trigger(_Model):
-    """The alerts that may start this runbook (``runbook serve``, issue 7)."""
+    """The alerts that may start this runbook (``runbook serve``, issue 7), or Node conditions."""
 
     alert: str | tuple[str, ...] = ""  # Alertmanager alertname(s)
     matchers: tuple[str, ...] = ()  # Alertmanager matcher syntax: 'node=~"omen.*"'
     params: dict[str, str] = Field(default_factory=dict)  # templated over the alert's labels
     mode: Literal["auto", "approve"] = "approve"
     pagerduty: PagerDutyMatch | None = None
+    # Node conditions watched by the server itself (any of them pages), on the nodes whose labels
+    # include every one of ``node_selector`` (empty: every node).
+    node_conditions: tuple[NodeConditionMatch, ...] = ()
+    node_selector: dict[str, str] = Field(default_factory=dict)
     description: str = ""
     # Fire only when the runbook's declared diagnosis matches the node (read-only facts first); a
     # page for a node sick for another cause ends blocked with the evidence and changes nothing.

@@ -11,6 +11,13 @@ no verdict ``blocks``. The guards, by name:
 * ``nhc-pause``: a Medik8s NodeHealthCheck (``remediation.medik8s.io/v1alpha1``) whose
   ``spec.selector`` selects the node has non-empty ``spec.pauseRequests``. Checked only when API
   discovery shows that resource; a cluster without it has no pause.
+* ``medik8s-lease``: the Medik8s node Lease (``coordination.k8s.io`` Lease ``node-<node>`` in
+  ``medik8s-leases``, or the namespace in ``LEASE_NAMESPACE``) is held by another remediator
+  (NodeHealthCheck, Node Maintenance Operator) that has not let it expire. A run started through
+  runbook's own remediation template is the exception: NHC holds that Lease *for* it.
+* ``nvsentinel``: NVIDIA NVSentinel quarantines the node (its state label
+  ``dgxc.nvidia.com/nvsentinel-state`` present with a state other than done, or its cordon-by label
+  naming NVSentinel): NVSentinel's own break-fix flow owns the node until a person overrides.
 * ``gpu-budget``: the GPUs already out of service (on nodes that are cordoned or not Ready, and on
   the nodes the same fleet remediates now) plus this node's GPUs would exceed the maximum (a count
   and/or a percent of all the cluster's GPUs). A node already out of service adds nothing: recovering
@@ -32,6 +39,7 @@ of a YAML file (``load_guard_config``) or embedded in ``runbook serve``'s config
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -42,12 +50,14 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine.configfile import read_mapping
-from engine.connectors.base import KubeAPI
+from engine.connectors.base import KubeAPI, LeaseRecord
 from engine.errors import KubeError, UsageError
 from engine.facts import NodeFacts
 
-GuardName = Literal["exclusion", "kured-lock", "nhc-pause", "gpu-budget", "unhealthy-capacity", "window"]
-GUARD_NAMES: tuple[GuardName, ...] = ("exclusion", "kured-lock", "nhc-pause", "gpu-budget", "unhealthy-capacity")
+GuardName = Literal["exclusion", "kured-lock", "nhc-pause", "medik8s-lease", "nvsentinel", "gpu-budget",
+                    "unhealthy-capacity", "window"]
+GUARD_NAMES: tuple[GuardName, ...] = ("exclusion", "kured-lock", "nhc-pause", "medik8s-lease", "nvsentinel",
+                                      "gpu-budget", "unhealthy-capacity")
 # ``window``: the runbook's maintenance windows (engine.run_windows), judged by the run service
 OVERRIDABLE: tuple[GuardName, ...] = (*GUARD_NAMES, "window")
 
@@ -56,6 +66,12 @@ MEDIK8S_EXCLUDE_LABEL = "remediation.medik8s.io/exclude-from-remediation"
 KURED_LOCK_ANNOTATION = "weave.works/kured-node-lock"
 NHC_API_VERSION = "remediation.medik8s.io/v1alpha1"
 NHC_PLURAL = "nodehealthchecks"
+# The ``source`` of a run started through runbook's remediation template (``engine.serve.remediator``):
+# NodeHealthCheck holds the node's Medik8s Lease for such a run, so that Lease does not stop it.
+REMEDIATION_SOURCE = "remediation"
+MEDIK8S_LEASE_NAMESPACE = "medik8s-leases"  # medik8s/common's default; LEASE_NAMESPACE overrides it
+NVSENTINEL_STATE_LABEL = "dgxc.nvidia.com/nvsentinel-state"
+NVSENTINEL_CORDON_BY_LABEL = "k8saas.nvidia.com/cordon-by"  # NVSentinel's default label prefix + cordon-by
 
 
 # ------------------------------------------------------------------------------------------------
@@ -82,6 +98,22 @@ class ExclusionConfig(_Section):
     kured: KuredConfig = Field(default_factory=KuredConfig)
 
 
+class Medik8sLeaseConfig(_Section):
+    """The Medik8s node Lease other remediators (NHC, Node Maintenance Operator) hold while they act."""
+
+    enabled: bool = True
+    namespace: str | None = None  # None: env LEASE_NAMESPACE, else medik8s-leases
+
+
+class NvSentinelConfig(_Section):
+    """NVIDIA NVSentinel's quarantine, read from the node's labels."""
+
+    enabled: bool = True
+    state_label: str = NVSENTINEL_STATE_LABEL
+    done_states: tuple[str, ...] = ("remediation-succeeded",)  # the state label may stay with these
+    cordon_by_labels: tuple[str, ...] = (NVSENTINEL_CORDON_BY_LABEL,)  # a value naming NVSentinel blocks
+
+
 class GpuBudget(_Section):
     """At most ``max_gpus`` GPUs and/or ``max_percent`` % of the cluster's GPUs out of service."""
 
@@ -103,6 +135,8 @@ class GuardConfig(ExclusionConfig):
     pause honoured, at most 50 % of the cluster's GPUs out of service, no unhealthy-capacity stop."""
 
     nhc_pause: bool = True
+    medik8s_lease: Medik8sLeaseConfig = Field(default_factory=Medik8sLeaseConfig)
+    nvsentinel: NvSentinelConfig = Field(default_factory=NvSentinelConfig)
     gpu_budget: GpuBudget = Field(default_factory=GpuBudget)
     unhealthy_capacity: UnhealthyCapacity = Field(default_factory=UnhealthyCapacity)
 
@@ -362,7 +396,28 @@ def read_nhc_pauses(kube: KubeAPI) -> tuple[NhcPause, ...] | None:
     return tuple(out)
 
 
+def medik8s_lease_namespace(config: Medik8sLeaseConfig, env: Mapping[str, str] | None = None) -> str:
+    """Where Medik8s keeps its node Leases: the configured namespace, else ``LEASE_NAMESPACE`` (the
+    variable medik8s/common's lease manager reads), else ``medik8s-leases``."""
+    env = os.environ if env is None else env
+    return config.namespace or env.get("LEASE_NAMESPACE", "").strip() or MEDIK8S_LEASE_NAMESPACE
 
+
+def medik8s_lease_name(node: str) -> str:
+    return f"node-{node}"
+
+
+def read_medik8s_leases(kube: KubeAPI, config: Medik8sLeaseConfig,
+                        nodes: Iterable[str]) -> dict[str, LeaseRecord | GuardUnreadable | None]:
+    """Each node's Medik8s Lease (None: there is none); an unreadable one is ``GuardUnreadable``."""
+    namespace = medik8s_lease_namespace(config)
+    out: dict[str, LeaseRecord | GuardUnreadable | None] = {}
+    for node in dict.fromkeys(nodes):
+        try:
+            out[node] = kube.read_lease(namespace, medik8s_lease_name(node))
+        except Exception as e:  # KubeError, RBAC, a connector that cannot be built: fail closed
+            out[node] = GuardUnreadable(f"cannot read Lease {namespace}/{medik8s_lease_name(node)}: {e}")
+    return out
 
 
 @dataclass(frozen=True)
@@ -374,10 +429,13 @@ class GuardFacts:
     kured: Mapping[str, str] | GuardUnreadable = field(default_factory=dict)
     nhc: tuple[NhcPause, ...] | GuardUnreadable | None = None
     taken_at: float = 0.0
+    medik8s: Mapping[str, LeaseRecord | GuardUnreadable | None] = field(default_factory=dict)
 
 
-def read_guard_facts(kube: KubeAPI, config: GuardConfig, *, now: float | None = None) -> GuardFacts:
-    """Nodes, kured's lock and paused NodeHealthChecks: 1 to 4 API calls."""
+def read_guard_facts(kube: KubeAPI, config: GuardConfig, *, now: float | None = None,
+                     lease_nodes: Sequence[str] = ()) -> GuardFacts:
+    """Nodes, kured's lock, paused NodeHealthChecks and the Medik8s Leases of ``lease_nodes`` (the nodes
+    about to be judged): 1 to 4 API calls plus one per node."""
     now = time.time() if now is None else now
 
     def attempt(what: str, fn: Callable[[], Any]) -> Any:
@@ -393,7 +451,8 @@ def read_guard_facts(kube: KubeAPI, config: GuardConfig, *, now: float | None = 
     nodes = attempt("the nodes", lambda: tuple(kube.list_nodes()))
     kured = attempt("kured's lock", lambda: read_kured_locks(kube, config.kured, now))
     nhc = attempt("NodeHealthChecks", lambda: read_nhc_pauses(kube)) if config.nhc_pause else None
-    return GuardFacts(nodes=nodes, kured=kured, nhc=nhc, taken_at=now)
+    leases = read_medik8s_leases(kube, config.medik8s_lease, lease_nodes) if config.medik8s_lease.enabled else {}
+    return GuardFacts(nodes=nodes, kured=kured, nhc=nhc, taken_at=now, medik8s=leases)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -435,6 +494,53 @@ def _nhc(node: NodeFacts, pauses: tuple[NhcPause, ...] | None) -> GuardVerdict:
                 f"NodeHealthCheck {p.name} selects node {node.name} and is paused "
                 f"(spec.pauseRequests: {', '.join(p.pause_requests)})", transient=True)
     return GuardVerdict("nhc-pause", True, f"no paused NodeHealthCheck selects node {node.name}")
+
+
+def _medik8s_lease(node: str, config: Medik8sLeaseConfig, facts: GuardFacts,
+                   through_template: bool) -> GuardVerdict:
+    name = f"{medik8s_lease_namespace(config)}/{medik8s_lease_name(node)}"
+    if not config.enabled:
+        return GuardVerdict("medik8s-lease", True, "the Medik8s node Lease is not checked "
+                            "(guards.medik8s_lease.enabled: false)")
+    if node not in facts.medik8s:
+        return _unreadable("medik8s-lease", GuardUnreadable(f"Lease {name} was not read"))
+    lease = facts.medik8s[node]
+    if isinstance(lease, GuardUnreadable):
+        return _unreadable("medik8s-lease", lease)
+    if lease is None or not lease.holder:
+        return GuardVerdict("medik8s-lease", True, f"no remediator holds Lease {name}")
+    expires = lease.renew_time + lease.duration_seconds if lease.renew_time and lease.duration_seconds else None
+    if expires is not None and expires <= facts.taken_at:
+        return GuardVerdict("medik8s-lease", True, f"Lease {name} of {lease.holder} expired "
+                            f"{facts.taken_at - expires:.0f}s ago")
+    if through_template:
+        return GuardVerdict("medik8s-lease", True, f"Lease {name} is held by {lease.holder} for this run: "
+                            "it was started through runbook's remediation template")
+    return GuardVerdict("medik8s-lease", False, f"Lease {name} is held by {lease.holder}: another remediator "
+                        "(NodeHealthCheck, Node Maintenance Operator) is working on node " + node, transient=True)
+
+
+def nvsentinel_quarantine(node: NodeFacts, config: NvSentinelConfig) -> str | None:
+    """Why NVSentinel owns the node now (its state label, or its cordon-by label), or None."""
+    state = node.labels.get(config.state_label)
+    if state is not None and state.strip() not in config.done_states:
+        return f"node {node.name} is quarantined by NVIDIA NVSentinel ({config.state_label}={state})"
+    for label in config.cordon_by_labels:
+        value = node.labels.get(label, "")
+        if "nvsentinel" in value.lower():
+            return f"node {node.name} was cordoned by NVIDIA NVSentinel ({label}={value})"
+    return None
+
+
+def _nvsentinel(node: NodeFacts, config: NvSentinelConfig) -> GuardVerdict:
+    if not config.enabled:
+        return GuardVerdict("nvsentinel", True, "NVSentinel's quarantine is not checked "
+                            "(guards.nvsentinel.enabled: false)")
+    why = nvsentinel_quarantine(node, config)
+    if why is not None:
+        return GuardVerdict("nvsentinel", False, why + "; its break-fix flow owns the node "
+                            "(--override-guard nvsentinel to act anyway)")
+    return GuardVerdict("nvsentinel", True, f"NVSentinel does not quarantine node {node.name}")
 
 
 def _gpu_budget(node: NodeFacts, nodes: Sequence[NodeFacts], in_flight: Sequence[str],
@@ -491,10 +597,12 @@ def _unhealthy_capacity(nodes: Sequence[NodeFacts], cfg: UnhealthyCapacity) -> G
 
 
 def judge(facts: GuardFacts, node: str, config: GuardConfig, *, overrides: Mapping[str, str] | None = None,
-          in_flight: Sequence[str] = (), actor: str = "") -> list[GuardVerdict]:
+          in_flight: Sequence[str] = (), actor: str = "", through_template: bool = False) -> list[GuardVerdict]:
     """Every guard's verdict for ``node`` from one read of the cluster, overrides applied.
 
     ``in_flight``: nodes the same fleet remediates now (counted against the GPU budget).
+    ``through_template``: the run was started through runbook's remediation template (NHC holds the
+    node's Medik8s Lease for it).
     ``overrides``: guard name -> reason, by ``actor``; ``UsageError`` for an unknown name."""
     overrides = dict(overrides or {})
     check_overrides(overrides)
@@ -522,6 +630,12 @@ def judge(facts: GuardFacts, node: str, config: GuardConfig, *, overrides: Mappi
         verdicts.append(_unreadable("nhc-pause", node_error))
     else:
         verdicts.append(_nhc(target, facts.nhc))
+    verdicts.append(_medik8s_lease(node, config.medik8s_lease, facts, through_template))
+    if target is None:
+        assert node_error is not None
+        verdicts.append(_unreadable("nvsentinel", node_error))
+    else:
+        verdicts.append(_nvsentinel(target, config.nvsentinel))
     if target is None or isinstance(facts.nodes, GuardUnreadable):
         assert node_error is not None
         verdicts.append(_unreadable("gpu-budget", node_error))
@@ -539,12 +653,13 @@ def judge(facts: GuardFacts, node: str, config: GuardConfig, *, overrides: Mappi
 
 def evaluate_run_guards(kube: KubeAPI, node: str, config: GuardConfig, *,
                         overrides: Mapping[str, str] | None = None, in_flight: Sequence[str] = (),
-                        actor: str = "", now: float | None = None) -> list[GuardVerdict]:
+                        actor: str = "", now: float | None = None,
+                        through_template: bool = False) -> list[GuardVerdict]:
     """Read the cluster and judge ``node``: one verdict per guard, in ``GUARD_NAMES`` order.
 
     Never raises for the cluster's state (an unreadable guard blocks); ``UsageError`` for an
     override naming no guard. For a fleet, pass the nodes already being remediated as
     ``in_flight``; to judge many nodes from one read use ``read_guard_facts`` + ``judge``."""
     check_overrides(dict(overrides or {}))
-    return judge(read_guard_facts(kube, config, now=now), node, config, overrides=overrides,
-                 in_flight=in_flight, actor=actor)
+    return judge(read_guard_facts(kube, config, now=now, lease_nodes=[node]), node, config, overrides=overrides,
+                 in_flight=in_flight, actor=actor, through_template=through_template)

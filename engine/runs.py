@@ -58,6 +58,7 @@ from engine.output import Fanout
 from engine.params import PreparedRun, prepare_fleet, prepare_run
 from engine.rollback import roll_back_after_failure
 from engine.run_guards import (
+    REMEDIATION_SOURCE,
     GuardConfig,
     GuardVerdict,
     blocking,
@@ -403,9 +404,12 @@ class RunService:
             raise UsageError("guard overrides are for people: the server's automatic runs never pass a guard")
         check_overrides(dict(overrides))
 
-    def guard_verdicts(self, node: str, overrides: Mapping[str, str] | None = None) -> list[GuardVerdict]:
+    def guard_verdicts(self, node: str, overrides: Mapping[str, str] | None = None, *,
+                       through_template: bool = False) -> list[GuardVerdict]:
         """Every run guard's verdict for ``node`` now (nodes this service remediates count as out of
-        service for the GPU budget). Never raises for the cluster's state: an unreadable guard blocks."""
+        service for the GPU budget). Never raises for the cluster's state: an unreadable guard blocks.
+        ``through_template``: a run started through runbook's remediation template (NHC holds the
+        node's Medik8s Lease for it)."""
         given = {} if self.automatic else dict(overrides or {})
         try:
             kube = self.settings.kube()
@@ -413,7 +417,8 @@ class RunService:
             return [GuardVerdict("exclusion", False, f"guards cannot be evaluated, so they block: {e}",
                                  evaluated=False, transient=True)]
         return evaluate_run_guards(kube, node, self.guard_config(), overrides=given,
-                                   in_flight=sorted(self._in_flight), actor=current_user())
+                                   in_flight=sorted(self._in_flight), actor=current_user(),
+                                   through_template=through_template)
 
     def guard_blocks(self, nodes: Sequence[str], overrides: Mapping[str, str] | None = None, *,
                      changing: Sequence[str] | None = None) -> dict[str, str]:
@@ -427,7 +432,7 @@ class RunService:
         except RunbookError as e:
             return dict.fromkeys(nodes, f"guards cannot be evaluated, so they block: {e}")
         config = self.guard_config()
-        facts = read_guard_facts(kube, config)
+        facts = read_guard_facts(kube, config, lease_nodes=nodes)
         out = {}
         for n in nodes:
             stops = _stops(judge(facts, n, config, overrides=given, actor=current_user()),
@@ -440,7 +445,9 @@ class RunService:
                      window: GuardVerdict | None = None) -> str | None:
         """Under the guard lock: evaluate, journal, and (when they pass) count the node in flight.
         ``window``: the maintenance-window verdict of the run's runbook (``engine.run_windows``)."""
-        verdicts = [*self.guard_verdicts(node, overrides), *([window] if window is not None else [])]
+        through_template = self.journal.get_run(run_id).source == REMEDIATION_SOURCE
+        verdicts = [*self.guard_verdicts(node, overrides, through_template=through_template),
+                    *([window] if window is not None else [])]
         self.journal.append(run_id, "guards", node=node, verdicts=[v.as_dict() for v in verdicts])
         for v in verdicts:
             if v.overridden is not None:
@@ -559,7 +566,7 @@ class RunService:
         try:
             result = self._run_executor(prepared, plan, kube, nodes, sink, cancel=cancel, approve=approver,
                                         approved=approved, confirm_rerun=confirm_rerun, progress=progress,
-                                        fence=lock.fence)
+                                        fence=lock.fence, run_id=run_id)
         except (KeyboardInterrupt, SystemExit) as e:
             # The operator insisted (a third Ctrl-C): the run is not finished, and resumable.
             journal.append(run_id, "run.error", error=f"{type(e).__name__}: stopped at once by the operator")
@@ -589,11 +596,13 @@ class RunService:
     def _run_executor(self, prepared: PreparedRun, plan: Plan, kube: KubeAPI, nodes: NodeAutomation | None,
                       sink: Any, *, cancel: threading.Event | None, approve: Callable[[str | None], bool | None],
                       approved: bool, confirm_rerun: Callable[[str, str], bool] | None,
-                      progress: StepProgress, fence: Callable[[], Mapping[str, Any]] | None = None) -> RunResult:
+                      progress: StepProgress, fence: Callable[[], Mapping[str, Any]] | None = None,
+                      run_id: str = "") -> RunResult:
         """The executor over this run's plan, told where a resumed run's half-done step stands; ``fence``
         re-checks the node's Lease right before each action (its token goes into ``action.intent``)."""
         executor = Executor(kube, nodes, events=sink, playbooks_dir=prepared.loaded.playbooks_dir, cancel=cancel,
-                            inventory_cmd_hint=self._cmd_hint(), fence=fence, **dict(self.executor_options))
+                            inventory_cmd_hint=self._cmd_hint(), fence=fence, run_id=run_id,
+                            **dict(self.executor_options))
         return executor.execute(plan, prepared.runbook, prepared.params, completed_steps=progress.completed,
                                 started_without_outcome=progress.interrupted_step, confirm_rerun=confirm_rerun,
                                 approve=approve, approved=approved,

@@ -60,6 +60,7 @@ class JournalRunStarter:
             raise UsageError("; ".join(loc.format(msg) for loc, msg in problems))
         self._runbooks = {lr.name: lr for lr in loaded}
         self._executing: set[str] = set()
+        self._cancels: dict[str, threading.Event] = {}  # runs executing here: their cancel (``cancel``)
         self._guard = threading.Lock()
         self.service.preload()  # at server start, not in the first run's worker (docs/performance.md, P8)
 
@@ -125,6 +126,7 @@ class JournalRunStarter:
                 rec = self.journal.get_run(run_id)
                 return RunOutcome(run_id, rec.state, rec.plan_digest, rec.exit_code, "already executing")
             self._executing.add(run_id)
+            self._cancels[run_id] = threading.Event()
         try:
             return self._execute(run_id)
         except RunbookError as e:
@@ -134,6 +136,29 @@ class JournalRunStarter:
         finally:
             with self._guard:
                 self._executing.discard(run_id)
+                self._cancels.pop(run_id, None)
+
+    def cancel(self, run_id: str, reason: str) -> str:
+        """``RunStarter.cancel``: the executing run's cancel event (the executor stops before its next
+        action), or a pending/waiting run ended ``cancelled``; recorded as ``run.cancel_requested``."""
+        rec = self.journal.get_run(run_id)  # UsageError for an unknown id
+        with self._guard:
+            event = self._cancels.get(run_id)
+        if rec.state in FINAL_STATES:
+            return rec.state
+        self.journal.append(run_id, "run.cancel_requested", reason=reason)
+        if event is not None:
+            event.set()
+            return "cancelling"
+        if rec.state in (RunState.PENDING.value, RunState.WAITING_APPROVAL.value):
+            self.journal.append(run_id, "run.cancelled", reason=reason)
+            self.journal.set_state(run_id, RunState.CANCELLED.value, exit_code=4)
+            return RunState.CANCELLED.value
+        return "requested"
+
+    def _cancel_event(self, run_id: str) -> threading.Event | None:
+        with self._guard:
+            return self._cancels.get(run_id)
 
     def _execute(self, run_id: str) -> RunOutcome:
         rec = self.journal.get_run(run_id)
@@ -169,7 +194,14 @@ class JournalRunStarter:
         if rec.approval_required and rec.approved_digest != plan.digest:
             self.service.park(run_id, plan, "approve-mode run: POST /runs/{id}/approve with this plan_digest")
             return RunOutcome(run_id, RunState.WAITING_APPROVAL.value, plan.digest, None, "waiting for approval")
-        result = self.service.execute(run_id, prepared, plan, approved=True, wait_approval=False, resume=resume)
+        cancel = self._cancel_event(run_id)
+        if cancel is not None and cancel.is_set():
+            reason = "cancelled before it started: " + _cancel_reason(self.journal.events(run_id))
+            self.journal.append(run_id, "run.cancelled", reason=reason)
+            self.journal.set_state(run_id, RunState.CANCELLED.value, exit_code=4)
+            return RunOutcome(run_id, RunState.CANCELLED.value, plan.digest, 4, reason)
+        result = self.service.execute(run_id, prepared, plan, approved=True, wait_approval=False, resume=resume,
+                                      cancel=cancel)
         return RunOutcome(run_id, result.state.value, plan.digest, result.exit_code, result.reason)
 
     def _outside_window(self, run_id: str, runbook: Runbook, awaiting_approval: bool) -> RunOutcome | None:
@@ -338,6 +370,11 @@ class JournalRunStarter:
         """The run's last recorded state is ``waiting-approval`` (whatever became of its owner)."""
         states = [e.data.get("state") for e in self.journal.events(run_id) if e.kind == "run.state"]
         return bool(states) and states[-1] == RunState.WAITING_APPROVAL.value
+
+
+def _cancel_reason(events: Sequence[Any]) -> str:
+    asked = [e for e in events if e.kind == "run.cancel_requested"]
+    return str(asked[-1].data.get("reason") or "") if asked else ""
 
 
 _OUTCOME_EVENTS = ("run.blocked", "run.failed", "run.cancelled", "run.error", "run.finish",

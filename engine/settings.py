@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -162,8 +163,17 @@ class Settings:
                 raise UsageError(f"--store {self.store}: unknown store (sqlite or kubernetes)")
             j.add_secret(self.become_password() if "become" in self._cache else
                          os.environ.get("RUNBOOK_BECOME_PASSWORD"))
-            self._cache["journal"] = j
+            wrap = self._cache.pop("journal_wrap", None)
+            self._cache["journal"] = wrap(j) if wrap is not None else j
         return self._cache["journal"]
+
+    def wrap_journal(self, wrap: Callable[[RunStore], RunStore]) -> None:
+        """Use ``wrap(store)`` as this command's run store (``open_journal``) from now on, opened when
+        first needed (``--notify-config`` notes the runs the command creates or resumes this way)."""
+        if "journal" in self._cache:
+            self._cache["journal"] = wrap(self._cache["journal"])
+        else:
+            self._cache["journal_wrap"] = wrap
 
     def abort_actions(self) -> None:
         """Stop the running playbook now (its whole process tree); later playbooks are refused.

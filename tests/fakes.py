@@ -376,8 +376,14 @@ class FakeKube:
             new = copy.deepcopy(dict(cur))
             if subresource == "status":
                 new["status"] = copy.deepcopy(body.get("status"))
-            else:  # the main resource: status changes are ignored
+            else:  # the main resource: spec and metadata (finalizers, annotations, labels); status is ignored
                 new["spec"] = copy.deepcopy(body.get("spec"))
+                for key in ("finalizers", "annotations", "labels"):
+                    value = (body.get("metadata") or {}).get(key)
+                    if value is None:
+                        new["metadata"].pop(key, None)
+                    else:
+                        new["metadata"][key] = copy.deepcopy(value)
             new["metadata"]["resourceVersion"] = self._next_rv()
             self.objects[(api_version, kind_plural)][i] = new
             self.writes.append(copy.deepcopy(new))

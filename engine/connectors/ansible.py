@@ -12,8 +12,10 @@ runbook run (or one CLI invocation) and owns:
   ``--ask-become-pass`` prompt (ansible-runner's ``passwords=``, pexpect): never through the
   environment, a command line or a file.
 * an **allow-listed environment** for ``ansible-playbook`` and everything it starts (issue #14):
-  what Ansible, SSH and the locale need (``CHILD_ENV_ALLOWED``, ``LC_*``), the ``ANSIBLE_*``
-  variables this module sets and the ones ansible-runner sets for its callback, nothing else. The
+  what Ansible, SSH and the locale need (``CHILD_ENV_ALLOWED``, ``LC_*``), the variables the
+  operator names in ``RUNBOOK_ANSIBLE_ENV``, the ``ANSIBLE_*`` variables this module sets and the
+  ones ansible-runner sets for its callback, nothing else: the allow-list of the inventory read
+  too (``engine.connectors.inventory.allowed_environment``). The
   parent's environment is not passed minus a deny-list: a webhook token, a PagerDuty secret, an
   approval credential, any ``RUNBOOK_*`` secret or a cloud key in the engine's environment never
   reaches ansible-playbook, its workers, the node hosts or ansible-runner's artifacts (which
@@ -53,20 +55,21 @@ from types import MappingProxyType
 from typing import Any
 
 from engine.connectors.base import PlaybookResult, TaskEvent
-from engine.connectors.inventory import Inventory, load_inventory
+from engine.connectors.inventory import (  # noqa: F401 - CHILD_ENV_ALLOWED, PASS_ENV: re-exported
+    CHILD_ENV_ALLOWED,
+    PASS_ENV,
+    Inventory,
+    allowed_environment,
+    load_inventory,
+)
 from engine.errors import HostError
 from engine.facts import HostFacts
 from engine.hostfacts import parse_host_facts
 
 FACTS_PLAYBOOK = "node-facts.yml"
 RUN_MARKER = "RUNBOOK_ANSIBLE_RUN"  # in the environment of every process of one run
-# The only variables of the engine's own environment that reach Ansible's processes (plus LC_*):
-# what ansible-playbook, Python, ssh, sudo's prompt matching and the locale need. RUNBOOK_TEST_TAG
-# is the test suites' marker for counting leftover processes (docs/reliability.md); not a secret.
-CHILD_ENV_ALLOWED = frozenset({
-    "PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TZ", "TERM", "TMPDIR",
-    "SSH_AUTH_SOCK", "PYTHONPATH", "VIRTUAL_ENV", "RUNBOOK_TEST_TAG",
-})
+# The engine's variables that reach Ansible's processes: CHILD_ENV_ALLOWED, LC_* and RUNBOOK_ANSIBLE_ENV's
+# names (engine.connectors.inventory.allowed_environment, shared with the inventory read).
 # Set by ansible-runner itself (its event callback and settings): kept, whatever the parent had.
 _RUNNER_ENV = frozenset({
     "ANSIBLE_CALLBACK_PLUGINS", "ANSIBLE_STDOUT_CALLBACK", "AWX_ISOLATED_DATA_DIR",
@@ -161,9 +164,10 @@ def as_ansible_data(value: Any) -> Any:
 def child_environment(runner_env: Mapping[str, str], ours: Mapping[str, str],
                       parent: Mapping[str, str]) -> dict[str, str]:
     """The environment ansible-playbook gets: from ``parent`` (the engine's) only the allow-listed
-    names and ``LC_*``; every variable we set (``ours``); ansible-runner's own settings from
+    names, ``LC_*`` and those named in ``RUNBOOK_ANSIBLE_ENV`` (``allowed_environment``, as the
+    inventory read); every variable we set (``ours``); ansible-runner's own settings from
     ``runner_env`` (parent + ours + runner's). Nothing else of the parent, whatever its name."""
-    env = {k: v for k, v in parent.items() if k in CHILD_ENV_ALLOWED or k.startswith("LC_")}
+    env = allowed_environment(parent)
     env.update(ours)
     env.update({k: v for k, v in runner_env.items() if k in _RUNNER_ENV or k in ours})
     return {k: str(v) for k, v in env.items()}
@@ -191,11 +195,16 @@ class _RunState:
     tasks: list[TaskEvent] = field(default_factory=list)
     output: list[str] = field(default_factory=list)  # ansible's own error lines (no host)
     callback_error: BaseException | None = None
+    processed: set[str] | None = None  # the hosts the play recap names (None: no recap seen)
 
     def handle(self, event: Mapping[str, Any]) -> bool:
         kind = str(event.get("event", ""))
         data = event.get("event_data") or {}
         host = data.get("host")
+        if kind == "playbook_on_stats":
+            done = data.get("processed")
+            self.processed = {str(h) for h in done} if isinstance(done, Mapping) else set()
+            return True
         if kind in ("verbose", "error") and not host:
             text = str(event.get("stdout") or "").strip()
             if text:
@@ -460,6 +469,16 @@ class AnsibleConnector:
             reason = " ".join(" ".join(errors).split())[:500]
             for node in nodes:
                 state.failed[node] = f"{node}: ansible-playbook failed: {reason}"
+        if status == "successful" and state.processed is not None:
+            # Why: ansible-playbook only warns when --limit matches nothing and exits 0; a run that
+            # touched no host is a failure, never "successful"
+            for node, host in zip(nodes, hosts, strict=True):
+                if host not in state.processed:
+                    state.failed[node] = (f"{node}: inventory host {host} matched nothing in {self.inventory_path} "
+                                          f"(ansible-playbook --limit {host} ran on no host; was the inventory "
+                                          "changed since it was read?)")
+            if state.failed:
+                status, rc = "failed", 2
         if state.callback_error is not None:
             state.output.append(f"on_event failed: {state.callback_error!r}")
         return PlaybookResult(

@@ -76,6 +76,7 @@ class TokenReviewResult:
     groups: tuple[str, ...] = ()
     extra: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     error: str = ""  # the server's status.error when not authenticated
+    audiences: tuple[str, ...] = ()  # status.audiences: those of the review's the token is valid for
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,11 @@ and ``host_vars/`` beside the inventory, executable inventory scripts and invent
 configs (``plugin: ansible.builtin.constructed``, ``amazon.aws.aws_ec2``, ...). One
 ``ansible-inventory --list`` run per load, in a child process with the environment runbook's
 playbook runs get (a private ``ANSIBLE_HOME`` and an empty ``ansible.cfg``, so the user's own
-Ansible config is not read here either); a source Ansible cannot parse fails the load instead of
-being skipped with a warning. Measured against ansible-core's ``InventoryManager`` +
+Ansible config is not read here either; ``allowed_environment``: an allow-list, never the engine's
+environment minus a deny-list, so an inventory script or plugin never sees the server's tokens or
+secrets, while the variables the operator names in ``RUNBOOK_ANSIBLE_ENV`` reach it and the
+playbook runs alike); a source Ansible cannot parse fails the load instead of being skipped with a
+warning. Measured against ansible-core's ``InventoryManager`` +
 ``VariableManager`` in-process (docs/inventory.md): the child costs ~0.3 s more per run but keeps
 ansible-core's global config, plugin loader and vars-plugin caches out of a long-lived
 ``runbook serve``, and its JSON output is a stable interface where the Python API is not.
@@ -43,7 +46,49 @@ from engine.errors import HostError, LoadError, Location
 
 NODE_VAR = "k8s_node_name"
 READ_TIMEOUT = 120.0  # seconds: a script or cloud plugin that hangs is an error, not a stuck run
-SECRET_ENV = ("RUNBOOK_BECOME_PASSWORD",)  # never handed to the child
+SECRET_ENV = ("RUNBOOK_BECOME_PASSWORD",)  # never handed to the child (nor any RUNBOOK_* secret)
+# The only variables of the engine's own environment that reach Ansible's processes - inventory
+# reads and playbook runs alike (plus LC_* and those named in RUNBOOK_ANSIBLE_ENV): what
+# ansible-playbook, Python, ssh, sudo's prompt matching and the locale need. RUNBOOK_TEST_TAG is
+# the test suites' marker for counting leftover processes (docs/reliability.md); not a secret.
+CHILD_ENV_ALLOWED = frozenset({
+    "PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TZ", "TERM", "TMPDIR",
+    "SSH_AUTH_SOCK", "PYTHONPATH", "VIRTUAL_ENV", "RUNBOOK_TEST_TAG",
+})
+PASS_ENV = "RUNBOOK_ANSIBLE_ENV"  # the operator's names (NAME or PREFIX*, comma-separated) passed on too
+_PASS_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\*?$")
+
+
+def passed_names(env: Mapping[str, str]) -> tuple[str, ...]:
+    """The names (``NAME`` or ``PREFIX*``) of ``RUNBOOK_ANSIBLE_ENV``; ``LoadError`` naming the
+    variable and the entry for a malformed one, a bare ``*`` or one of runbook's own variables."""
+    out = []
+    for raw in env.get(PASS_ENV, "").replace(",", " ").split():
+        problem = ""
+        if not _PASS_NAME.match(raw) or len(raw.rstrip("*")) < 2:
+            problem = "not a variable name or a NAME_PREFIX* pattern"
+        elif raw.upper().startswith("RUNBOOK_") or "RUNBOOK_".startswith(raw.upper().rstrip("*")):
+            problem = "runbook's own variables (tokens, secrets) never reach Ansible"
+        if problem:
+            raise LoadError([(Location(f"environment variable {PASS_ENV}"), f"{raw[:60]!r}: {problem}")])
+        out.append(raw)
+    return tuple(out)
+
+
+def allowed_environment(parent: Mapping[str, str]) -> dict[str, str]:
+    """What of ``parent`` (the engine's environment) Ansible's processes get: ``CHILD_ENV_ALLOWED``,
+    ``LC_*`` and the names of ``RUNBOOK_ANSIBLE_ENV`` (cloud or CMDB credentials an inventory plugin
+    needs, ``ANSIBLE_*`` settings), nothing else whatever its name."""
+    names = passed_names(parent)
+    exact = {n for n in names if not n.endswith("*")}
+    prefixes = tuple(n[:-1] for n in names if n.endswith("*"))
+
+    def passes(key: str) -> bool:
+        if key.startswith("RUNBOOK_"):
+            return key in CHILD_ENV_ALLOWED
+        return key in CHILD_ENV_ALLOWED or key.startswith("LC_") or key in exact or key.startswith(prefixes)
+
+    return {k: v for k, v in parent.items() if passes(k)}
 _MAX_SCAN = 1_000_000  # bytes: files larger than this are not searched when locating a claim
 
 
@@ -142,7 +187,7 @@ def _kill_group(proc: subprocess.Popen[str]) -> None:
 
 def _child_env(d: Path) -> dict[str, str]:
     """The environment of ``ansible-playbook`` runs (engine.connectors.ansible), plus strictness."""
-    env = dict(os.environ)
+    env = allowed_environment(os.environ)
     env.update({
         "ANSIBLE_CONFIG": str(d / "ansible.cfg"),
         "ANSIBLE_HOME": str(d / "home"),

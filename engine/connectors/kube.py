@@ -73,6 +73,13 @@ def parse_time(value: str | None) -> float:
     return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
 
 
+def _transition(value: Any) -> float:
+    try:
+        return parse_time(value) if isinstance(value, str) else 0.0
+    except ValueError:
+        return 0.0
+
+
 def _frozen(mapping: Mapping[str, Any] | None) -> Mapping[str, str]:
     return MappingProxyType({str(k): str(v) for k, v in (mapping or {}).items()})
 
@@ -92,7 +99,8 @@ def node_facts_from_dict(obj: Mapping[str, Any]) -> NodeFacts:
         ),
         conditions=tuple(
             Condition(type=c.get("type", ""), status=c.get("status", "Unknown"),
-                      reason=c.get("reason") or "", message=c.get("message") or "")
+                      reason=c.get("reason") or "", message=c.get("message") or "",
+                      since=_transition(c.get("lastTransitionTime")))
             for c in status.get("conditions") or ()
         ),
         capacity=_frozen(status.get("capacity")),
@@ -166,7 +174,8 @@ def token_review_from_dict(obj: Mapping[str, Any]) -> TokenReviewResult:
     return TokenReviewResult(authenticated=bool(status.get("authenticated")),
                              username=str(user.get("username") or ""), uid=str(user.get("uid") or ""),
                              groups=tuple(str(g) for g in user.get("groups") or ()),
-                             extra=MappingProxyType(extra), error=str(status.get("error") or ""))
+                             extra=MappingProxyType(extra), error=str(status.get("error") or ""),
+                             audiences=tuple(str(a) for a in status.get("audiences") or ()))
 
 
 def _status_message(body: str | bytes | None) -> str:

@@ -1,25 +1,38 @@
-"""Verbs ``cordon`` and ``uncordon``: ``spec.unschedulable`` as a merge patch (a ``NodePatch``). Pure."""
+"""Verbs ``cordon`` and ``uncordon``: ``spec.unschedulable`` as a merge patch (a ``NodePatch``). Pure.
+
+A cordon is stamped with ``runbook.io/cordoned-by: <run>`` when applied (``node_patch.apply``); an
+uncordon undoes only such a cordon (and removes the annotation): a node someone else cordoned (a
+person, NVSentinel, a drain by another controller) is left cordoned, a no-op with the reason."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from engine.facts import NodeFacts
-from engine.kube_verbs.effects import Decide, NodePatch, NoOp
+from engine.kube_verbs.effects import CORDONED_BY_ANNOTATION, Decide, NodePatch, NoOp
 from engine.kube_verbs.node_patch import q
 from engine.model import Change, KubeCordon, KubeUncordon
-
-CORDON_PATCH = {"spec": {"unschedulable": True}}
 
 
 def decide(verb: KubeCordon | KubeUncordon, node: NodeFacts) -> NodePatch | NoOp:
     cordon = isinstance(verb, KubeCordon)
-    reads = {"node.unschedulable": node.unschedulable}
+    reads: dict[str, Any] = {"node.unschedulable": node.unschedulable}
     command = f"kubectl {'cordon' if cordon else 'uncordon'} {q(node.name)}"
     if node.unschedulable == cordon:
         return NoOp(f"node already {'cordoned' if cordon else 'schedulable'}", command, reads)
     change = Change(path="node.unschedulable", before=node.unschedulable, after=cordon)
-    return NodePatch("cordon" if cordon else "uncordon",
-                     f"{'cordon' if cordon else 'uncordon'}: unschedulable {node.unschedulable} -> {cordon}",
-                     command, {"spec": {"unschedulable": cordon}}, "merge", (change,), reads)
+    if cordon:
+        return NodePatch("cordon", f"cordon: unschedulable {node.unschedulable} -> True", command,
+                         {"spec": {"unschedulable": True}}, "merge", (change,), reads)
+    by = node.annotations.get(CORDONED_BY_ANNOTATION)
+    reads[f"node.annotations[{CORDONED_BY_ANNOTATION}]"] = by
+    if not by:
+        return NoOp(f"node {node.name} was not cordoned by runbook (no {CORDONED_BY_ANNOTATION} annotation): "
+                    "left cordoned for whoever cordoned it", command, reads)
+    gone = Change(path=f"node.annotations[{CORDONED_BY_ANNOTATION}]", before=by, after=None)
+    return NodePatch("uncordon", f"uncordon (cordoned by run {by}): unschedulable True -> False", command,
+                     {"metadata": {"annotations": {CORDONED_BY_ANNOTATION: None}}, "spec": {"unschedulable": False}},
+                     "merge", (change, gone), reads)
 
 
 VERBS: dict[type, Decide] = {KubeCordon: decide, KubeUncordon: decide}

@@ -30,8 +30,7 @@ from typing import Any, Literal
 from engine.connectors.base import PodRef
 from engine.errors import ActionFailed, KubeError, NamespaceTerminating, RunbookError
 from engine.facts import NodeFacts
-from engine.kube_verbs.cordon import CORDON_PATCH
-from engine.kube_verbs.effects import Decide, EffectFailed, KubeContext, PodOperation, PodRules
+from engine.kube_verbs.effects import Decide, EffectFailed, KubeContext, PodOperation, PodRules, cordon_patch
 from engine.kube_verbs.node_patch import q
 from engine.model import Change, KubeDrain, PodSelectorSpec, parse_duration
 from engine.resources import parse_quantity
@@ -155,7 +154,7 @@ def apply(effect: PodOperation, ctx: KubeContext) -> dict[str, Any]:
         if node is None:
             raise ActionFailed(f"node {ctx.node} does not exist")
         if not node.unschedulable:
-            kube.patch_node(ctx.node, CORDON_PATCH, patch_type="merge")
+            kube.patch_node(ctx.node, cordon_patch(ctx.run_id), patch_type="merge")
         evidence["cordoned"] = not node.unschedulable  # False: it already was
     decisions = _decisions(rules, ctx)
     evidence.update(_listing(decisions))

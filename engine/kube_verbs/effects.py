@@ -25,6 +25,16 @@ from engine.errors import ActionFailed
 from engine.facts import NodeFacts
 from engine.model import Change
 
+# Every cordon runbook makes carries the run that made it; runbook uncordons only nodes that carry it
+# (a node cordoned by a person, NVSentinel or another controller stays cordoned).
+CORDONED_BY_ANNOTATION = "runbook.io/cordoned-by"
+
+
+def cordon_patch(run_id: str) -> dict[str, Any]:
+    """The merge patch of a cordon by run ``run_id``: unschedulable, and the annotation naming the run."""
+    return {"metadata": {"annotations": {CORDONED_BY_ANNOTATION: run_id or "runbook"}},
+            "spec": {"unschedulable": True}}
+
 
 class EffectFailed(ActionFailed):
     """An effect that could not finish (refused pods, a budget refusing until the timeout, pods that
@@ -119,6 +129,7 @@ class KubeContext:
     sleep: Callable[[float], None]
     cancel: threading.Event
     wait_until: WaitUntil | None = None
+    run_id: str = ""  # the run acting (a cordon's ``runbook.io/cordoned-by``)
     progress: Callable[[str], None] = field(default=lambda _msg: None)
 
     @property

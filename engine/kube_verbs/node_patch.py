@@ -15,7 +15,7 @@ from typing import Any
 
 from engine.errors import RunbookError
 from engine.facts import NodeFacts, Taint
-from engine.kube_verbs.effects import KubeContext, NodePatch
+from engine.kube_verbs.effects import KubeContext, NodePatch, cordon_patch
 
 
 def q(text: str) -> str:
@@ -26,14 +26,20 @@ def show(v: Any) -> str:
     return "(absent)" if v is None else str(v)
 
 
+def stamped(effect: NodePatch, run_id: str) -> Any:
+    """The patch as sent: a cordon carries ``runbook.io/cordoned-by: <run>``."""
+    return cordon_patch(run_id) if effect.verb == "cordon" else effect.patch
+
+
 def apply(effect: NodePatch, ctx: KubeContext) -> dict[str, Any]:
-    ctx.kube.patch_node(ctx.node, effect.patch, patch_type=effect.patch_type)
-    return {"patch": effect.patch, "patch_type": effect.patch_type}
+    patch = stamped(effect, ctx.run_id)
+    ctx.kube.patch_node(ctx.node, patch, patch_type=effect.patch_type)
+    return {"patch": patch, "patch_type": effect.patch_type}
 
 
 def preview(effect: NodePatch, ctx: KubeContext) -> str:
     try:
-        ctx.kube.patch_node(ctx.node, effect.patch, patch_type=effect.patch_type, dry_run=True)
+        ctx.kube.patch_node(ctx.node, stamped(effect, ctx.run_id), patch_type=effect.patch_type, dry_run=True)
     except RunbookError as e:
         return f"server dry-run REJECTED: {e}"
     return f"server dry-run accepted: {effect.summary}"

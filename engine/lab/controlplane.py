@@ -25,7 +25,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -279,11 +279,17 @@ class ControlPlane:
         return found
 
     # -- service accounts (RBAC tested for real) ---------------------------------------------------
-    def issue_token(self, namespace: str, service_account: str, *, expiration_seconds: int = 3600) -> str:
+    def issue_token(self, namespace: str, service_account: str, *, expiration_seconds: int = 3600,
+                    audiences: Sequence[str] = ()) -> str:
         """A bound token for ``namespace/service_account`` from the TokenRequest API (signed with the
-        API server's service-account key; audience: the issuer). The ServiceAccount must exist."""
+        API server's service-account key; audience: the issuer, or ``audiences`` - e.g. ``runbook``
+        for a console login, as ``kubectl create token NAME --audience runbook``). The ServiceAccount
+        must exist."""
+        spec: dict[str, Any] = {"expirationSeconds": int(expiration_seconds)}
+        if audiences:
+            spec["audiences"] = list(audiences)
         body = json.dumps({"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
-                           "spec": {"expirationSeconds": int(expiration_seconds)}}).encode()
+                           "spec": spec}).encode()
         url = f"{self.url}/api/v1/namespaces/{namespace}/serviceaccounts/{service_account}/token"
         request = urllib.request.Request(url, data=body, method="POST", headers={
             "Authorization": f"Bearer {self.token}", "Content-Type": "application/json"})

@@ -13,16 +13,20 @@ only; it never reads bodies or starts anything.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import hashlib
 import ipaddress
-from collections.abc import Mapping
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 from urllib.parse import urlsplit
 
-from starlette.concurrency import run_in_threadpool
+from starlette.requests import HTTPConnection
 
 from engine.serve.config import ServeConfig, split_listen
 
@@ -42,6 +46,53 @@ class Identity:
 
     def may(self, *roles: Role) -> bool:
         return self.role == "any" or self.role in roles
+
+
+class TooManyFailures(Exception):
+    """This client presented too many unknown credentials lately: 429, nothing is asked."""
+
+    def __init__(self, retry_after: float) -> None:
+        super().__init__(f"too many failed logins from this client; retry in {retry_after:.0f} s")
+        self.retry_after = retry_after
+
+
+class ReviewsBusy(Exception):
+    """Every TokenReview slot is taken and the short queue is full: 503, try again."""
+
+
+class FailureThrottle:
+    """Failed credentials per client: a bucket of ``burst`` failures that refills at ``per_minute``;
+    an empty bucket refuses the client's next credentials without checking them (event loop only).
+    At most ``max_clients`` clients are remembered (the least recently failed are forgotten)."""
+
+    def __init__(self, per_minute: int, *, burst: int | None = None, max_clients: int = 10000,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.rate = per_minute / 60.0
+        self.burst = float(burst if burst is not None else max(1, per_minute))
+        self.max_clients = max_clients
+        self._clock = clock
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # client -> (tokens, at)
+
+    def _level(self, client: str) -> float:
+        tokens, at = self._buckets.get(client, (self.burst, self._clock()))
+        return min(self.burst, tokens + (self._clock() - at) * self.rate)
+
+    def check(self, client: str) -> None:
+        """``TooManyFailures`` when ``client`` has no failure left to spend."""
+        if client in self._buckets and self._level(client) < 1.0:
+            wait = (1.0 - self._level(client)) / self.rate if self.rate > 0 else 3600.0
+            raise TooManyFailures(wait)
+
+    def failed(self, client: str) -> None:
+        self._buckets[client] = (self._level(client) - 1.0, self._clock())
+        self._buckets.move_to_end(client)
+        while len(self._buckets) > self.max_clients:
+            self._buckets.popitem(last=False)
+
+
+def client_of(request: HTTPConnection) -> str:
+    """The caller's address: the key of the per-client failure throttle."""
+    return request.client.host if request.client else ""
 
 
 def is_loopback(host: str) -> bool:
@@ -98,6 +149,14 @@ class Access:
             names.add(host.lower())
         self.hosts = frozenset(names)
         self.open_reads = auth.reads == "open" or (auth.reads == "auto" and self.loopback)
+        k = auth.kubernetes
+        self.failures = FailureThrottle(auth.failures_per_minute)
+        # Why a pool of its own: TokenReviews wait on the API server; in the shared thread pool a
+        # flood of made-up tokens would hold every thread the webhooks and pages need
+        self.max_reviews = k.max_concurrent_reviews
+        self._review_pool: ThreadPoolExecutor | None = None
+        self._reviews_waiting = 0
+        self.reviews_asked = 0  # TokenReviews handed to the pool (tests, metrics)
 
     def roles_configured(self) -> dict[str, int]:
         """Configured credentials per role (``-1``: decided by Kubernetes RBAC)."""
@@ -118,12 +177,47 @@ class Access:
             return known
         return self.kube.identify(cred)
 
-    async def resolve(self, authorization: str | None) -> Identity | None:
-        """``identify`` for the event loop: a configured credential at once, Kubernetes in a thread."""
+    async def resolve(self, authorization: str | None, client: str = "") -> Identity | None:
+        """``identify`` for the event loop: a configured credential at once; Kubernetes (a cached
+        answer, else a TokenReview in this object's own pool of ``max_concurrent_reviews`` threads).
+
+        ``client`` (its address): a credential that is not known counts as one failure of it; a
+        client out of failures gets ``TooManyFailures`` (429) before anything is checked. Raises
+        ``ReviewsBusy`` (503) when the reviews' queue is full."""
         cred, known = self._configured(authorization)
-        if known is not None or self.kube is None or not cred:
+        if not cred:
             return known
-        return await run_in_threadpool(self.kube.identify, cred)
+        # Why before the lookup: a throttled client must not learn that a guess was right
+        self.failures.check(client)
+        if known is not None:
+            return known
+        if self.kube is None:
+            self.failures.failed(client)
+            return None
+        hit, answer = self.kube.cached(cred)
+        if not hit:
+            answer = await self._review(cred)
+        if answer is None:
+            self.failures.failed(client)
+        return answer
+
+    async def _review(self, cred: str) -> Identity | None:
+        assert self.kube is not None
+        if self._reviews_waiting >= 4 * self.max_reviews:
+            raise ReviewsBusy("too many credentials are being checked at once; retry later")
+        if self._review_pool is None:
+            self._review_pool = ThreadPoolExecutor(self.max_reviews, thread_name_prefix="runbook-tokenreview")
+        self._reviews_waiting += 1
+        self.reviews_asked += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._review_pool, self.kube.identify, cred)
+        finally:
+            self._reviews_waiting -= 1
+
+    def close(self) -> None:
+        """Stop the reviews' threads (the server's shutdown)."""
+        if self._review_pool is not None:
+            self._review_pool.shutdown(wait=False, cancel_futures=True)
 
     def identify_configured(self, authorization: str | None) -> Identity | None:
         """Only the configured credentials (never asks Kubernetes)."""

@@ -5,7 +5,7 @@ Routes (roles from ``engine.serve.access``)::
     POST /hooks/alertmanager   Alertmanager webhook v4                      sender
     POST /hooks/pagerduty      PagerDuty v3 webhook (signature, then fresh signed time, then replay)
     POST /hooks/slack          Slack interactions: approve/reject clicks (signature, time, replay)  Slack
-    GET  /healthz              liveness + worker/breaker status             open
+    GET  /healthz              liveness + counts (no node, run or breaker)  open
     GET  /readyz               the store answers; leader or follower (503: not ready)  open
     GET  /metrics              Prometheus text format                       reads
     GET  /runs[?limit=N]       runs, newest first                           reads
@@ -41,16 +41,24 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse as StarletteJSON
 from starlette.responses import Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.errors import StalePlan, UsageError
-from engine.serve.access import Access, Identity
+from engine.serve.access import Access, Identity, ReviewsBusy, TooManyFailures, client_of
 from engine.serve.alertmanager import PayloadError, WebhookPayload, load_json, parse_alertmanager
 from engine.serve.cluster import ClusterView
 from engine.serve.config import ServeConfig
 from engine.serve.console import console_routes
 from engine.serve.dispatcher import Decision, Dispatcher, NotFound, SelfApproval, summarize
 from engine.serve.guards import Guards, ReplayGuard
+from engine.serve.http import (
+    BodyBudget,
+    BodyTimeout,
+    BodyTooLarge,
+    ServerBusy,
+    read_body,
+    release_body,
+)
 from engine.serve.kube_identity import IdentityUnavailable, KubeIdentity
 from engine.serve.leader import LeaderElector
 from engine.serve.metrics import ServeMetrics
@@ -69,6 +77,7 @@ from engine.serve.pagerduty import (
     parse_delivery,
     verify_signature,
 )
+from engine.serve.remediator import cluster_loops
 from engine.serve.routing import warn_about_routing
 from engine.serve.slack import SlackInteractions
 from engine.serve.starter import RunStarter
@@ -80,22 +89,9 @@ _SMALL_BODY = 64 * 1024
 # Bodies up to this size are parsed on the event loop (well under a millisecond: cheaper than the
 # hop to a thread); larger ones in a worker thread, validated in pieces (see parse_alertmanager).
 _INLINE_PARSE_BYTES = 32 * 1024
-_HELD = "runbook.body_bytes"  # scope key: bytes of the byte budget this request holds
 _PROBES = frozenset({"/healthz", "/readyz"})
 _JSON_POSTS = frozenset({"/hooks/alertmanager", "/hooks/pagerduty", "/breaker/reset"})
 SWITCH_INTERVAL = 0.001  # seconds: the interpreter's thread switch interval while the server runs
-
-
-class BodyTooLarge(Exception):
-    pass
-
-
-class BodyTimeout(Exception):
-    """The body did not arrive within ``limits.body_timeout``."""
-
-
-class ServerBusy(Exception):
-    """Too many bodies in flight, or the byte budget is spent: 503, try again."""
 
 
 def _plain(value: Any) -> Any:
@@ -126,72 +122,18 @@ def _closing(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status, headers={"Connection": "close"})
 
 
-class BodyBudget:
-    """Bodies being received at once and the bytes they hold, server-wide (event-loop only: no lock)."""
-
-    def __init__(self, max_reads: int, max_bytes: int) -> None:
-        self.max_reads, self.max_bytes = max_reads, max_bytes
-        self.reads = 0
-        self.bytes = 0
-
-    def take(self, n: int) -> None:
-        if self.bytes + n > self.max_bytes:
-            raise ServerBusy
-        self.bytes += n
-
-
-async def read_body(request: Request, limit: int, *, budget: BodyBudget | None = None,
-                    timeout: float = 10.0) -> bytes:
-    """The raw body, or BodyTooLarge as soon as more than ``limit`` bytes are announced or read,
-    BodyTimeout when it does not arrive within ``timeout``, ServerBusy when the budget is spent.
-
-    The bytes stay counted against ``budget`` until ``release_body`` (the handler is done)."""
-    budget = budget or BodyBudget(1, limit)
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise BodyTooLarge
-    if budget.reads >= budget.max_reads:
-        raise ServerBusy
-    budget.reads += 1
-    held = 0
-    try:
-        if declared.isdigit():
-            budget.take(int(declared))
-            held = int(declared)
-        size = 0
-        chunks: list[bytes] = []
-        async with asyncio.timeout(timeout):
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise BodyTooLarge
-                if size > held:
-                    budget.take(size - held)
-                    held = size
-                chunks.append(chunk)
-    except TimeoutError as e:
-        budget.bytes -= held
-        raise BodyTimeout from e
-    except BaseException:
-        budget.bytes -= held
-        raise
-    finally:
-        budget.reads -= 1
-    request.scope[_HELD] = held
-    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-
-def release_body(request: Request, budget: BodyBudget) -> None:
-    held = request.scope.pop(_HELD, 0)
-    if held:
-        budget.bytes -= held
-
-
 def _unauthorized() -> JSONResponse:
     # Why close: an unauthenticated client must not keep a connection by trickling its body
     return JSONResponse({"error": "missing or wrong credentials (Authorization: Bearer <token>)"},
                         status_code=401, headers={"WWW-Authenticate": 'Bearer realm="runbook"',
                                                   "Connection": "close"})
+
+
+def _throttled(e: TooManyFailures | ReviewsBusy) -> JSONResponse:
+    if isinstance(e, TooManyFailures):
+        return JSONResponse({"error": str(e)}, status_code=429,
+                            headers={"Retry-After": str(max(1, round(e.retry_after))), "Connection": "close"})
+    return JSONResponse({"error": str(e)}, status_code=503, headers={"Retry-After": "1", "Connection": "close"})
 
 
 def _forbidden_role(who: Identity, needs: str) -> JSONResponse:
@@ -204,6 +146,27 @@ def _answer(decisions: list[Decision], **extra: Any) -> tuple[JSONResponse, str]
     body = {"status": outcome, "runs": [d.run_id for d in decisions if d.run_id],
             "decisions": [d.as_dict() for d in decisions], **extra}
     return JSONResponse(body, status_code=status), outcome
+
+
+class NoSniff:
+    """ASGI middleware: ``X-Content-Type-Options: nosniff`` on every answer (a browser never guesses
+    a JSON error or an uploaded name into HTML or script)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_nosniff(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", ()) if k.lower() != b"x-content-type-options"]
+                message = {**message, "headers": [*headers, (b"x-content-type-options", b"nosniff")]}
+            await send(message)
+
+        await self.app(scope, receive, send_nosniff)
 
 
 class HostGuard:
@@ -275,6 +238,8 @@ class ServeApp:
         except IdentityUnavailable as e:
             log.error("%s: %s", endpoint, e)
             response, outcome = _closing(503, str(e)), "unavailable"
+        except (TooManyFailures, ReviewsBusy) as e:
+            response, outcome = _throttled(e), "throttled"
         except Exception:
             log.exception("%s failed", endpoint)
             response, outcome = _error(500, "internal error; see the server log"), "error"
@@ -286,8 +251,9 @@ class ServeApp:
         return response
 
     async def _caller(self, request: Request) -> Identity | None:
-        """The caller's identity (``IdentityUnavailable`` when Kubernetes cannot say: 503)."""
-        return await self.access.resolve(request.headers.get("authorization"))
+        """The caller's identity (``IdentityUnavailable`` when Kubernetes cannot say: 503;
+        ``TooManyFailures`` / ``ReviewsBusy``: 429 / 503)."""
+        return await self.access.resolve(request.headers.get("authorization"), client_of(request))
 
     # -- webhooks -------------------------------------------------------------------------------
 
@@ -298,7 +264,9 @@ class ServeApp:
 
     async def alertmanager(self, request: Request) -> Response:
         async def handle() -> tuple[Response, str]:
-            who = await self._caller(request)
+            # Why configured credentials only: a sender is never a Kubernetes identity, so a bearer
+            # token on this endpoint is never sent to the API server (a flood here asks it nothing)
+            who = self.access.identify_configured(request.headers.get("authorization"))
             if who is None:
                 return _unauthorized(), "unauthorized"
             if not who.may("sender"):
@@ -420,6 +388,8 @@ class ServeApp:
         except IdentityUnavailable as e:
             log.error("%s: %s", request.url.path, e)
             return _closing(503, str(e))
+        except (TooManyFailures, ReviewsBusy) as e:
+            return _throttled(e)
         if who is None:
             return _unauthorized()
         if not who.may("reader", "approver"):
@@ -525,12 +495,15 @@ class ServeApp:
 def create_app(config: ServeConfig, starter: RunStarter, *, cluster: ClusterView,
                notifier: Notifier | None = None, metrics: ServeMetrics | None = None,
                clock: Callable[[], float] = time.time, sweep_interval: float = 30.0,
-               identity: KubeIdentity | None = None, elector: LeaderElector | None = None) -> Starlette:
+               identity: KubeIdentity | None = None, elector: LeaderElector | None = None,
+               kube: Callable[[], Any] | None = None) -> Starlette:
     """The ASGI app. Startup (lifespan) recovers runs from the journal; shutdown drains workers.
 
     ``identity``: the Kubernetes identity backend (required with ``auth.mode: kubernetes``).
     ``elector``: several replicas share a store; it decides which one does the singleton duties
     (started before the dispatcher, so a sole replica leads from its first second; given up last).
+    ``kube``: the Kubernetes connection for the leader's loops over cluster objects (the
+    RunbookRemediation reconciler, Node-condition triggers: ``engine.serve.remediator.cluster_loops``).
 
     ``app.state.dispatcher`` gives tests and the CLI the dispatcher (worker pool, guards, notifier).
     """
@@ -544,6 +517,7 @@ def create_app(config: ServeConfig, starter: RunStarter, *, cluster: ClusterView
                             metrics=metrics, clock=clock, leadership=elector)
     if elector is not None:
         elector.on_change = dispatcher.on_leadership
+    loops = cluster_loops(config, dispatcher, kube)
     pd = config.pagerduty
     # Why this window: an older delivery is refused by its signed time anyway, so remembering
     # content keys longer buys nothing; X-Webhook-Id values share the same bounded memory.
@@ -562,13 +536,18 @@ def create_app(config: ServeConfig, starter: RunStarter, *, cluster: ClusterView
             await run_in_threadpool(elector.try_once)
             elector.start()
         await run_in_threadpool(dispatcher.start, sweep_interval=sweep_interval)
+        for loop in loops:
+            loop.start()
         if config.alertmanager.url:
             # Why a task: Alertmanager being slow or away must not delay the server's start
             asyncio.get_running_loop().run_in_executor(None, warn_about_routing, config, index)
         try:
             yield
         finally:
+            for loop in loops:
+                await run_in_threadpool(loop.stop)
             await run_in_threadpool(dispatcher.stop)
+            handlers.access.close()
             sys.setswitchinterval(previous)
             if elector is not None:
                 await run_in_threadpool(elector.stop)
@@ -586,11 +565,13 @@ def create_app(config: ServeConfig, starter: RunStarter, *, cluster: ClusterView
         Route("/breaker", handlers.breaker, methods=["GET"]),
         Route("/breaker/reset", handlers.breaker_reset, methods=["POST"]),
         Route("/triggers", handlers.triggers, methods=["GET"]),
-        *console_routes(config, dispatcher, handlers.access),  # the web console: /, /ui/...
+        *console_routes(config, dispatcher, handlers.access, handlers.budget),  # the web console: /, /ui/...
     ]
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.dispatcher = dispatcher
+    app.state.loops = loops
     app.state.metrics = metrics
     app.state.handlers = handlers
     app.add_middleware(HostGuard, access=handlers.access)
+    app.add_middleware(NoSniff)  # outermost: also on HostGuard's refusals
     return app

@@ -71,27 +71,45 @@ def build_app(settings: Settings, config_file: Path | None, listen: str | None, 
         if host in ("0.0.0.0", "::", "") and not config.auth.allowed_hosts:
             raise UsageError(f"listening on {host or 'every address'} needs auth.allowed_hosts: the names "
                              "clients use to reach this server (requests for any other Host are refused)")
+    if settings.store == "kubernetes" and config.console.live_poll_seconds is None:
+        # each read of a followed run is an API request: once a second, not ten times
+        config = config.model_copy(update={"console": config.console.model_copy(update={"live_poll_seconds": 1.0})})
     starter = load_run_starter(settings, config)
     cluster = KubeClusterView(settings.kube, config.run_guards(), ttl=config.cluster_cache_ttl,
                               refresh=config.cluster_refresh)
     identity = kube_identity(settings, config)
     if settings.store != "kubernetes":
-        return create_app(config, starter, cluster=cluster, identity=identity), config
+        return create_app(config, starter, cluster=cluster, identity=identity, kube=settings.kube), config
     from engine.serve.leader import LeaderElector
 
     # Replicas share the store: one of them (the Lease's holder) does the singleton duties, at
     # least once per Lease duration, so an orphaned run is resumed within two Lease durations.
     elector = LeaderElector(settings.kube, namespace=settings.store_namespace, ttl=config.replicas.lease_duration)
-    return create_app(config, starter, cluster=cluster, identity=identity, elector=elector,
+    return create_app(config, starter, cluster=cluster, identity=identity, elector=elector, kube=settings.kube,
                       sweep_interval=min(30.0, float(config.replicas.lease_duration))), config
+
+
+def review_namespace(settings: Settings, config: ServeConfig) -> str:
+    """Where SubjectAccessReviews ask about ``remediationruns``: the store's namespace
+    (``--store-namespace`` / ``RUNBOOK_STORE_NAMESPACE``), so approve rights in one namespace never
+    approve runs stored in another. ``auth.kubernetes.namespace``, when given, must name it too."""
+    store_ns = settings.store_namespace
+    given = config.auth.kubernetes.namespace
+    if given is not None and given != store_ns:
+        raise UsageError(f"auth.kubernetes.namespace is {given} but the runs are stored in namespace {store_ns} "
+                         "(--store-namespace / RUNBOOK_STORE_NAMESPACE): approve rights are asked where the runs "
+                         "are; remove auth.kubernetes.namespace or make both the same")
+    return store_ns
 
 
 def kube_identity(settings: Settings, config: ServeConfig) -> KubeIdentity | None:
     """The Kubernetes identity backend when ``auth.mode`` is ``kubernetes`` (None otherwise): reviews
-    through the same connector as the cluster view, roles in ``auth.kubernetes.namespace`` (else the
-    store namespace, env ``RUNBOOK_STORE_NAMESPACE``, else ``runbook-system``)."""
+    through the same connector as the cluster view, roles in the store namespace
+    (``review_namespace``), tokens made for ``auth.kubernetes.audiences`` (or the API server's own with
+    ``api_server_audience``)."""
     if config.auth.mode != "kubernetes":
         return None
+    namespace = review_namespace(settings, config)
     from engine.connectors.kube import KubeConnector
 
     def reviews() -> KubeConnector:
@@ -101,8 +119,8 @@ def kube_identity(settings: Settings, config: ServeConfig) -> KubeIdentity | Non
         return kube
 
     k = config.auth.kubernetes
-    namespace = k.namespace or os.environ.get("RUNBOOK_STORE_NAMESPACE", "").strip() or "runbook-system"
-    return KubeIdentity(reviews, namespace, cache_seconds=k.cache_seconds, audiences=k.audiences)
+    return KubeIdentity(reviews, namespace, cache_seconds=k.cache_seconds,
+                        audiences=() if k.api_server_audience else k.audiences)
 
 
 def uvicorn_options(config: ServeConfig) -> dict[str, Any]:

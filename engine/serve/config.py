@@ -25,6 +25,7 @@ from pydantic import (
     model_validator,
 )
 
+from engine import secrecy
 from engine.approval_policy import ApprovalConfig
 from engine.configfile import read_mapping
 from engine.errors import UsageError
@@ -37,6 +38,7 @@ from engine.run_guards import (
     GuardConfig,
     KuredConfig,
 )
+from engine.secrecy import Secret, secret_values
 from engine.serve.alertmanager import format_validation_error
 
 __all__ = ["EXCLUDE_LABEL", "KURED_LOCK_ANNOTATION", "MEDIK8S_EXCLUDE_LABEL", "ExclusionConfig",
@@ -78,6 +80,15 @@ class RetentionConfig(_Section):
     max_age: Seconds | None = 30 * 86400.0  # finished longer ago than this: pruned (null: by count only)
 
 
+class RemediatorConfig(_Section):
+    """``RunbookRemediation`` objects (NodeHealthCheck / MachineHealthCheck external remediation),
+    reconciled by the leader (``engine.serve.remediator``, docs/remediator.md)."""
+
+    enabled: bool = False  # the deploy base turns it on
+    interval: Seconds = Field(default=5.0, gt=0)  # seconds between two passes over the objects
+    namespaces: tuple[str, ...] = ()  # where to look (empty: every namespace)
+
+
 class ReplicasConfig(_Section):
     """Leader election among replicas sharing a store (``--store kubernetes``)."""
 
@@ -93,7 +104,7 @@ def _check_http_url(v: str | None, key: str) -> str | None:
 class PagerDutyEventsConfig(_Section):
     """``notify.pagerduty``: PagerDuty Events API v2 (``engine.serve.pagerduty_events``)."""
 
-    routing_key: str = Field(min_length=1, max_length=64, repr=False)  # env RUNBOOK_PAGERDUTY_ROUTING_KEY
+    routing_key: Secret = Field(min_length=1, max_length=64, repr=False)  # env RUNBOOK_PAGERDUTY_ROUTING_KEY
     url: str = "https://events.pagerduty.com/v2/enqueue"
     source: str = Field(default="runbook", min_length=1, max_length=255)  # when the run has no node
     severity: Literal["critical", "error", "warning", "info"] = "critical"
@@ -107,8 +118,8 @@ class PagerDutyEventsConfig(_Section):
 
 
 # Secret-bearing settings of the on-call targets, declared once (never logged, never in a repr;
-# refused blank or short at start): switch ``Secret`` to the project's secret type when there is one.
-Secret = Annotated[str, Field(min_length=1, max_length=4096, repr=False)]
+# refused blank or short at start): the project's ``Secret`` type (masked in the JSON logs by it).
+OncallSecret = Annotated[Secret, Field(min_length=1, max_length=4096, repr=False)]
 ONCALL_SECRETS: dict[str, str] = {  # config key -> environment variable
     "notify.pagerduty_rest.token": "RUNBOOK_PAGERDUTY_API_TOKEN",
     "notify.pagerduty_rest.from_email": "RUNBOOK_PAGERDUTY_FROM",
@@ -131,8 +142,8 @@ class PagerDutyRestConfig(_Section):
     """``notify.pagerduty_rest``: notes on, acknowledge and resolve of the incident that paged
     (PagerDuty REST API v2; ``engine.serve.pagerduty_rest``)."""
 
-    token: Secret  # a REST API key; env RUNBOOK_PAGERDUTY_API_TOKEN
-    from_email: Secret  # the From header: a PagerDuty user's e-mail; env RUNBOOK_PAGERDUTY_FROM
+    token: OncallSecret  # a REST API key; env RUNBOOK_PAGERDUTY_API_TOKEN
+    from_email: OncallSecret  # the From header: a PagerDuty user's e-mail; env RUNBOOK_PAGERDUTY_FROM
     url: str = "https://api.pagerduty.com"
     acknowledge: bool = True  # acknowledge the incident when its run starts executing
 
@@ -153,8 +164,8 @@ class SlackConfig(_Section):
     """``notify.slack``: the Slack app that posts interactive approval messages
     (``engine.serve.slack``) and whose clicks ``POST /hooks/slack`` receives."""
 
-    bot_token: Secret  # xoxb-...; env RUNBOOK_SLACK_BOT_TOKEN
-    signing_secret: Secret  # the app's signing secret; env RUNBOOK_SLACK_SIGNING_SECRET
+    bot_token: OncallSecret  # xoxb-...; env RUNBOOK_SLACK_BOT_TOKEN
+    signing_secret: OncallSecret  # the app's signing secret; env RUNBOOK_SLACK_SIGNING_SECRET
     channel: str = Field(min_length=1, max_length=80)  # channel id (C0123ABCD) the messages go to
     api_url: str = "https://slack.com/api"
     users: dict[str, str] = Field(default_factory=dict)  # Slack user id -> approver name
@@ -190,11 +201,11 @@ class AlertmanagerConfig(_Section):
 
 
 class NotifyConfig(_Section):
-    url: str | None = None  # generic webhook; the JSON has Slack's "text" key
+    url: Secret | None = Field(default=None, repr=False)  # generic webhook (a Slack URL is a credential)
     timeout: Seconds = 5.0
     events: tuple[Literal["started", "waiting-approval", "step", "finished", "failed", "blocked"], ...] = (
         "started", "waiting-approval", "finished", "failed", "blocked")
-    secret: str | None = Field(default=None, repr=False)  # signs webhook POSTs; env RUNBOOK_NOTIFY_SECRET
+    secret: Secret | None = Field(default=None, repr=False)  # signs webhook POSTs; env RUNBOOK_NOTIFY_SECRET
     pagerduty: PagerDutyEventsConfig | None = None
     pagerduty_rest: PagerDutyRestConfig | None = None
     slack: SlackConfig | None = None
@@ -227,7 +238,7 @@ class PagerDutyMapping(_Section):
 
 
 class PagerDutyConfig(_Section):
-    secrets: tuple[str, ...] = Field(default=(), repr=False)  # env RUNBOOK_PAGERDUTY_SECRET adds one
+    secrets: tuple[Secret, ...] = Field(default=(), repr=False)  # env RUNBOOK_PAGERDUTY_SECRET adds one
     event_types: tuple[str, ...] = ("incident.triggered",)
     mappings: tuple[PagerDutyMapping, ...] = ()
     max_age: Seconds = 300.0  # a signed occurred_at older than this (plus clock_skew) is refused
@@ -242,9 +253,14 @@ class KubeAuthConfig(_Section):
     """``auth.mode: kubernetes``: bearer tokens checked by TokenReview, roles from RBAC on
     ``remediationruns.runbook.io`` in ``namespace`` (``engine.serve.kube_identity``)."""
 
-    namespace: str | None = None  # default: the store namespace (env RUNBOOK_STORE_NAMESPACE, else runbook-system)
+    namespace: str | None = None  # must be the store namespace when given (--store-namespace); default: it
     cache_seconds: Seconds = 10.0  # answers are reused this long per token (a revoked binding: within this)
-    audiences: tuple[str, ...] = ()  # TokenReview audiences; empty: the API server's own
+    # TokenReview audiences: a token must have been made for one of them (kubectl create token --audience runbook)
+    audiences: tuple[Annotated[str, Field(min_length=1, max_length=253)], ...] = Field(
+        default=("runbook",), min_length=1, max_length=10)
+    # true: tokens made for the API server itself are accepted too (the review names no audience)
+    api_server_audience: bool = False
+    max_concurrent_reviews: int = Field(default=4, ge=1, le=64)  # TokenReviews in flight at once (own threads)
 
     @field_validator("namespace")
     @classmethod
@@ -269,12 +285,15 @@ class AuthConfig(_Section):
     mode: Literal["tokens", "kubernetes"] = "tokens"
     kubernetes: KubeAuthConfig = Field(default_factory=KubeAuthConfig)
 
-    senders: dict[str, str] = Field(default_factory=dict, repr=False)
-    approvers: dict[str, str] = Field(default_factory=dict, repr=False)
-    readers: dict[str, str] = Field(default_factory=dict, repr=False)
+    senders: dict[str, Secret] = Field(default_factory=dict, repr=False)
+    approvers: dict[str, Secret] = Field(default_factory=dict, repr=False)
+    readers: dict[str, Secret] = Field(default_factory=dict, repr=False)
     reads: Literal["auto", "open", "token"] = "auto"  # auto: open when bound to loopback, else token
     allowed_hosts: tuple[str, ...] = ()  # Host names besides the bound address (and loopback names)
     requester_cannot_approve: bool = True  # the identity that requested a run cannot approve it
+    # unknown credentials per client address (console logins, bearer tokens on /runs, approvals...)
+    # before its next ones are refused (429) unchecked; refills at this rate
+    failures_per_minute: int = Field(default=10, ge=1, le=10000)
     insecure_no_auth: bool = False  # only from --insecure-no-auth: no credential at all (loopback only)
 
     @field_validator("senders", "approvers", "readers")
@@ -311,12 +330,31 @@ class LimitsConfig(_Section):
     max_dedup_entries: int = Field(default=20000, ge=100)  # fingerprints/refusals/webhook ids kept
 
 
+class ConsoleConfig(_Section):
+    """The web console's sessions and live streams (``engine.serve.console``)."""
+
+    session_seconds: Seconds = Field(default=8 * 3600.0, gt=0)  # absolute: a session ends this long after login
+    idle_seconds: Seconds = Field(default=1800.0, gt=0)  # a session unused this long ends
+    max_sessions: int = Field(default=1000, ge=1)  # in total; a login beyond (none expired or idle) is refused 503
+    max_sessions_per_identity: int = Field(default=10, ge=1)  # beyond: that identity's oldest session ends
+    max_streams: int = Field(default=50, ge=1)  # live run streams in total; beyond: 503
+    max_streams_per_session: int = Field(default=8, ge=1)  # beyond: 429
+    max_streams_per_client: int = Field(default=16, ge=1)  # per client address; beyond: 429
+    # journal/store reads per second shared by every followed run (one watcher per run, whatever
+    # the number of viewers): with n runs followed each is read every max(0.1 s, n / this) seconds
+    live_reads_per_second: float = Field(default=20.0, gt=0, le=1000)
+    # a followed run is read at most this often (None: 0.1 s with the SQLite store; 1 s with
+    # --store kubernetes, where each read is an API request)
+    live_poll_seconds: Seconds | None = None
+    max_upload_parts: int = Field(default=10, ge=2, le=100)  # parts of a plan upload; more: 400, reading stops
+
+
 class ServeConfig(_Section):
     listen: str = "127.0.0.1:8080"
     # Where people reach this server (e.g. https://runbook.example.org): notifications link the run's
     # console page, {public_url}/ui/runs/{id}, and the console's cookies are Secure when it is https.
     public_url: str | None = None
-    webhook_token: str | None = Field(default=None, repr=False)  # = auth.senders.alertmanager
+    webhook_token: Secret | None = Field(default=None, repr=False)  # = auth.senders.alertmanager
     protect_reads: bool = False  # true: = auth.reads: token
     force_mode: Literal["approve"] | None = None  # "approve": no automatic run at all
     mode_overrides: dict[str, Literal["auto", "approve"]] = Field(default_factory=dict)  # runbook -> mode
@@ -338,9 +376,14 @@ class ServeConfig(_Section):
     pagerduty: PagerDutyConfig = Field(default_factory=PagerDutyConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    console: ConsoleConfig = Field(default_factory=ConsoleConfig)
     retention: RetentionConfig = Field(default_factory=RetentionConfig)
     replicas: ReplicasConfig = Field(default_factory=ReplicasConfig)
     alertmanager: AlertmanagerConfig = Field(default_factory=AlertmanagerConfig)
+    remediator: RemediatorConfig = Field(default_factory=RemediatorConfig)
+    # How often the leader reads the nodes for runbook triggers with node_conditions
+    # (engine.serve.node_conditions); only when such a trigger exists.
+    node_conditions_interval: Seconds = Field(default=10.0, gt=0)
 
     @field_validator("public_url")
     @classmethod
@@ -509,4 +552,5 @@ def load_config(path: Path | str | None = None, *, env: Mapping[str, str] | None
         config = ServeConfig.model_validate(data)
     except ValidationError as e:
         raise UsageError(f"{where}: invalid serve configuration: {format_validation_error(e, limit=10)}") from e
+    secrecy.register(*secret_values(config))  # the JSON logs mask every Secret-typed setting
     return config.with_compat()

@@ -29,6 +29,8 @@ from typing import Any, Protocol
 
 import httpx
 
+from engine.secrecy import mask_http_log
+
 log = logging.getLogger(__name__)
 Observer = Callable[[str, str], None]  # (target, outcome: success | failure | retry | dropped)
 # accept(response) -> None when the answer means success, else the error (Slack: HTTP 200 with ok: false)
@@ -105,7 +107,7 @@ class Sender:
             try:
                 response = self._client.request(method, url, content=body, headers=dict(headers))
             except httpx.HTTPError as e:  # connection refused, timeout, protocol error
-                error, again = f"{type(e).__name__}: {str(e)[:200]}", True
+                error, again = f"{type(e).__name__}: {mask_http_log(str(e))[:200]}", True  # no URL path: a credential
             else:
                 if response.status_code >= 300:
                     error, again = f"HTTP {response.status_code}", retryable(response.status_code)
@@ -199,8 +201,9 @@ class Lane:
                         return
                     self.target.deliver(item, send)
                 except Exception as e:  # Why: a broken target must never break paging or runs
-                    self.record("failure", f"{type(e).__name__}: {str(e)[:200]}")
-                    log.warning("notification target %s failed: %s: %s", self.name, type(e).__name__, e)
+                    self.record("failure", f"{type(e).__name__}: {mask_http_log(str(e))[:200]}")
+                    log.warning("notification target %s failed: %s: %s", self.name, type(e).__name__,
+                                mask_http_log(str(e)))
                 finally:
                     self._queue.task_done()
 

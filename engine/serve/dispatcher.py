@@ -407,6 +407,11 @@ class Dispatcher:
         return Decision("ignored", f"resolved alerts never start runs; recorded against run {run_id}",
                         alert=label, run_id=run_id)
 
+    def handle_candidates(self, candidates: Sequence[Candidate], label: str, requested_by: str) -> list[Decision]:
+        """Runs asked for by something other than a webhook (a RunbookRemediation, a Node condition):
+        the same decisions as a page's (dedup, cluster, breaker, mode, approvals, workers)."""
+        return self._decide(Matches(candidates=list(candidates)), _cut(label, 512), requested_by)
+
     def handle_incident(self, incident: Incident) -> list[Decision]:
         self.flush_refusals()
         return self._decide(self.index.for_incident(incident), f"incident {incident.id[:100]}", "pagerduty")
@@ -857,10 +862,13 @@ class Dispatcher:
         self._known_breaker_keys = set(current)
 
     def status(self) -> dict[str, Any]:
+        """``/healthz`` (open, any ``Host``): that the server lives, and counts. Never a node name, a
+        run id, the breaker's state or a replica's identity: those are for readers (``/breaker``,
+        ``/runs``, ``/readyz``)."""
         with self._lock:
             owned = len(self._runs)
         return {"triggers": len(self.index), "runs_tracked": owned, "workers": self.worker.stats(),
-                "breaker": self.guards.state(), "leadership": self.leadership.describe()}
+                "role": str(self.leadership.describe().get("role", ""))}
 
 
 def summarize(decisions: Sequence[Decision]) -> tuple[int, str]:

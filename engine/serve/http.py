@@ -4,14 +4,18 @@ uvicorn closes idle keep-alive connections (``timeout_keep_alive``) and caps con
 (``limit_concurrency``), but a fresh connection that sends its headers a byte at a time (slowloris)
 is never timed out. ``header_timeout_protocol`` returns uvicorn's h11 protocol with such a deadline:
 a connection that has not delivered a complete request head within ``seconds`` of connecting is
-closed. Body deadlines live in the app (``engine.serve.app.read_body``). No routing, no decisions.
+closed. ``read_body`` reads a request body under a deadline, a size limit and the server-wide
+``BodyBudget`` (bodies being received at once, bytes held); the app and the console share it. No
+routing, no decisions.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
+from starlette.requests import Request
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 try:  # uvicorn[standard]: the faster parser, when installed
@@ -57,3 +61,82 @@ def header_timeout_protocol(seconds: float) -> type[Any]:
             super().connection_lost(exc)
 
     return HeaderDeadlineProtocol
+
+
+_HELD = "runbook.body_bytes"  # scope key: bytes of the byte budget this request holds
+
+
+class BodyTooLarge(Exception):
+    """More than the limit was announced or sent: 413."""
+
+
+class BodyTimeout(Exception):
+    """The body did not arrive within ``limits.body_timeout``."""
+
+
+class ServerBusy(Exception):
+    """Too many bodies in flight, or the byte budget is spent: 503, try again."""
+
+
+class BodyBudget:
+    """Bodies being received at once and the bytes they hold, server-wide (event-loop only: no lock)."""
+
+    def __init__(self, max_reads: int, max_bytes: int) -> None:
+        self.max_reads, self.max_bytes = max_reads, max_bytes
+        self.reads = 0
+        self.bytes = 0
+
+    def take(self, n: int) -> None:
+        if self.bytes + n > self.max_bytes:
+            raise ServerBusy
+        self.bytes += n
+
+
+async def read_body(request: Request, limit: int, *, budget: BodyBudget | None = None,
+                    timeout: float = 10.0, on_chunk: Callable[[bytes], None] | None = None) -> bytes:
+    """The raw body, or BodyTooLarge as soon as more than ``limit`` bytes are announced or read,
+    BodyTimeout when it does not arrive within ``timeout``, ServerBusy when the budget is spent.
+    ``on_chunk`` sees each piece as it arrives; an exception it raises stops the reading there.
+
+    The bytes stay counted against ``budget`` until ``release_body`` (the handler is done)."""
+    budget = budget or BodyBudget(1, limit)
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge
+    if budget.reads >= budget.max_reads:
+        raise ServerBusy
+    budget.reads += 1
+    held = 0
+    try:
+        if declared.isdigit():
+            budget.take(int(declared))
+            held = int(declared)
+        size = 0
+        chunks: list[bytes] = []
+        async with asyncio.timeout(timeout):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise BodyTooLarge
+                if size > held:
+                    budget.take(size - held)
+                    held = size
+                chunks.append(chunk)
+                if on_chunk is not None:
+                    on_chunk(chunk)
+    except TimeoutError as e:
+        budget.bytes -= held
+        raise BodyTimeout from e
+    except BaseException:
+        budget.bytes -= held
+        raise
+    finally:
+        budget.reads -= 1
+    request.scope[_HELD] = held
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def release_body(request: Request, budget: BodyBudget) -> None:
+    held = request.scope.pop(_HELD, 0)
+    if held:
+        budget.bytes -= held

@@ -10,6 +10,13 @@ the store namespace:
 * else ``get`` and ``list`` allowed -> role ``reader``;
 * else role ``none`` (authenticated, may do nothing here).
 
+The TokenReview names an audience: ``runbook`` by default (``auth.kubernetes.audiences``), and the
+answer's ``status.audiences`` must contain it. A token made for the API server alone (a kubeconfig's,
+``kubectl create token`` without ``--audience``) is therefore not a login here; a person presents a
+token made for runbook (``kubectl create token NAME --audience runbook``). An operator who wants the
+API server's own tokens accepted sets ``auth.kubernetes.api_server_audience: true`` (the review then
+names no audience, so the API server's own apply: ``audiences=()`` here).
+
 So granting or revoking approval is an RBAC change (a Role with ``verbs: [approve]`` and a binding),
 never a change of runbook's configuration. Answers are cached per token for ``cache_seconds`` (a
 revoked binding takes effect within that time); a token the API server does not authenticate is
@@ -49,6 +56,7 @@ GROUP = "runbook.io"
 RESOURCE = "remediationruns"
 APPROVE_VERB = "approve"
 READ_VERBS = ("get", "list")
+DEFAULT_AUDIENCE = "runbook"  # the audience a person's token must carry (auth.kubernetes.audiences)
 MAX_TOKEN_BYTES = 8192  # longer is not a token any authenticator issues: refused without asking
 _NEGATIVE_SECONDS = 2.0
 
@@ -71,9 +79,11 @@ class KubeIdentity:
     """Tokens -> identities with a role, through TokenReview and SubjectAccessReview (thread-safe)."""
 
     def __init__(self, reviews: Callable[[], KubeReviews], namespace: str, *,
-                 cache_seconds: float = 10.0, audiences: Sequence[str] = (), max_cached: int = 4096,
+                 cache_seconds: float = 10.0, audiences: Sequence[str] = (DEFAULT_AUDIENCE,), max_cached: int = 4096,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        """``reviews`` builds the connector on first use (``Settings.kube``, or ``lambda: connector``)."""
+        """``reviews`` builds the connector on first use (``Settings.kube``, or ``lambda: connector``).
+        ``audiences``: those the TokenReview names, one of which the answer must confirm; empty: the
+        API server's own (its tokens are accepted: ``auth.kubernetes.api_server_audience``)."""
         self._factory = reviews
         self._reviews: KubeReviews | None = None
         self.namespace = namespace
@@ -110,6 +120,10 @@ class KubeIdentity:
         except KubeError as e:
             raise self._unavailable(e, "tokenreviews") from e
         if not review.authenticated or not review.username:
+            return None
+        if self.audiences and not set(self.audiences) & set(review.audiences):
+            # Why: an authenticator that ignored the audiences asked for must not make a token meant
+            # for another service (the API server) a login here
             return None
         return KubeUser(review.username, review.uid, review.groups, review.extra)
 
@@ -149,6 +163,16 @@ class KubeIdentity:
                 while len(self._cache) > self._max:
                     self._cache.popitem(last=False)
         return ident
+
+    def cached(self, token: str) -> tuple[bool, Identity | None]:
+        """(True, the answer) when ``token``'s answer is cached and fresh; never asks the API server
+        (cheap: the event loop uses it before handing a review to its own small thread pool)."""
+        key = hashlib.sha256(token.encode("utf-8", "replace")).digest()
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None and hit[0] > self._clock():
+                return True, hit[1]
+        return False, None
 
     def forget(self) -> None:
         """Drop every cached answer (the next request asks the API server again)."""

@@ -29,6 +29,7 @@ from urllib.parse import quote
 
 import httpx
 
+from engine.secrecy import quiet_http_client_logs, register
 from engine.serve.delivery import Lane, Observer, RetryPolicy, Sender, Target
 
 log = logging.getLogger(__name__)
@@ -276,6 +277,8 @@ class Notifier:
                  public_url: str | None = None, clock: Callable[[], float] = time.time,
                  targets: Sequence[Target] = (), retry: RetryPolicy | None = None,
                  observer: Observer | None = None) -> None:
+        quiet_http_client_logs()  # httpx logs each request's URL at INFO: a webhook URL is a credential
+        register(url, secret)
         self.url = url
         self.events = frozenset(events) if events else None
         self.timeout = timeout

@@ -61,8 +61,10 @@ from engine.model import ParamValue, Trigger
 from engine.windows import Window
 
 Mode = Literal["auto", "approve"]
-Source = Literal["alertmanager", "pagerduty"]
-WEBHOOK_SOURCES: tuple[str, ...] = ("alertmanager", "pagerduty")
+Source = Literal["alertmanager", "pagerduty", "node-condition", "remediation"]
+# The server's own runs (pages, node conditions, RunbookRemediations): it resumes them and counts
+# them in its breaker; a CLI run is its operator's.
+WEBHOOK_SOURCES: tuple[str, ...] = ("alertmanager", "pagerduty", "node-condition", "remediation")
 
 
 @dataclass(frozen=True)
@@ -170,6 +172,13 @@ class RunStarter(Protocol):
         live facts and dry-run previews, recorded nowhere, changing nothing (``runbook plan``).
         Blocking (seconds: it gathers facts over SSH). ``UsageError`` for an unknown runbook or
         invalid params."""
+        ...
+
+    def cancel(self, run_id: str, reason: str) -> str:
+        """Stop a run cleanly (a RunbookRemediation deleted or timed out): a run executing here finishes
+        its step in flight (verified) and starts nothing new; a pending or waiting run ends
+        ``cancelled`` at once. Returns what was done (``cancelling``, ``cancelled``, ``requested``:
+        another process executes it, or the final state it already had). ``UsageError`` if unknown."""
         ...
 
     def prune(self, keep: int, max_age: float | None) -> Sequence[str]:

@@ -105,6 +105,7 @@ class FakeRunStarter:
         self.requests: list[RunRequest] = []
         self.previews: list[tuple[str, dict[str, str], str]] = []  # preview() calls: nothing recorded
         self.executed: list[str] = []
+        self.cancels: list[tuple[str, str]] = []  # cancel() calls
         self._runs: dict[str, dict[str, Any]] = {dict(r)["id"]: dict(r) for r in preload}
         self._recover = list(recover_ids)
         self._ids = itertools.count(1)
@@ -121,7 +122,7 @@ class FakeRunStarter:
         known = {t.runbook for t in self.triggers}
         if known and request.runbook not in known:
             raise UsageError(f"unknown runbook {request.runbook!r}")
-        node = request.params.get("node")
+        node = request.params.get("node") or request.node
         if not isinstance(node, str) or not is_node_name(node):
             raise UsageError(f"param node: {node!r} is not a valid node name")
         with self._cond:
@@ -216,6 +217,20 @@ class FakeRunStarter:
                 raise UsageError(f"unknown run id {run_id!r}")
             self._runs[run_id].setdefault("events", []).append({"kind": kind, **dict(data)})
             self._cond.notify_all()
+
+    def cancel(self, run_id: str, reason: str) -> str:
+        """A pending, waiting or running fake run ends ``cancelled`` at once (``cancels`` records it)."""
+        with self._cond:
+            run = self._runs.get(run_id)
+            if run is None:
+                raise UsageError(f"unknown run id {run_id!r}")
+            self.cancels.append((run_id, reason))
+            if run["state"] in ("succeeded", "failed", "blocked", "cancelled", "interrupted"):
+                return str(run["state"])
+            run.update(state="cancelled", exit_code=4, finished=time.strftime("%Y-%m-%dT%H:%M:%S.000Z", time.gmtime()))
+            run.setdefault("events", []).append({"kind": "run.cancelled", "reason": reason})
+            self._cond.notify_all()
+            return "cancelled"
 
     def prune(self, keep: int, max_age: float | None) -> Sequence[str]:
         """Finished runs beyond the ``keep`` newest (the fake keeps no finish times: ``max_age`` unused)."""

@@ -129,6 +129,7 @@ class TriggerIndex:
         alert_triggers: list[_AlertTrigger] = []
         incident_triggers: list[_IncidentTrigger] = []
         self.node_params: dict[str, str | None] = {}
+        self._conditions: list[TriggerSpec] = []
         for i, spec in enumerate(specs):
             t = spec.trigger
             where = f"runbook {spec.runbook}: triggers[{i}]"
@@ -151,8 +152,11 @@ class TriggerIndex:
                 incident_triggers.append(_IncidentTrigger(
                     spec.runbook, t.pagerduty.service, pattern, {}, dict(t.params), t.mode,
                     spec.node_param, "runbook", t.require_diagnosis, t.pagerduty.resolve_incident))
-            if not names and not matchers and t.pagerduty is None:
-                problems.append(f"{where}: needs 'alert', 'matchers' or 'pagerduty' (it would match everything)")
+            if t.node_conditions:
+                self._conditions.append(spec)  # watched by engine.serve.node_conditions
+            if not names and not matchers and t.pagerduty is None and not t.node_conditions:
+                problems.append(f"{where}: needs 'alert', 'matchers', 'pagerduty' or 'node_conditions' "
+                                "(it would match everything)")
         for j, m in enumerate(mappings):
             incident_triggers.append(_IncidentTrigger(
                 m.runbook, m.service, re.compile(m.title_pattern), dict(m.params), {}, m.mode,
@@ -164,7 +168,11 @@ class TriggerIndex:
         self._incidents = tuple(incident_triggers)
 
     def __len__(self) -> int:
-        return len(self._alerts) + len(self._incidents)
+        return len(self._alerts) + len(self._incidents) + len(self._conditions)
+
+    def condition_triggers(self) -> list[TriggerSpec]:
+        """The triggers that watch Node conditions (``engine.serve.node_conditions``)."""
+        return list(self._conditions)
 
     def node_labels(self) -> dict[str, str | None]:
         """Per Alertmanager-triggered runbook, the label its node param is rendered from
@@ -187,6 +195,12 @@ class TriggerIndex:
                  "title_pattern": t.pattern.pattern, "mode": t.mode, "from": t.origin,
                  "require_diagnosis": t.require_diagnosis, "resolve_incident": t.resolve_incident}
                 for t in self._incidents]
+        out += [{"source": "node-condition", "runbook": s.runbook,
+                 "node_conditions": [{"type": c.type, "status": list(c.status), "for": c.for_}
+                                     for c in s.trigger.node_conditions],
+                 "node_selector": dict(s.trigger.node_selector), "mode": s.trigger.mode,
+                 "require_diagnosis": s.trigger.require_diagnosis}
+                for s in self._conditions]
         return out
 
     def for_alert(self, alert: Alert) -> Matches:

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from engine.connectors.ansible import CHILD_ENV_ALLOWED, RUN_MARKER, AnsibleConnector
+from engine.connectors.ansible import CHILD_ENV_ALLOWED, PASS_ENV, RUN_MARKER, AnsibleConnector
 from engine.lab.nodehosts import NodeHostSet, NodeHostSpec
 
 pytestmark = pytest.mark.integration
@@ -46,7 +46,7 @@ def engine_secret_names() -> list[str]:
     names = set()
     for path in (REPO / "engine").rglob("*.py"):
         names |= set(re.findall(r"\bRUNBOOK_[A-Z][A-Z0-9_]*\b", path.read_text()))
-    names -= CHILD_ENV_ALLOWED | OURS
+    names -= CHILD_ENV_ALLOWED | OURS | {PASS_ENV}  # PASS_ENV names what passes: a canary value is no list
     assert {"RUNBOOK_WEBHOOK_TOKEN", "RUNBOOK_PAGERDUTY_SECRET", "RUNBOOK_BECOME_PASSWORD"} <= names
     return sorted(names | {n for n in NOT_OURS if not n.startswith("LC_")})
 

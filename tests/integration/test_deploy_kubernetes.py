@@ -53,6 +53,10 @@ def test_the_base_passes_a_server_side_dry_run_except_the_kinds_1_20_does_not_se
     assert result.returncode == 0, result.stderr
     applied = result.stdout
     for expected in ("customresourcedefinition.apiextensions.k8s.io/remediationruns.runbook.io",
+                     "customresourcedefinition.apiextensions.k8s.io/runbookremediations.runbook.io",
+                     "customresourcedefinition.apiextensions.k8s.io/runbookremediationtemplates.runbook.io",
+                     "clusterrole.rbac.authorization.k8s.io/runbook-ext-remediation",
+                     "role.rbac.authorization.k8s.io/runbook-medik8s-leases",
                      "serviceaccount/runbook", "clusterrole.rbac.authorization.k8s.io/runbook",
                      "role.rbac.authorization.k8s.io/runbook", "deployment.apps/runbook", "service/runbook",
                      "configmap/runbook-serve", "configmap/runbook-inventory", "configmap/runbook-known-hosts",

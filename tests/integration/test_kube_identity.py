@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 import secrets
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,7 @@ import pytest
 from engine.connectors.kube import KubeConnector
 from engine.lab.controlplane import ControlPlane
 from engine.serve.access import Identity
-from engine.serve.kube_identity import IdentityUnavailable, KubeIdentity
+from engine.serve.kube_identity import DEFAULT_AUDIENCE, IdentityUnavailable, KubeIdentity
 from engine.serve.testing import FakeRunStarter, alert, served, trigger_spec
 
 pytestmark = pytest.mark.integration
@@ -80,12 +80,15 @@ class Bed:
         else:
             self.rbac.create_namespaced_role_binding(namespace, body)
 
-    def token(self, sa: str, namespace: str = NS) -> str:
-        return self.plane.issue_token(namespace, sa, expiration_seconds=3600)
+    def token(self, sa: str, namespace: str = NS, audiences: Sequence[str] = (DEFAULT_AUDIENCE,)) -> str:
+        """A TokenRequest token made for runbook (the audience a console login needs), or for
+        ``audiences`` (``()``: the API server's own)."""
+        return self.plane.issue_token(namespace, sa, expiration_seconds=3600, audiences=audiences)
 
-    def identity(self, *, cache_seconds: float = 0.0, conn: KubeConnector | None = None) -> KubeIdentity:
+    def identity(self, *, cache_seconds: float = 0.0, conn: KubeConnector | None = None,
+                 audiences: Sequence[str] = (DEFAULT_AUDIENCE,)) -> KubeIdentity:
         use = conn or self.admin
-        return KubeIdentity(lambda: use, NS, cache_seconds=cache_seconds)
+        return KubeIdentity(lambda: use, NS, cache_seconds=cache_seconds, audiences=audiences)
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +119,26 @@ def bed(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -
 def test_a_service_account_allowed_to_approve_remediationruns_is_an_approver_under_its_tokenreview_username(
         bed: Bed) -> None:
     assert bed.identity().identify(bed.token("oncall")) == Identity(sa_user("oncall"), "approver")
+
+
+def test_tokenreview_names_the_runbook_audience_and_a_token_made_for_the_api_server_alone_is_no_login(
+        bed: Bed) -> None:
+    """#25 item 7, on the real API server: TokenRequest tokens carry audiences; the review asks for
+    ``runbook`` and the answer's status.audiences confirms it. A token made for the API server (the
+    TokenRequest default, what a kubeconfig holds) is refused unless the operator opts in."""
+    for_runbook = bed.token("oncall")
+    for_api_server = bed.token("oncall", audiences=())
+    review = bed.admin.review_token(for_runbook, (DEFAULT_AUDIENCE,))
+    assert review.authenticated and review.audiences == (DEFAULT_AUDIENCE,)
+    assert not bed.admin.review_token(for_api_server, (DEFAULT_AUDIENCE,)).authenticated
+    ident = bed.identity()
+    assert ident.identify(for_runbook) == Identity(sa_user("oncall"), "approver")
+    assert ident.identify(for_api_server) is None
+    opted_in = bed.identity(audiences=())  # auth.kubernetes.api_server_audience: true
+    assert opted_in.identify(for_api_server) == Identity(sa_user("oncall"), "approver")
+    assert opted_in.identify(for_runbook) is None  # made for runbook, not for the API server
+    other = bed.token("oncall", audiences=("another-service",))
+    assert ident.identify(other) is None and opted_in.identify(other) is None
 
 
 def test_get_and_list_make_a_reader_and_an_approve_grant_in_another_namespace_makes_no_role(bed: Bed) -> None:

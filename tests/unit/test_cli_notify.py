@@ -112,3 +112,34 @@ def test_the_signing_secret_can_never_be_a_senders_token() -> None:
     needle = "RUNBOOK_NOTIFY_SECRET: the same token is also given to RUNBOOK_WEBHOOK_TOKEN"
     with pytest.raises(UsageError, match=needle):
         load_config(None, env={"RUNBOOK_WEBHOOK_TOKEN": "x" * 20, "RUNBOOK_NOTIFY_SECRET": "x" * 20})
+
+
+def test_a_command_tells_only_about_the_runs_it_created_or_resumed_never_another_operators(
+        tmp_path: Path, receiver: Receiver) -> None:
+    """#25 item 14: two operators share one store; each command's --notify-config reports its own runs."""
+    from engine.cli import notify_option
+    from engine.settings import Settings
+
+    db = tmp_path / "journal.sqlite"
+    seed = Journal(db)
+    parked = seed.create_run("gpu-node-recovery", {"node": "omen4"}, ["omen4"], source="alertmanager")
+    seed.set_state(parked, "interrupted")
+    seed.close()
+    cfg = _config(tmp_path, receiver)
+    mine: list[str] = []
+
+    def command(settings: Settings) -> int:
+        journal = settings.open_journal()
+        mine.append(_run(journal, "omen2", "succeeded"))  # created by this command
+        other = Journal(db)  # meanwhile another operator's command, on the same store
+        _run(other, "omen3", "succeeded")
+        other.close()
+        assert journal.claim(parked)  # this command resumes the server's interrupted run
+        journal.set_state(parked, "failed", exit_code=1)
+        return 0
+
+    settings = Settings(journal=db)
+    assert notify_option(command)(settings, notify_config=str(cfg), pagerduty_dedup_key="") == 0
+    told = sorted((h["runbook_event"]["node"], h["runbook_event"]["event"])
+                  for h in (json.loads(b) for b, _ in receiver.hooks))
+    assert told == [("omen2", "finished"), ("omen4", "failed")], told  # never omen3

@@ -27,7 +27,8 @@ class FakeReviews:
         if self.fail:
             raise self.fail
         user = self.users.get(token)
-        return TokenReviewResult(authenticated=user is not None, username=user or "", groups=("system:authenticated",))
+        return TokenReviewResult(authenticated=user is not None, username=user or "", groups=("system:authenticated",),
+                                 audiences=tuple(audiences))
 
     def review_access(self, *, user: str, groups: Sequence[str], uid: str, extra: Mapping[str, Sequence[str]],
                       verb: str, resource: str, group: str, namespace: str) -> AccessReviewResult:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import pytest
@@ -196,6 +197,8 @@ def test_every_kube_verb_plans_a_change_with_a_kubectl_line(kube_verb: dict[str,
     rb = parse_runbook(yaml.safe_dump(doc).encode(), "verbs.yaml")
     node = make_node(labels={GPU_LABEL: "vm-passthrough"}, unschedulable="uncordon" in kube_verb,
                      taints=[Taint("node.kubernetes.io/not-ready", "NoSchedule")])
+    if "uncordon" in kube_verb:  # runbook uncordons only its own cordons
+        node = replace(node, annotations=MappingProxyType({"runbook.io/cordoned-by": "r-1"}))
     step = plan(facts(node, healthy_host()), runbook=rb).steps[0]
     assert step.kind == "change", step.summary
     assert step.command.startswith(("kubectl ", "sleep "))

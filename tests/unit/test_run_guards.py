@@ -84,7 +84,7 @@ def test_an_exclusion_label_with_another_value_holds() -> None:
 def test_a_node_missing_from_the_cluster_blocks_the_guards_that_need_it() -> None:
     verdicts = evaluate_run_guards(lab(), "ghost", GuardConfig(), now=T0)
     blocked = {v.name for v in blocking(verdicts)}
-    assert blocked == {"exclusion", "nhc-pause", "gpu-budget"}
+    assert blocked == {"exclusion", "nhc-pause", "nvsentinel", "gpu-budget"}
     assert "ghost is not in the cluster" in verdict(verdicts, "exclusion").reason
 
 
@@ -254,7 +254,7 @@ def test_an_unreadable_node_list_blocks_budget_capacity_and_exclusion() -> None:
     kube = lab()
     kube.fail["list_nodes"] = KubeError("connection refused")
     verdicts = evaluate_run_guards(kube, "gpu-1", GuardConfig(), now=T0)
-    assert {v.name for v in blocking(verdicts)} == {"exclusion", "nhc-pause", "gpu-budget",
+    assert {v.name for v in blocking(verdicts)} == {"exclusion", "nhc-pause", "nvsentinel", "gpu-budget",
                                                     "unhealthy-capacity"}
     assert all("connection refused" in v.reason for v in blocking(verdicts))
 
@@ -321,3 +321,80 @@ def test_serve_refuses_exclusions_and_guards_together() -> None:
 
     with pytest.raises(UsageError, match="not in exclusions: as well"):
         load_config(None, env={}, overrides={"guards": {}, "exclusions": {"labels": {}}})
+
+
+# -- other remediators: the Medik8s node Lease, NVSentinel's quarantine ------------------------------
+
+
+def medik8s_lease(kube: FakeKube, node: str, holder: str, *, renewed: float = T0 - 10, duration: int = 60,
+                  namespace: str = "medik8s-leases") -> None:
+    from engine.connectors.base import LeaseRecord
+
+    kube.leases[(namespace, f"node-{node}")] = LeaseRecord(namespace, f"node-{node}", holder, duration,
+                                                           renewed, renewed, "7")
+
+
+def test_a_medik8s_lease_held_by_another_remediator_blocks_naming_the_lease_and_its_holder() -> None:
+    kube = lab()
+    medik8s_lease(kube, "gpu-1", "NodeHealthCheck")
+    v = verdict(evaluate_run_guards(kube, "gpu-1", GuardConfig(), now=T0), "medik8s-lease")
+    assert v.blocks and v.transient
+    assert v.reason.startswith("Lease medik8s-leases/node-gpu-1 is held by NodeHealthCheck")
+    assert verdict(evaluate_run_guards(kube, "gpu-2", GuardConfig(), now=T0), "medik8s-lease").holds
+
+
+def test_a_run_through_runbooks_own_template_passes_the_lease_nhc_holds_for_it() -> None:
+    kube = lab()
+    medik8s_lease(kube, "gpu-1", "NodeHealthCheck")
+    v = verdict(evaluate_run_guards(kube, "gpu-1", GuardConfig(), now=T0, through_template=True), "medik8s-lease")
+    assert v.holds and "remediation template" in v.reason
+
+
+def test_an_expired_or_released_medik8s_lease_does_not_block() -> None:
+    kube = lab()
+    medik8s_lease(kube, "gpu-1", "NodeHealthCheck", renewed=T0 - 61, duration=60)
+    medik8s_lease(kube, "gpu-2", "")
+    assert verdict(evaluate_run_guards(kube, "gpu-1", GuardConfig(), now=T0), "medik8s-lease").holds
+    assert verdict(evaluate_run_guards(kube, "gpu-2", GuardConfig(), now=T0), "medik8s-lease").holds
+
+
+def test_the_lease_namespace_comes_from_lease_namespace_and_an_unreadable_lease_blocks(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    kube = lab()
+    monkeypatch.setenv("LEASE_NAMESPACE", "nhc-system")
+    medik8s_lease(kube, "gpu-1", "node-maintenance", namespace="nhc-system")
+    v = verdict(evaluate_run_guards(kube, "gpu-1", GuardConfig(), now=T0), "medik8s-lease")
+    assert v.blocks and "nhc-system/node-gpu-1" in v.reason and "node-maintenance" in v.reason
+
+    def refuse(namespace: str, name: str) -> Any:
+        raise KubeError("leases is forbidden")
+
+    kube.read_lease = refuse  # type: ignore[method-assign]
+    v = verdict(evaluate_run_guards(kube, "gpu-1", GuardConfig(), now=T0), "medik8s-lease")
+    assert v.blocks and not v.evaluated and "forbidden" in v.reason
+
+
+@pytest.mark.parametrize(("labels", "blocks"), [
+    ({"dgxc.nvidia.com/nvsentinel-state": "quarantined"}, True),
+    ({"dgxc.nvidia.com/nvsentinel-state": "remediation-failed"}, True),
+    ({"dgxc.nvidia.com/nvsentinel-state": "remediation-succeeded"}, False),
+    ({"k8saas.nvidia.com/cordon-by": "NVSentinel"}, True),
+    ({"k8saas.nvidia.com/cordon-by": "someone-else"}, False),
+    ({}, False),
+])
+def test_an_nvsentinel_quarantine_blocks_until_done(labels: dict[str, str], blocks: bool) -> None:
+    kube = lab(gpu_node("gpu-q", labels=labels))
+    v = verdict(evaluate_run_guards(kube, "gpu-q", GuardConfig(), now=T0), "nvsentinel")
+    assert v.blocks is blocks, v.reason
+    if blocks:
+        assert "NVSentinel" in v.reason and "--override-guard nvsentinel" in v.reason
+
+
+def test_an_nvsentinel_quarantine_passes_only_by_a_named_override() -> None:
+    kube = lab(gpu_node("gpu-q", labels={"dgxc.nvidia.com/nvsentinel-state": "draining"}))
+    v = verdict(evaluate_run_guards(kube, "gpu-q", GuardConfig(), now=T0,
+                                    overrides={"nvsentinel": "RMA ticket 42 closed"}, actor="alice"), "nvsentinel")
+    assert not v.blocks and v.overridden is not None and v.overridden.by == "alice"
+    off = GuardConfig.model_validate({"nvsentinel": {"enabled": False}, "medik8s_lease": {"enabled": False}})
+    verdicts = evaluate_run_guards(kube, "gpu-q", off, now=T0)
+    assert verdict(verdicts, "nvsentinel").holds and verdict(verdicts, "medik8s-lease").holds

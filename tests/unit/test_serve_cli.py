@@ -146,18 +146,27 @@ def test_auth_mode_kubernetes_asks_kubernetes_in_the_store_namespace_and_refuses
         tmp_path: Path, fake_engine_app: list[ServeConfig], monkeypatch: pytest.MonkeyPatch) -> None:
     for var in ("RUNBOOK_WEBHOOK_TOKEN", "RUNBOOK_APPROVER_TOKEN_ALICE"):
         monkeypatch.delenv(var, raising=False)
-    settings = Settings(journal=tmp_path / "journal.sqlite")
+    # the store namespace of the command (--store-namespace), not the environment of the process:
+    # approve rights in one namespace never approve the runs stored in another (#25 item 5)
+    monkeypatch.setenv("RUNBOOK_STORE_NAMESPACE", "runbook-system")
+    settings = Settings(journal=tmp_path / "journal.sqlite", store_namespace="ops-runbook")
     conf = tmp_path / "serve.yaml"
     conf.write_text("auth: {mode: kubernetes}\n")
-    monkeypatch.setenv("RUNBOOK_STORE_NAMESPACE", "ops-runbook")
     app, _ = build_app(settings, conf, "127.0.0.1:8080")
     access = app.state.handlers.access
     assert access.kube is not None and access.kube.namespace == "ops-runbook"
+    assert access.kube.audiences == ("runbook",)  # a token must be made for runbook (#25 item 7)
     assert access.roles_configured() == {"sender": 0, "approver": -1, "reader": -1}
-    conf.write_text("auth: {mode: kubernetes, kubernetes: {namespace: runbook-system, cache_seconds: 3}}\n")
+    conf.write_text("auth: {mode: kubernetes, kubernetes: {namespace: ops-runbook, cache_seconds: 3, "
+                    "api_server_audience: true}}\n")
     app, _ = build_app(settings, conf, "127.0.0.1:8080")
     kube = app.state.handlers.access.kube
-    assert (kube.namespace, kube.cache_seconds) == ("runbook-system", 3.0)
+    assert (kube.namespace, kube.cache_seconds, kube.audiences) == ("ops-runbook", 3.0, ())
+    conf.write_text("auth: {mode: kubernetes, kubernetes: {namespace: runbook-system}}\n")
+    with pytest.raises(UsageError, match=r"auth.kubernetes.namespace is runbook-system but the runs are stored "
+                                         r"in namespace ops-runbook"):
+        build_app(settings, conf, "127.0.0.1:8080")
+    conf.write_text("auth: {mode: kubernetes, kubernetes: {namespace: ops-runbook, cache_seconds: 3}}\n")
     monkeypatch.setenv("RUNBOOK_APPROVER_TOKEN_ALICE", "0123456789abcdef-alice")
     with pytest.raises(UsageError, match=r"remove approvers\.alice"):
         build_app(settings, conf, "127.0.0.1:8080")

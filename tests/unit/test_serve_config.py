@@ -117,3 +117,13 @@ def test_the_documented_defaults_are_the_real_defaults() -> None:
     block = section.split("```yaml", 1)[1].split("```", 1)[0]
     documented = load_config(None, env={}, overrides=yaml.safe_load(block))
     assert documented == ServeConfig()
+
+
+def test_the_deploy_base_turns_the_remediator_on(tmp_path: Path) -> None:
+    import yaml
+
+    docs = yaml.safe_load_all((ROOT / "deploy" / "kubernetes" / "configmaps.yaml").read_text())
+    serve = next(d for d in docs if d and d["metadata"]["name"] == "runbook-serve")["data"]["serve.yaml"]
+    (tmp_path / "serve.yaml").write_text(serve)
+    c = load_config(tmp_path / "serve.yaml", env={})
+    assert c.remediator.enabled and not ServeConfig().remediator.enabled

@@ -206,8 +206,8 @@ def test_rejecting_with_a_reason_cancels_the_run_records_who_and_why_and_a_reade
         page = s.client.get(done.headers["location"]).text
         assert "alice: omen2 is being drained by hand" in page and 'id="approve"' not in page
         s.idle()
-        assert "waiting_approval" in s.dispatcher.status()["breaker"] and \
-            run_id not in s.dispatcher.status()["breaker"]["waiting_approval"]
+        assert "waiting_approval" in s.dispatcher.guards.state() and \
+            run_id not in s.dispatcher.guards.state()["waiting_approval"]
         again = s.client.post(f"/ui/runs/{run_id}/decision",
                               data={"csrf": csrf, "action": "approve", "plan_digest": run["plan_digest"]})
         assert again.status_code == 409 and s.starter.run(run_id)["approved_by"] is None

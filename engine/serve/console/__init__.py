@@ -45,13 +45,15 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from engine.errors import ConnectorError, LoadError, RunbookError, StalePlan, UsageError
 from engine.model import Plan
-from engine.serve.access import Access, Identity
-from engine.serve.config import ServeConfig
+from engine.serve.access import Access, Identity, ReviewsBusy, TooManyFailures, client_of
+from engine.serve.config import ConsoleConfig, ServeConfig
 from engine.serve.console.plans import (
     MAX_PLAN_BYTES,
+    PartScanner,
     UploadError,
     multipart_fields,
     parse_params,
@@ -59,14 +61,13 @@ from engine.serve.console.plans import (
     plan_view,
 )
 from engine.serve.dispatcher import Dispatcher, NotFound, SelfApproval
+from engine.serve.http import BodyBudget, BodyTimeout, BodyTooLarge, ServerBusy, read_body, release_body
 from engine.serve.kube_identity import IdentityUnavailable
 
 log = logging.getLogger(__name__)
 
 SESSION_COOKIE = "runbook_session"
 LOGIN_COOKIE = "runbook_login"
-SESSION_SECONDS = 8 * 3600
-MAX_SESSIONS = 1000
 MAX_FORM_BYTES = 16 * 1024
 MAX_REASON = 500
 MAX_UPLOAD_BYTES = MAX_PLAN_BYTES + 64 * 1024  # the plan file and the form around it
@@ -105,12 +106,63 @@ class RunWatch:
         return self.version != since or self.done
 
 
+class SessionsFull(Exception):
+    """Every session slot is held by a live session (of other identities): the login is refused."""
+
+
+class StreamSlots:
+    """Live streams open at once: in total, per session and per client address (event loop only)."""
+
+    def __init__(self, config: ConsoleConfig) -> None:
+        self.config = config
+        self.total = 0
+        self.by_session: dict[str, int] = {}
+        self.by_client: dict[str, int] = {}
+
+    def admit(self, session: str, client: str) -> tuple[int, str] | None:
+        """Take a slot; else (status, why): 503 when the server is full, 429 for this caller."""
+        c = self.config
+        if self.total >= c.max_streams:
+            return 503, f"{c.max_streams} live streams are open on this server; reload later"
+        if self.by_session.get(session, 0) >= c.max_streams_per_session:
+            return 429, f"this session has {c.max_streams_per_session} live streams open already"
+        if self.by_client.get(client, 0) >= c.max_streams_per_client:
+            return 429, f"this address has {c.max_streams_per_client} live streams open already"
+        self.total += 1
+        self.by_session[session] = self.by_session.get(session, 0) + 1
+        self.by_client[client] = self.by_client.get(client, 0) + 1
+        return None
+
+    def release(self, session: str, client: str) -> None:
+        self.total -= 1
+        for counts, key in ((self.by_session, session), (self.by_client, client)):
+            counts[key] -= 1
+            if counts[key] <= 0:
+                del counts[key]
+
+
+class CountedStream(StreamingResponse):
+    """A streaming answer that gives its stream slot back however it ends (finished, cancelled, the
+    client gone before the first byte)."""
+
+    def __init__(self, *args: Any, on_close: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
 @dataclass
 class Session:
     identity: Identity
     csrf: str
     expires: float
     created: float = field(default_factory=time.time)
+    last_seen: float = field(default_factory=time.time)  # the idle timeout counts from here
     # a Kubernetes token (auth.mode kubernetes), kept in memory only: asked about again before each
     # approval or rejection, so a revoked RoleBinding or an expired token stops the session from acting
     kube_token: str = field(default="", repr=False)
@@ -156,7 +208,8 @@ def node_of(run: Mapping[str, Any]) -> str:
 
 def trigger_text(run: Mapping[str, Any]) -> str:
     source = str(run.get("source") or "")
-    label = {"cli": "CLI", "alertmanager": "Alertmanager", "pagerduty": "PagerDuty"}.get(source, source)
+    label = {"cli": "CLI", "alertmanager": "Alertmanager", "pagerduty": "PagerDuty", "node-condition": "Node condition",
+             "remediation": "RunbookRemediation"}.get(source, source)
     # paged runs' reasons read "alertmanager: KubeNodeNotReady{node=...} ..." (engine.serve.triggers)
     reason = str(run.get("reason") or "")
     alert = ""
@@ -234,40 +287,57 @@ def _environment() -> Environment:
 class Console:
     """The console's handlers over one dispatcher and one set of credentials."""
 
-    def __init__(self, config: ServeConfig, dispatcher: Dispatcher, access: Access) -> None:
+    def __init__(self, config: ServeConfig, dispatcher: Dispatcher, access: Access,
+                 budget: BodyBudget | None = None) -> None:
         self.config = config
         self.dispatcher = dispatcher
         self.access = access
+        self.budget = budget or BodyBudget(config.limits.max_body_reads, config.limits.buffered_bytes)
         self.env = _environment()
         self.sessions: dict[str, Session] = {}
-        # seconds between looks at a followed run: one journal read per tick per run being watched,
-        # however many pages follow it (RunWatch)
-        self.poll = 0.1
+        # seconds between looks at a followed run at least: one store read per look per run being
+        # watched, however many pages follow it (RunWatch); more runs followed: each looked at less
+        # often, so that all of them together stay within console.live_reads_per_second
+        self.poll = config.console.live_poll_seconds or 0.1
         self.watches: dict[str, RunWatch] = {}
+        self.streams = StreamSlots(config.console)
         self.planning = asyncio.Semaphore(MAX_PLANNING)
         self.static = {name: resources.files(__package__).joinpath("static", name).read_bytes()
                        for name in _STATIC}
 
     # -- sessions -----------------------------------------------------------------------------
 
+    def _ended(self, sess: Session, now: float) -> bool:
+        return sess.expires < now or now - sess.last_seen > self.config.console.idle_seconds
+
     def _session(self, request: Request) -> Session | None:
         key = request.cookies.get(SESSION_COOKIE, "")
         sess = self.sessions.get(key) if key else None
         if sess is None:
             return None
-        if sess.expires < time.time():
+        now = time.time()
+        if self._ended(sess, now):
             self.sessions.pop(key, None)
             return None
+        sess.last_seen = now
         return sess
 
     def _new_session(self, identity: Identity, kube_token: str = "") -> tuple[str, Session]:
+        """A session for ``identity``: its own oldest session ends beyond
+        ``console.max_sessions_per_identity``; another identity's never does (``SessionsFull``)."""
+        c = self.config.console
         now = time.time()
-        for key in [k for k, s in self.sessions.items() if s.expires < now]:
+        for key in [k for k, s in self.sessions.items() if self._ended(s, now)]:
             del self.sessions[key]
-        while len(self.sessions) >= MAX_SESSIONS:
-            del self.sessions[min(self.sessions, key=lambda k: self.sessions[k].created)]
+        mine = sorted((k for k, s in self.sessions.items() if s.identity.name == identity.name),
+                      key=lambda k: self.sessions[k].created)
+        while mine and (len(mine) >= c.max_sessions_per_identity or len(self.sessions) >= c.max_sessions):
+            del self.sessions[mine.pop(0)]
+        if len(self.sessions) >= c.max_sessions:
+            raise SessionsFull(f"{c.max_sessions} sessions are open on this server; try again later")
         key = secrets.token_urlsafe(32)
-        sess = Session(identity, secrets.token_urlsafe(32), now + SESSION_SECONDS, kube_token=kube_token)
+        sess = Session(identity, secrets.token_urlsafe(32), now + c.session_seconds, created=now, last_seen=now,
+                       kube_token=kube_token)
         self.sessions[key] = sess
         return key, sess
 
@@ -354,10 +424,21 @@ class Console:
         if not cookie or not hmac.compare_digest(cookie, form.get("csrf", "")):
             return await self.login_form(request, error="the login form expired; try again", status=403)
         credential = form.get("credential", "").strip()
+        client = client_of(request)
         try:
-            who = await self.access.resolve(f"Bearer {credential}") if credential and len(credential) <= 8192 \
-                else None
+            if credential and len(credential) <= 8192:
+                who = await self.access.resolve(f"Bearer {credential}", client)
+            else:
+                self.access.failures.check(client)
+                self.access.failures.failed(client)
+                who = None
         except IdentityUnavailable as e:
+            return await self.login_form(request, error=str(e), status=503)
+        except TooManyFailures as e:
+            response = await self.login_form(request, error=str(e), status=429)
+            response.headers["Retry-After"] = str(max(1, round(e.retry_after)))
+            return response
+        except ReviewsBusy as e:
             return await self.login_form(request, error=str(e), status=503)
         if who is None:
             return await self.login_form(request, error="unknown credential", status=401)
@@ -366,22 +447,22 @@ class Console:
                                                         "read runs", status=403)
         kube = self.access.kube is not None and not self.access.insecure and \
             self.access.identify_configured(f"Bearer {credential}") is None
-        key, _ = self._new_session(who, kube_token=credential if kube else "")
+        try:
+            key, _ = self._new_session(who, kube_token=credential if kube else "")
+        except SessionsFull as e:
+            return await self.login_form(request, error=str(e), status=503)
         nxt = form.get("next", "/ui/")
         response = RedirectResponse(nxt if nxt.startswith("/ui/") and "//" not in nxt else "/ui/", status_code=303)
-        response.set_cookie(SESSION_COOKIE, key, max_age=SESSION_SECONDS, path="/", httponly=True,
-                            samesite="strict", secure=self._secure(request))
+        response.set_cookie(SESSION_COOKIE, key, max_age=int(self.config.console.session_seconds), path="/",
+                            httponly=True, samesite="strict", secure=self._secure(request))
         response.delete_cookie(LOGIN_COOKIE, path="/ui/", httponly=True, samesite="strict")
         return response
 
     async def logout(self, request: Request) -> Response:
-        sess = self._session(request)
-        try:
-            form = await self._form(request)
-        except FormError:
-            form = {}
-        if sess is not None and hmac.compare_digest(sess.csrf, form.get("csrf", "")):
-            self.sessions.pop(request.cookies.get(SESSION_COOKIE, ""), None)
+        """End the session on the server (its cookie no longer opens anything), whatever the form
+        carries: a logout that only dropped the browser's cookie would leave a copied cookie valid.
+        (The cookie is SameSite=strict: another site cannot log anyone out.)"""
+        self.sessions.pop(request.cookies.get(SESSION_COOKIE, ""), None)
         response = RedirectResponse("/ui/login", status_code=303)
         response.delete_cookie(SESSION_COOKIE, path="/", httponly=True, samesite="strict")
         return response
@@ -434,9 +515,11 @@ class Console:
         identity = sess.identity
         if sess.kube_token:
             try:
-                now = await self.access.resolve(f"Bearer {sess.kube_token}")
-            except IdentityUnavailable as e:
+                now = await self.access.resolve(f"Bearer {sess.kube_token}", client_of(request))
+            except (IdentityUnavailable, ReviewsBusy) as e:
                 return self._page("error.html", request, status=503, message=str(e))
+            except TooManyFailures as e:
+                return self._page("error.html", request, status=429, message=str(e))
             if now is None or now.name != identity.name:
                 self.sessions.pop(request.cookies.get(SESSION_COOKIE, ""), None)
                 return self._page("error.html", request, status=401,
@@ -513,25 +596,78 @@ class Console:
         return sess, "", 200
 
     async def upload_plan(self, request: Request) -> Response:
-        try:
-            body = await self._body(request, MAX_UPLOAD_BYTES, drain=MAX_DRAIN_BYTES, what="the upload")
-            fields = multipart_fields(request.headers.get("content-type", ""), body)
-        except FormError as e:
-            msg = f"{e}: a plan file is at most {MAX_PLAN_BYTES} bytes" if e.status == 413 else str(e)
-            return await self.plans(request, error=msg, status=e.status)
-        except UploadError as e:
-            return await self.plans(request, error=str(e), status=e.status)
-        csrf = fields.get("csrf", (None, b""))[1].decode("utf-8", "replace")
-        sess, why, status = self._poster(request, csrf)
+        """A plan file to show. Nothing of the body is read before the caller is known: the session
+        first (cookie), then the form's first part, its CSRF token, as soon as it has arrived; the
+        parts are counted while they arrive (reading stops past ``console.max_upload_parts``); the
+        bytes count toward the server's body budget; splitting and parsing run in worker threads."""
+        sess = self._session(request)
         if sess is None:
-            return self._page("error.html", request, status=status, message=why)
-        filename, data = fields.get("plan", (None, b""))
-        name = (filename or "the uploaded file").replace("\\", "/").rsplit("/", 1)[-1]
+            return self._refuse(request, 401, "log in first")
+        if not sess.identity.may("reader", "approver"):
+            return self._refuse(request, 403, f"{sess.identity.name} ({sess.identity.role}) may not read plans")
+        content_type = request.headers.get("content-type", "")
         try:
-            plan = parse_plan_file(name, data)
+            scanner = PartScanner(content_type, max_parts=self.config.console.max_upload_parts)
+        except UploadError as e:
+            return self._refuse(request, e.status, str(e))
+        checked = False
+
+        def arrived(chunk: bytes) -> None:
+            nonlocal checked
+            scanner.feed(chunk)
+            if not checked and (first := scanner.first_part()) is not None:
+                if first[0] != "csrf" or not hmac.compare_digest(sess.csrf.encode(), first[1]):
+                    raise UploadError("the form's CSRF token is missing or wrong; reload the page", 403)
+                checked = True
+            scanner.check_parts()
+
+        try:
+            body = await read_body(request, MAX_UPLOAD_BYTES, budget=self.budget,
+                                   timeout=self.config.limits.body_timeout, on_chunk=arrived)
+        except UploadError as e:
+            return self._refuse(request, e.status, str(e))
+        except BodyTooLarge:
+            await self._drain(request)
+            return await self.plans(request, error=f"the upload is too large: a plan file is at most {MAX_PLAN_BYTES} "
+                                    "bytes", status=413)
+        except BodyTimeout:
+            return self._refuse(request, 408, "the upload did not arrive in time")
+        except ServerBusy:
+            return self._refuse(request, 503, "too many requests in flight; retry later")
+        try:
+            fields = await run_in_threadpool(multipart_fields, content_type, body,
+                                             max_fields=self.config.console.max_upload_parts)
+            csrf = fields.get("csrf", (None, b""))[1]
+            if not checked and not hmac.compare_digest(sess.csrf.encode(), csrf):
+                return self._refuse(request, 403, "the form's CSRF token is missing or wrong; reload the page")
+            filename, data = fields.get("plan", (None, b""))
+            name = (filename or "the uploaded file").replace("\\", "/").rsplit("/", 1)[-1]
+            plan = await run_in_threadpool(parse_plan_file, name, data)
         except UploadError as e:
             return await self.plans(request, error=str(e), status=e.status)
+        finally:
+            release_body(request, self.budget)
         return await self.plans(request, plan=plan, source=f"the file {name[:120]}, uploaded by {sess.identity.name}")
+
+    def _refuse(self, request: Request, status: int, message: str) -> Response:
+        """An error page after which the connection is closed (its unread body is abandoned)."""
+        response = self._page("error.html", request, status=status, message=message)
+        response.headers["Connection"] = "close"
+        return response
+
+    async def _drain(self, request: Request) -> None:
+        """Read a too-large upload of a known caller to its end, up to ``MAX_DRAIN_BYTES``, keeping
+        nothing, so that a browser shows the page that says why (it stops reading our answer else)."""
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > MAX_DRAIN_BYTES:
+            return
+        size = 0
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(self.config.limits.body_timeout):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > MAX_DRAIN_BYTES:
+                        return
 
     async def request_plan(self, request: Request) -> Response:
         try:
@@ -564,6 +700,11 @@ class Console:
                 return await self.plans(request, error=f"planning failed: {e}", status=500, form=kept)
         return await self.plans(request, plan=plan, source=f"planned just now for {sess.identity.name}", form=kept)
 
+    def poll_interval(self) -> float:
+        """Seconds between two reads of one followed run: ``poll``, or longer when so many runs are
+        followed that their reads together would pass ``console.live_reads_per_second``."""
+        return max(self.poll, len(self.watches) / self.config.console.live_reads_per_second)
+
     def _watch(self, run_id: str) -> RunWatch:
         """The shared watcher of ``run_id`` (started for the first viewer; one journal read per tick
         whatever the number of pages following the run)."""
@@ -588,7 +729,7 @@ class Console:
                         watch.changed.notify_all()
                 if final:
                     return
-                await asyncio.sleep(self.poll)
+                await asyncio.sleep(self.poll_interval())
         finally:
             async with watch.changed:
                 watch.done = True
@@ -600,9 +741,26 @@ class Console:
         sess, redirect = self._viewer(request)
         if redirect is not None:
             return Response("log in first", status_code=401, media_type="text/plain")
-        run_id = request.path_params["run_id"]
-        if await self._load(run_id) is None:
+        session_key = request.cookies.get(SESSION_COOKIE, "") if sess is not None else ""
+        client = client_of(request)
+        refused = self.streams.admit(session_key, client)
+        if refused is not None:
+            return Response(refused[1], status_code=refused[0], media_type="text/plain",
+                            headers={"Retry-After": "10"})
+        try:
+            found = await self._load(request.path_params["run_id"])
+        except BaseException:
+            self.streams.release(session_key, client)
+            raise
+        if found is None:
+            self.streams.release(session_key, client)
             return Response("no such run", status_code=404, media_type="text/plain")
+        return CountedStream(self._stream(request, sess), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
+                             on_close=partial(self.streams.release, session_key, client))
+
+    def _stream(self, request: Request, sess: Session | None) -> AsyncIterator[str]:
+        run_id = request.path_params["run_id"]
         template = self.env.get_template("_live.html")
 
         async def stream() -> AsyncIterator[str]:
@@ -640,12 +798,13 @@ class Console:
             finally:
                 watch.viewers -= 1
 
-        return StreamingResponse(stream(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
+        return stream()
 
 
-def console_routes(config: ServeConfig, dispatcher: Dispatcher, access: Access) -> list[Route]:
-    console = Console(config, dispatcher, access)
+def console_routes(config: ServeConfig, dispatcher: Dispatcher, access: Access,
+                   budget: BodyBudget | None = None) -> list[Route]:
+    """The console's routes; ``budget``: the server's shared body budget (uploads count toward it)."""
+    console = Console(config, dispatcher, access, budget)
     return [
         Route("/", console.root, methods=["GET"]),
         Route("/ui", console.root, methods=["GET"]),

@@ -1,21 +1,25 @@
 """The plans page's boundary: an uploaded plan file (``runbook plan --out``) or a plan request form ->
 typed values, or one clear, located error.
 
-An upload is a ``multipart/form-data`` body (parsed with the standard library's MIME parser, after
-its size was bounded by the caller); the plan file in it must be UTF-8 JSON (``file: line L, column
-C: ...``), a valid ``Plan`` (``file: steps.0.kind: ...``) and carry the digest of its own content
-(``file: digest: ...``: a file changed after ``runbook plan`` made it is refused). A request form's
-params are ``name=value`` lines. This module parses only: it plans nothing, records nothing and
-never touches a run.
+An upload is a ``multipart/form-data`` body. While it arrives, ``PartScanner`` counts its parts
+(reading stops past the limit) and hands over the first part as soon as it is complete (the form's
+CSRF token, checked before the rest is read). The whole body is then split into fields here, meant
+to run in a worker thread. The plan file in it must be UTF-8 JSON (``file: line L, column C: ...``;
+nesting, huge numbers, ``NaN`` and lone surrogates are located 4xx errors, never a 500), a valid
+``Plan`` (``file: steps.0.kind: ...``) and carry the digest of its own content (``file: digest:
+...``: a file changed after ``runbook plan`` made it is refused). A request form's params are
+``name=value`` lines. This module parses only: it plans nothing, records nothing and never touches
+a run.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from email import policy
 from email.message import EmailMessage
-from email.parser import BytesParser
+from email.parser import BytesHeaderParser
 from typing import Any
 
 from pydantic import ValidationError
@@ -34,24 +38,86 @@ class UploadError(Exception):
         self.status = status
 
 
-def multipart_fields(content_type: str, body: bytes, *, max_fields: int = 10) -> dict[str, tuple[str | None, bytes]]:
-    """A ``multipart/form-data`` body -> field name -> (file name or None, bytes)."""
-    if not content_type.lower().startswith("multipart/form-data") or "boundary=" not in content_type.lower():
+_BOUNDARY = re.compile(r'boundary=(?:"([^"]{1,70})"|([^\s;"]{1,70}))', re.IGNORECASE)
+
+
+def boundary_of(content_type: str) -> bytes:
+    """The multipart boundary of a ``Content-Type``; ``UploadError`` (415) when it is not a form upload."""
+    found = _BOUNDARY.search(content_type)
+    if not content_type.lower().startswith("multipart/form-data") or found is None:
         raise UploadError("expected a file upload (multipart/form-data with a boundary)", 415)
-    head = f"Content-Type: {content_type}\r\nMIME-Version: 1.0\r\n\r\n".encode("latin-1", "replace")
-    message = BytesParser(policy=policy.HTTP).parsebytes(head + body)
-    if not isinstance(message, EmailMessage) or not message.is_multipart():
+    return (found.group(1) or found.group(2)).encode("latin-1", "replace")
+
+
+class PartScanner:
+    """Follows a multipart body while it arrives (``feed``): counts its parts, refusing more than
+    ``max_parts`` at once (the reader stops there), and knows when the first part is complete."""
+
+    def __init__(self, content_type: str, *, max_parts: int) -> None:
+        self.boundary = boundary_of(content_type)
+        self.delimiter = b"--" + self.boundary
+        self.max_parts = max_parts
+        self.buffer = bytearray()
+        self.delimiters = 0
+        self._scan = 0
+
+    def feed(self, chunk: bytes) -> None:
+        """Take the next piece of the body (counting stops once there are too many parts)."""
+        self.buffer += chunk
+        while not self.too_many():
+            at = self.buffer.find(self.delimiter, self._scan)
+            if at < 0:
+                self._scan = max(self._scan, len(self.buffer) - len(self.delimiter) + 1)
+                return
+            self.delimiters += 1
+            self._scan = at + len(self.delimiter)
+
+    def too_many(self) -> bool:
+        return self.delimiters - 1 > self.max_parts
+
+    def check_parts(self) -> None:
+        """``UploadError`` once more than ``max_parts`` parts have arrived."""
+        if self.too_many():
+            raise UploadError(f"the form has more than {self.max_parts} parts")
+
+    def first_part(self) -> tuple[str, bytes] | None:
+        """(field name, content) of the first part once it is complete (None until then)."""
+        if self.delimiters < 2:
+            return None
+        fields = _split_parts(bytes(self.buffer), self.boundary, max_fields=1, partial=True)
+        return next(((name, data) for name, (_, data) in fields.items()), ("", b""))
+
+
+def _split_parts(body: bytes, boundary: bytes, *, max_fields: int,
+                 partial: bool = False) -> dict[str, tuple[str | None, bytes]]:
+    pieces = body.split(b"--" + boundary)
+    if len(pieces) < 2 or (not partial and not any(p.startswith(b"--") for p in pieces[1:])):
         raise UploadError("the upload is not a readable multipart form")
     out: dict[str, tuple[str | None, bytes]] = {}
-    for part in message.iter_parts():
+    for piece in pieces[1:]:
+        if piece.startswith(b"--"):
+            break
+        if partial and len(out) >= max_fields:
+            break
         if len(out) >= max_fields:
             raise UploadError(f"the form has more than {max_fields} fields")
-        name = part.get_param("name", header="content-disposition")
+        piece = piece[2:] if piece.startswith(b"\r\n") else piece
+        head, sep, content = piece.partition(b"\r\n\r\n")
+        if not sep:
+            raise UploadError("the upload is not a readable multipart form (a part without headers)")
+        headers = BytesHeaderParser(policy=policy.HTTP).parsebytes(head + b"\r\n\r\n")
+        if not isinstance(headers, EmailMessage):
+            raise UploadError("the upload is not a readable multipart form")
+        name = headers.get_param("name", header="content-disposition")
         if not isinstance(name, str) or not name:
             continue
-        payload = part.get_payload(decode=True)
-        out[name] = (part.get_filename(), payload if isinstance(payload, bytes) else b"")
+        out[name] = (headers.get_filename(), content[:-2] if content.endswith(b"\r\n") else content)
     return out
+
+
+def multipart_fields(content_type: str, body: bytes, *, max_fields: int = 10) -> dict[str, tuple[str | None, bytes]]:
+    """A ``multipart/form-data`` body -> field name -> (file name or None, bytes). Runs in a worker thread."""
+    return _split_parts(body, boundary_of(content_type), max_fields=max_fields)
 
 
 def parse_plan_file(name: str, data: bytes) -> Plan:
@@ -67,10 +133,32 @@ def parse_plan_file(name: str, data: bytes) -> Plan:
         raise UploadError(f"{name}: byte {e.start}: not UTF-8 text, so not a plan file (`runbook plan --out` "
                           "writes JSON)") from None
     try:
-        raw = json.loads(text)
+        raw = json.loads(text, parse_constant=_no_constant)
     except json.JSONDecodeError as e:
         raise UploadError(f"{name}: line {e.lineno}, column {e.colno}: not JSON ({e.msg}); a plan file is the "
                           "JSON `runbook plan --out` writes") from None
+    except RecursionError:
+        raise UploadError(f"{name}: nested too deeply to be a plan file") from None
+    except ValueError as e:  # a number of thousands of digits, NaN or Infinity
+        raise UploadError(f"{name}: not a plan file: {str(e)[:120]}") from None
+    try:
+        json.dumps(raw, ensure_ascii=False).encode("utf-8")
+    except RecursionError:
+        raise UploadError(f"{name}: nested too deeply to be a plan file") from None
+    except UnicodeEncodeError as e:
+        raise UploadError(f"{name}: character {e.start}: text is not valid Unicode (a lone surrogate "
+                          "\\uD800-\\uDFFF)") from None
+    try:
+        return _checked_plan(name, raw)
+    except RecursionError:
+        raise UploadError(f"{name}: nested too deeply to be a plan file") from None
+
+
+def _no_constant(value: str) -> Any:
+    raise ValueError(f"{value} is not a number a plan holds")
+
+
+def _checked_plan(name: str, raw: Any) -> Plan:
     if not isinstance(raw, dict):
         raise UploadError(f"{name}: line 1: a plan file is a JSON object, not a {type(raw).__name__}")
     if raw.get("format") != "runbook-plan/v1":

@@ -196,8 +196,8 @@ def serving(env: Mapping[str, str], workdir: Path, config: Mapping[str, Any] | N
     child_env["RUNBOOK_JOURNAL"] = str(journal)
     if token:
         child_env["RUNBOOK_WEBHOOK_TOKEN"] = token
-    for name, secret in APPROVERS.items():
-        child_env[f"RUNBOOK_APPROVER_TOKEN_{name.upper()}"] = secret
+    for approver, secret in APPROVERS.items():
+        child_env[f"RUNBOOK_APPROVER_TOKEN_{approver.upper()}"] = secret
     if pd_secret:
         child_env["RUNBOOK_PAGERDUTY_SECRET"] = pd_secret
     log_path = workdir / f"{name}.log"

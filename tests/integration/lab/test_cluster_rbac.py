@@ -64,6 +64,17 @@ UNEXERCISED.update({
     ("authorization.k8s.io", "subjectaccessreviews", "create", ""):
         "serve with auth.mode kubernetes: may that user approve/read runs (engine/serve/kube_identity.py)",
 })
+# runbook serve's RunbookRemediation reconciler (engine/serve/remediator.py; its lab test is
+# test_remediator_lab.py): a recovery from the CLI neither reads nor writes RunbookRemediations.
+UNEXERCISED.update({
+    ("runbook.io", "runbookremediations", verb, ""):
+        "the RunbookRemediation reconciler of runbook serve (engine/serve/remediator.py)"
+    for verb in ("get", "list", "update")
+})
+UNEXERCISED[("runbook.io", "runbookremediations/status", "update", "")] = \
+    "the reconciler reports Processing/Succeeded, runName and phase (engine/serve/remediator.py)"
+UNEXERCISED[("cluster.x-k8s.io", "machines", "get", "")] = \
+    "the reconciler resolves an MHC object's node from its Machine (engine/serve/remediator.py)"
 # The store's permissions a recovery does not exercise (the recovery uses get, list, create and
 # remediationruns/status update).
 UNEXERCISED[("runbook.io", "remediationruns", "delete", NS)] = "retention: KubeRunStore.prune (engine/kube_store.py)"
@@ -233,6 +244,8 @@ def test_the_roles_grant_nothing_the_code_does_not_use_per_the_audit_log_of_the_
     assert not {k for k in FOR_THE_FUTURE_STORE if k in used}, "built now: move it out of FOR_THE_FUTURE_STORE"
     assert {("runbook.io", "remediationruns", v, NS) for v in ("get", "list", "create")} | {
         ("runbook.io", "remediationruns/status", "update", NS)} <= used  # the store ran as the ServiceAccount
+    # the medik8s-lease run guard read the node's Medik8s Lease as the ServiceAccount (Role in medik8s-leases)
+    assert ("coordination.k8s.io", "leases", "get", "medik8s-leases") in used
     exercised_anyway = {k for k in UNEXERCISED if k in used or any(
         (u[0], u[1], u[2]) == k[:3] for u in used if k[3] == "")}
     assert not exercised_anyway, f"listed as unexercised but the recovery used them: {sorted(exercised_anyway)}"

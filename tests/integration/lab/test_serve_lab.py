@@ -210,7 +210,7 @@ def test_twenty_concurrent_identical_alerts_start_exactly_one_run(unchanged_lab:
         runs = server.runs()
         assert len(runs) == 1 and runs[0]["nodes"] == ["omen2"], runs
         assert runs[0]["id"] == next(a.json()["runs"][0] for a in answers if a.status_code == 202)
-        assert server.get("/healthz").json()["breaker"]["active_nodes"] == {"omen2": runs[0]["id"]}
+        assert server.get("/breaker").json()["active_nodes"] == {"omen2": runs[0]["id"]}
     omen2_untouched(unchanged_lab, sh)
 
 
@@ -340,7 +340,7 @@ def test_approve_mode_waits_refuses_a_wrong_digest_survives_a_restart_and_comple
     with serving(fresh_lab.env(), tmp_path, journal=journal, name="second") as second:
         run = second.run(run_id)
         assert (run["state"], run["plan_digest"], run["approved_by"]) == ("waiting-approval", digest, None)
-        assert run_id in second.get("/healthz").json()["breaker"]["waiting_approval"]
+        assert run_id in second.get("/breaker").json()["waiting_approval"]
         # the re-sent page is still a duplicate: the new server knows the run from the journal
         again = second.alert(omen2_alert())
         assert again.json()["decisions"][0]["outcome"] == "duplicate", again.text
