@@ -17,7 +17,7 @@ def main(listen: str) -> None:
     from engine.serve.app import create_app
     from engine.serve.cli import uvicorn_options
     from engine.serve.config import load_config, split_listen
-    from engine.serve.testing import INCIDENT_NODES, FakeRunStarter, StaticClusterView, trigger_spec
+    from tests.fakes import INCIDENT_NODES, FakeRunStarter, StaticClusterView, trigger_spec
 
     config = load_config(None, overrides={"listen": listen})
     starter = FakeRunStarter([trigger_spec("gpu-node-recovery", mode="approve")])

@@ -60,7 +60,7 @@ def serve(listen: str) -> None:
     from engine.serve.cli import uvicorn_options
     from engine.serve.config import load_config, split_listen
     from engine.serve.kube_identity import KubeIdentity
-    from engine.serve.testing import INCIDENT_NODES, FakeRunStarter, StaticClusterView, trigger_spec
+    from tests.fakes import INCIDENT_NODES, FakeRunStarter, StaticClusterView, trigger_spec
 
     config = load_config(None, overrides={"listen": listen, "auth": {"mode": "kubernetes", "reads": "token"}})
     starter = FakeRunStarter([trigger_spec("gpu-node-recovery", mode="approve", matchers=('node=~"omen.*"',))])
@@ -110,7 +110,7 @@ def _webhook_latencies(base: str, count: int, stop: threading.Event | None = Non
 
     import httpx
 
-    from engine.serve.testing import alert, webhook
+    from tests.fakes import alert, webhook
 
     body = json.dumps(webhook(alert("omen2", fingerprint="bench-p10"))).encode()
     headers = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}

@@ -46,7 +46,7 @@ class _TimingSink:
     """The journal first (write-ahead, as in a real run), then the time the passing verify was recorded."""
 
     def __init__(self, journal: Any, run_id: str) -> None:
-        from engine.journal import JournalSink
+        from engine.store import JournalSink
 
         self.inner = JournalSink(journal, run_id)
         self.step_started = threading.Event()

@@ -5,7 +5,7 @@ The server is the real ``runbook serve`` against the lab (its ``JournalRunStarte
 a sender's Bearer token, reads open on loopback; every limit of issue 14 at its default), or
 with ``--p5-fake`` ``bench.fake_serve`` (the same app over ``FakeRunStarter``).
 One first page for omen2 starts one run (approve mode); once it waits for approval, the load
-generator posts that same Alertmanager v4 payload (``engine.serve.testing.webhook``) over and over:
+generator posts that same Alertmanager v4 payload (``tests.fakes.webhook``) over and over:
 each is answered ``duplicate``. After each round the server must still list exactly one run, and
 its ``/metrics`` must count the requests as duplicates.
 
@@ -44,7 +44,7 @@ def _free_port() -> int:
 
 
 def _payload() -> bytes:
-    from engine.serve.testing import alert, webhook
+    from tests.fakes import alert, webhook
 
     return json.dumps(webhook(alert("omen2", fingerprint="bench-p5-omen2"))).encode()
 

@@ -160,7 +160,7 @@ def live_latencies(events: list[dict[str, Any]], after_ms: float, updates: list[
 def run(ctx: Context) -> list[Metric]:
     import httpx
 
-    from engine.serve.testing import alert, webhook
+    from tests.fakes import alert, webhook
 
     loads = 1 if ctx.quick else max(5, ctx.runs)
     lab = ctx.lab()

@@ -9,6 +9,7 @@ decides how a run proceeds.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from engine.params import PreparedRun
     from engine.runs import FleetResult, RunService
     from engine.settings import Settings
+    from engine.store import RunStore
 
 
 # -- catalogue ----------------------------------------------------------------------------------
@@ -311,7 +313,17 @@ def approve(settings: Settings, run_id: str, digest: str, approved_by: str | Non
             raise UsageError(f"--by {approved_by}: the approver recorded is you ({who}); --by may only name "
                              "approvals.cli_identity of the guards configuration")
         who = approved_by or who
-    summary = _service(settings, live=False).approve(run_id, digest, who, roles=roles)
+    if settings.store == "kubernetes":
+        from engine.integrity import IntegrityError, RunIntegrity
+
+        journal = settings.open_journal()
+        try:
+            RunIntegrity(journal).keys()
+        except IntegrityError:  # an approver holds no run key: a request the server verifies instead
+            return _request_store_approval(settings, journal, run_id, digest, who)
+    from engine import lifecycle
+
+    summary = lifecycle.approve(_service(settings, live=False), run_id, digest, who, roles=roles)
     approvals = summary["approvals"]
     if approvals["satisfied"]:
         print(f"run {run_id} approved by {summary['approved_by']} for plan {digest} ({approvals['text']})")
@@ -334,39 +346,53 @@ def os_groups() -> frozenset[str]:
     return frozenset(names)
 
 
+def _request_store_approval(settings: Settings, journal: RunStore, run_id: str, digest: str, who: str) -> int:
+    """``runbook approve --store kubernetes`` by an approver: a CertificateSigningRequest whose author
+    the API server records (engine.store_approvals); the server's leader verifies it with a
+    SubjectAccessReview and records the approval."""
+    from engine import store_approvals
+    from engine.cluster_auth import ApprovalForbidden
+    from engine.errors import Forbidden
+
+    rec = journal.get_run(run_id)
+    if rec.plan_digest != digest:
+        raise StalePlan(f"run {run_id}: approval names plan {digest!r}, but the run's plan is {rec.plan_digest!r}; "
+                        "re-read the plan and approve that digest")
+    if rec.state != "waiting-approval":
+        raise StalePlan(f"run {run_id} is {rec.state}, not waiting for approval")
+    body = store_approvals.request_body(settings.store_namespace, run_id, digest)
+    try:
+        settings.objects().create_object(store_approvals.API_VERSION, store_approvals.PLURAL, "", body)
+    except Forbidden as e:
+        raise ApprovalForbidden(f"forbidden: you may not request an approval of run {run_id}: it needs verb "
+                                '"create" on "certificatesigningrequests" (apiGroup certificates.k8s.io); bind '
+                                "the ClusterRole runbook-approver-requests (deploy/kubernetes/approver-rbac.yaml)"
+                                ) from e
+    print(f"run {run_id}: approval of plan {digest} by {who} requested (CertificateSigningRequest "
+          f"{body['metadata']['name']}); the server records it at its next sweep")
+    return ExitCode.OK
+
+
 def resume(settings: Settings, run_id: str, *, yes: bool, output: str,
            overrides: dict[str, str] | None = None) -> int:
-    """Continue an ``interrupted`` run (or an approved one waiting for approval) where it stopped."""
-    from engine.store import FINAL_STATES
+    """Continue an ``interrupted`` run (or an approved one waiting for approval) where it stopped
+    (``engine.lifecycle.continue_run``, as a person: confirm, guard overrides, re-run questions)."""
+    from engine import lifecycle
 
     service = _service(settings)
     try:
         service.check_overrides(overrides or {})
-        journal = service.journal
-        rec = journal.get_run(run_id)
-        if rec.state in FINAL_STATES:
-            print(f"run {run_id} already finished: {rec.state} (exit {rec.exit_code}); nothing to resume")
-            return ExitCode.OK
-        if rec.state in ("running", "pending"):
-            raise UsageError(f"run {run_id} is still {rec.state} (pid {rec.owner_pid} on {rec.owner_host})")
-        if rec.plan is None:
-            # Interrupted before it was planned (a server that died with a queued run): plan now.
-            prepared = service.targets(rec.runbook, dict(rec.params))[0]
-            the_plan = service.plan(prepared)
-            service.record_plan(run_id, the_plan)
-            _print_plans([the_plan], "text" if output != "json" else "json")
-        else:
-            prepared, the_plan = service.prepare_from_record(run_id)
-        approved = rec.approved_digest == the_plan.digest
-        if rec.state == "waiting-approval" and not approved:
-            print(f"run {run_id} is waiting for approval of plan {the_plan.digest}")
-            return ExitCode.BLOCKED
-        progress = journal.progress(run_id)
-        left = [s.id for s in the_plan.steps if s.id not in progress.completed]
-        note = f"; step {progress.interrupted_step} was left half-way" if progress.interrupted_step else ""
-        print(f"resuming run {run_id} ({rec.runbook} on {prepared.node}): steps left: "
-              f"{', '.join(left) or 'none'}{note}", file=sys.stderr)
-        confirm(f"Resume run {run_id}?", yes)
+
+        def show_plan(plan: Plan) -> None:
+            _print_plans([plan], "text" if output != "json" else "json")
+
+        def confirm_resume(c: lifecycle.Continuation) -> None:
+            note = f"; step {c.progress.interrupted_step} was left half-way" if c.progress.interrupted_step else ""
+            print(f"resuming run {run_id} ({c.record.runbook} on {c.prepared.node}): steps left: "
+                  f"{', '.join(c.steps_left) or 'none'}{note}", file=sys.stderr)
+            confirm(f"Resume run {run_id}?", yes)
+            if service.live is not None:
+                service.live.expect([c.plan])
 
         def ask_rerun(step: str, why: str) -> bool:
             # --yes confirms the plan, not doing a non-idempotent action twice: always ask a person.
@@ -374,15 +400,22 @@ def resume(settings: Settings, run_id: str, *, yes: bool, output: str,
 
             return bool(click.confirm(f"step {step}: {why}. Run it again?", default=False, err=True))
 
-        if service.live is not None:
-            service.live.expect([the_plan])
         try:
-            with cancellation(on_abort=settings.abort_actions) as cancel:
-                result = service.execute(run_id, prepared, the_plan, cancel=cancel, approved=approved, resume=True,
-                                         confirm_rerun=ask_rerun if sys.stdin.isatty() else None,
-                                         overrides=overrides)
+            done = lifecycle.continue_run(
+                service, run_id, automatic=False, overrides=overrides,
+                cancel_scope=lambda: cancellation(on_abort=settings.abort_actions),
+                confirm_rerun=ask_rerun if sys.stdin.isatty() else None,
+                on_planned=show_plan, before_execute=confirm_resume)
         finally:
             _stop_live(service)
+        if done.result is None:
+            if done.state.is_final and done.reason == "already finished":
+                print(f"run {run_id} already finished: {done.state} (exit {done.exit_code}); nothing to resume")
+                return ExitCode.OK
+            print(done.reason if done.state is RunState.WAITING_APPROVAL else f"run {run_id}: {done.state}: "
+                  f"{done.reason}")
+            return done.exit_code if done.exit_code is not None else ExitCode.BLOCKED
+        result = done.result
         _print_result(result, run_id, output)
         if result.outcomes and result.outcomes[-1].evidence.get("needs_confirmation"):
             print(f"step {result.outcomes[-1].step} is not idempotent: confirm re-running it with "
@@ -392,6 +425,52 @@ def resume(settings: Settings, run_id: str, *, yes: bool, output: str,
         settings.close()
 
 
+# -- diagnosis ----------------------------------------------------------------------------------
+
+
+def diagnose(settings: Settings, node: str | None, output: str, *, all_nodes: bool = False,
+             selector: str | None = None) -> int:
+    """``runbook diagnose``: ``--node N`` one node; ``--all`` / ``-l SELECTOR`` every sick node."""
+    from engine.diagnose import gather, is_sick, load_catalogue, render_table, render_text
+    from engine.loader import default_runbooks_dir, playbooks_dir_for
+    from engine.params import validate_node_name
+
+    if sum(bool(x) for x in (node, all_nodes or selector)) != 1:
+        raise UsageError("diagnose needs either --node NODE or --all / -l SELECTOR")
+    if node:
+        validate_node_name(node)
+    runbooks_dir = settings.runbooks_dir or default_runbooks_dir()
+    catalogue, problems = load_catalogue(Path(runbooks_dir))
+    nodes = settings.nodes(playbooks_dir_for(runbooks_dir)) if settings.inventory else None
+    try:
+        kube = settings.kube()
+        names = [node] if node else [n.name for n in kube.list_nodes(selector) if is_sick(n)]
+        ds = gather(names, kube, nodes, catalogue)
+    finally:
+        settings.close()
+    if node:
+        d = ds[0]
+        if output == "json":
+            doc = d.as_json()
+            doc["catalogue_problems"] = problems
+            print(json.dumps(doc, indent=2, default=str))
+        else:
+            print(render_text(d))
+            for p in problems:
+                print(f"warning: runbook not in the catalogue: {p}")
+        return d.exit_code
+    code = ExitCode.OK if all(d.known for d in ds) else ExitCode.FAILED
+    if output == "json":
+        print(json.dumps({"nodes": [d.as_json() for d in ds], "catalogue_problems": problems},
+                         indent=2, default=str))
+    elif not ds:
+        print("nothing is wrong: no node is NotReady, unschedulable or GPU-less"
+              + (f" among {selector}" if selector else ""))
+    else:
+        print(render_table(ds))
+        for p in problems:
+            print(f"warning: runbook not in the catalogue: {p}")
+    return code
 # -- rollback -----------------------------------------------------------------------------------
 
 

@@ -592,10 +592,10 @@ def runs_prune(settings: Settings, keep: int, max_age: str, output: str) -> int:
 def diagnose(settings: Settings, node: str | None, all_nodes: bool, selector: str | None, output: str) -> int:
     """Collect evidence read-only and name the cause and the runbook that fixes it (from the runbooks'
     declared diagnoses)."""
-    from engine import diagnose as diag
+    from engine import app
 
-    return yaml_or_direct(output, lambda fmt: diag.diagnose_command(settings, node, fmt, all_nodes=all_nodes,
-                                                                  selector=selector))
+    return yaml_or_direct(output, lambda fmt: app.diagnose(settings, node, fmt, all_nodes=all_nodes,
+                                                           selector=selector))
 
 
 SHELLS = ("bash", "zsh", "fish")

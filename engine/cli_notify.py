@@ -24,14 +24,16 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+from engine.journal import opened
+from engine.model import RunState
 from engine.serve.config import ServeConfig, load_config
 from engine.serve.notify import Notification, Notifier, run_report, step_outcomes
-from engine.store import RunStore, opened
+from engine.store import RunStore
 
 log = logging.getLogger(__name__)
 SOURCE = "cli"
-_EVENTS = {"succeeded": "finished", "failed": "failed", "blocked": "blocked", "cancelled": "failed",
-           "interrupted": "failed", "waiting-approval": "waiting-approval"}
+_EVENTS = {RunState.SUCCEEDED: "finished", RunState.FAILED: "failed", RunState.BLOCKED: "blocked",
+           RunState.CANCELLED: "failed", RunState.INTERRUPTED: "failed", RunState.WAITING_APPROVAL: "waiting-approval"}
 
 
 def load_notify_config(path: str | Path) -> ServeConfig:
@@ -88,17 +90,17 @@ def notifications_since(store: RunStore | Path | None, since: float, *, pagerdut
             node = r.nodes[0] if r.nodes else None
             reasons = [str(e.get("reason") or "") for e in events
                        if e.get("kind") in ("run.blocked", "run.failed", "run.cancelled", "run.interrupted")]
-            reason = reasons[-1] if reasons else r.state
+            reason = reasons[-1] if reasons else r.state.value
             link = f"{public_url.rstrip('/')}/ui/runs/{quote(r.id, safe='')}" if public_url else None
             common = {"node": node, "run_id": r.id, "mode": "cli", "pagerduty_key": pagerduty_key, "link": link}
             for s in step_outcomes(events):
                 out.append(Notification("step", r.runbook, state="running", reason=s["reason"],
                                         extra={"step": s["step"], "status": s["status"]}, **common))  # type: ignore[arg-type]
             extra: dict[str, object] = {"exit_code": r.exit_code}
-            if r.state == "waiting-approval" and r.plan_digest:
+            if r.state is RunState.WAITING_APPROVAL and r.plan_digest:
                 extra["plan_digest"] = r.plan_digest
-            out.append(Notification(event, r.runbook, state=r.state, reason=reason,
-                                    report=run_report(events, r.state, reason), extra=extra,
+            out.append(Notification(event, r.runbook, state=r.state.value, reason=reason,
+                                    report=run_report(events, r.state.value, reason), extra=extra,
                                     **common))  # type: ignore[arg-type]
     return out
 

@@ -9,7 +9,8 @@ runbook matches it says so plainly, with the evidence it gathered (exit 1); a ma
 node is exit 0. No cause is known to the code: the catalogue is the runbooks directory.
 
 It never changes anything. ``explain`` and ``evaluate_diagnosis`` are pure (facts in, value out);
-``gather`` reads, in parallel.
+``gather`` reads, in parallel; ``render_text``/``render_table`` turn the values into text. The
+command itself (options, connectors, printing, exit code) is ``engine.app.diagnose``.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from engine.resources import object_resources, parse_quantity
 if TYPE_CHECKING:
     from engine.connectors.base import KubeAPI, NodeAutomation
     from engine.model import Evidence, Runbook
-    from engine.settings import Settings
 
 SWAP_REFUSAL = "running with swap on is not supported"
 OLD_SWAP_REFUSAL = "please disable swap"
@@ -356,13 +356,7 @@ def explain(facts: Facts, catalogue: Sequence[Runbook], *, vms: Sequence[Mapping
     if waiting:
         node_links.append((vm_link.split(" (")[0], f"{vm_link.split(' (')[0]} ("
                            + "; ".join(f"{v['vm']} asks for {', '.join(v['asks_for'])}" for v in waiting) + ")"))
-    if workload == "vm-passthrough" and host is not None and (not node.ready or kubelet_state != "active"):
-        notes.append("the workload label is vm-passthrough: if kubelet came back now, vfio-manager would "
-                     f"rebind the GPU to vfio-pci and kill the host's {len(host.cuda_processes)} CUDA job(s); "
-                     "relabel the node to container first (gpu-node-recovery does)")
-    if host is not None and host.unhandled_swap_sources:
-        notes.append("swap also comes from sources the swap-off playbook refuses to handle: "
-                     + ", ".join(host.unhandled_swap_sources))
+    notes += declared_notes(catalogue, facts)
 
     if matches:
         best = matches[0]
@@ -418,8 +412,29 @@ def catalogue_probes(catalogue: Sequence[Runbook], node: str) -> set[Any]:
     for rb in catalogue:
         assert rb.diagnosis is not None
         params = _params_for(rb, node)
-        probes |= chk.required_probes([ev.check for ev in (*rb.diagnosis.evidence, *rb.diagnosis.excludes)], params)
+        probes |= chk.required_probes([ev.check for ev in (*rb.diagnosis.evidence, *rb.diagnosis.excludes)]
+                                      + [n.when for n in rb.diagnosis.notes], params)
     return probes
+
+
+def declared_notes(catalogue: Sequence[Runbook], facts: Facts) -> list[str]:
+    """Pure: the runbooks' diagnosis notes whose condition holds on this node (unknown does not),
+    rendered over params and facts, in catalogue order."""
+    from engine.templating import context, render
+
+    out: list[str] = []
+    for rb in catalogue:
+        if rb.diagnosis is None:
+            continue
+        params = _params_for(rb, facts.node_name)
+        for note in rb.diagnosis.notes:
+            if chk.evaluate(note.when, facts, params).holds is not True:
+                continue
+            try:
+                out.append(render(note.says, context(params, facts)))
+            except Exception as e:  # a note that cannot be filled is said, not guessed
+                out.append(f"{note.says} <cannot fill: {e}>")
+    return out
 
 
 def check_runbook(runbook: Runbook, node: str, kube: KubeAPI, nodes: NodeAutomation | None) -> Match:
@@ -528,48 +543,3 @@ def render_table(ds: Sequence[Diagnosis]) -> str:
         rows.append((d.node, d.state, cause, d.runbook or "-", d.confidence or "-", d.fix or "-"))
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     return "\n".join("  ".join(v.ljust(widths[i]) for i, v in enumerate(r[:5])) + "  " + r[5] for r in rows).rstrip()
-
-
-def diagnose_command(settings: Settings, node: str | None, output: str, *, all_nodes: bool = False,
-                     selector: str | None = None) -> int:
-    """``runbook diagnose``: ``--node N`` one node; ``--all`` / ``-l SELECTOR`` every sick node."""
-    from engine.errors import UsageError
-    from engine.loader import default_runbooks_dir, playbooks_dir_for
-    from engine.params import validate_node_name
-
-    if sum(bool(x) for x in (node, all_nodes or selector)) != 1:
-        raise UsageError("diagnose needs either --node NODE or --all / -l SELECTOR")
-    if node:
-        validate_node_name(node)
-    runbooks_dir = settings.runbooks_dir or default_runbooks_dir()
-    catalogue, problems = load_catalogue(Path(runbooks_dir))
-    nodes = settings.nodes(playbooks_dir_for(runbooks_dir)) if settings.inventory else None
-    try:
-        kube = settings.kube()
-        names = [node] if node else [n.name for n in kube.list_nodes(selector) if is_sick(n)]
-        ds = gather(names, kube, nodes, catalogue)
-    finally:
-        settings.close()
-    if node:
-        d = ds[0]
-        if output == "json":
-            doc = d.as_json()
-            doc["catalogue_problems"] = problems
-            print(json.dumps(doc, indent=2, default=str))
-        else:
-            print(render_text(d))
-            for p in problems:
-                print(f"warning: runbook not in the catalogue: {p}")
-        return d.exit_code
-    code = ExitCode.OK if all(d.known for d in ds) else ExitCode.FAILED
-    if output == "json":
-        print(json.dumps({"nodes": [d.as_json() for d in ds], "catalogue_problems": problems},
-                         indent=2, default=str))
-    elif not ds:
-        print("nothing is wrong: no node is NotReady, unschedulable or GPU-less"
-              + (f" among {selector}" if selector else ""))
-    else:
-        print(render_table(ds))
-        for p in problems:
-            print(f"warning: runbook not in the catalogue: {p}")
-    return code

@@ -249,6 +249,11 @@ class Executor:
         """
         if plan.runbook != runbook.name or {s.id for s in plan.steps} != {s.id for s in runbook.steps}:
             raise PlanError(f"plan for {plan.runbook} does not match runbook {runbook.name}")
+        # Why: the digest is what was reviewed and approved; a plan whose content no longer hashes to
+        # it (edited in a store, or in memory) is not that plan (issue 25 item 2)
+        if plan.digest and plan.compute_digest() != plan.digest:
+            raise PlanError(f"plan {plan.digest[:12]}: its content hashes to {plan.compute_digest()[:12]}; "
+                            "not the plan that was reviewed, nothing done")
         self._plan, self._params, self._node = plan, dict(params), plan.node
         self._baseline = dict(plan.baseline)
         self._runbook_steps = {s.id: s for s in runbook.steps}

@@ -28,35 +28,63 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import os
 import socket
 import sqlite3
 import threading
 import time
-import uuid
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from engine.errors import JournalError, StalePlan, UsageError
+from engine.model import RunState
+from engine.store import (  # the store's types; re-exported for callers that named them here
+    ACTIVE_STATES,
+    DONE_STEP_STATUSES,
+    FINAL_STATES,
+    PHASES,
+    RESUMABLE_STATES,
+    EventRecord,
+    JournalSink,
+    RunRecord,
+    RunStore,
+    StepProgress,
+    StoreBase,
+    _process_start,
+    current_owner,
+    new_run_id,
+    process_alive,
+    progress_from_events,
+    read_state,
+    redact,
+    run_state,
+)
 
-if TYPE_CHECKING:
-    from engine.store import RunStore
+__all__ = [
+    "ACTIVE_STATES",
+    "DONE_STEP_STATUSES",
+    "FINAL_STATES",
+    "LOCK_TIMEOUT",
+    "PHASES",
+    "RESUMABLE_STATES",
+    "EventRecord",
+    "Journal",
+    "JournalSink",
+    "RunRecord",
+    "StepProgress",
+    "_process_start",
+    "current_owner",
+    "default_journal_path",
+    "journal_fault",
+    "new_run_id",
+    "opened",
+    "process_alive",
+    "progress_from_events",
+    "redact",
+]
 
-ACTIVE_STATES = ("pending", "waiting-approval", "running")
-FINAL_STATES = ("succeeded", "failed", "blocked", "cancelled")
-RESUMABLE_STATES = ("interrupted",)
-# run state -> the phase a RemediationRun shows (`kubectl get rr`, `runbook runs`' PHASE column)
-PHASES: dict[str, str] = {
-    "pending": "Pending", "waiting-approval": "WaitingApproval", "running": "Running", "succeeded": "Succeeded",
-    "failed": "Failed", "blocked": "Blocked", "cancelled": "Cancelled", "interrupted": "Interrupted",
-}
-DONE_STEP_STATUSES = ("succeeded", "skipped")  # a step with one of these outcomes is never redone
-_events_log = logging.getLogger("runbook.events")
-SECRET_KEY_MARKERS = ("password", "secret", "token", "authorization", "become_pass")
 LOCK_TIMEOUT = 30.0  # seconds a write waits for another writer's lock before giving up
 
 _SCHEMA = """
@@ -104,162 +132,6 @@ def default_journal_path() -> Path:
     return Path(base) / "runbook" / "journal.sqlite"
 
 
-def new_run_id() -> str:
-    """Sortable by time, unique across machines: ``r-YYYYmmddHHMMSS-xxxxxx``."""
-    return time.strftime("r-%Y%m%d%H%M%S-", time.gmtime()) + uuid.uuid4().hex[:6]
-
-
-def redact(value: Any, secrets: frozenset[str] = frozenset()) -> Any:
-    """A copy of ``value`` with secret-looking keys and known secret strings masked."""
-    if isinstance(value, Mapping):
-        return {
-            k: ("***" if any(m in str(k).lower() for m in SECRET_KEY_MARKERS) else redact(v, secrets))
-            for k, v in value.items()
-        }
-    if isinstance(value, list | tuple):
-        return [redact(v, secrets) for v in value]
-    if isinstance(value, str):
-        for s in secrets:
-            if s and s in value:
-                value = value.replace(s, "***")
-        return value
-    return value
-
-
-def _boot_id() -> str:
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return ""
-
-
-def _process_start(pid: int) -> str | None:
-    """``BOOT_ID/START``: the machine's boot id and the kernel's start time of a process (field 22
-    of /proc/PID/stat), to tell a reused PID apart, also after a reboot."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return f"{_boot_id()}/{stat.rsplit(')', 1)[1].split()[19]}"
-
-
-def current_owner() -> tuple[str, int, str | None]:
-    """This process as a run's owner: (host, pid, ``BOOT_ID/START``)."""
-    pid = os.getpid()
-    return socket.gethostname(), pid, _process_start(pid)
-
-
-def process_alive(host: str | None, pid: int | None, start: str | None) -> bool | None:
-    """True/False for a process on this machine; None when it ran on another machine."""
-    if host != socket.gethostname() or pid is None:
-        return None
-    now = _process_start(pid)
-    if now is None:
-        return False
-    if start is not None and "/" not in start:  # recorded by an older version: no boot id
-        return now.rsplit("/", 1)[1] == start
-    return now == start
-
-
-@dataclass(frozen=True)
-class RunRecord:
-    id: str
-    runbook: str
-    params: dict[str, Any]
-    nodes: list[str]
-    state: str
-    source: str
-    plan_digest: str | None
-    plan: dict[str, Any] | None
-    approval_required: bool
-    approved_by: str | None
-    approved_at: float | None
-    approved_digest: str | None
-    created: float
-    started: float | None
-    finished: float | None
-    exit_code: int | None
-    owner_host: str | None
-    owner_pid: int | None
-    owner_start: str | None
-
-    def summary(self) -> dict[str, Any]:
-        """The fields `runbook runs -o json` and `GET /runs` show."""
-        return {
-            "id": self.id, "runbook": self.runbook, "params": self.params, "nodes": self.nodes,
-            "state": self.state, "source": self.source, "plan_digest": self.plan_digest,
-            "approval_required": self.approval_required, "approved_by": self.approved_by,
-            "started": _iso(self.started or self.created), "finished": _iso(self.finished),
-            "exit_code": self.exit_code,
-        }
-
-
-@dataclass(frozen=True)
-class EventRecord:
-    run_id: str
-    seq: int
-    ts: float
-    kind: str
-    step: str | None
-    data: dict[str, Any]
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"seq": self.seq, "time": _iso(self.ts), "kind": self.kind, "step": self.step, **self.data}
-
-
-@dataclass(frozen=True)
-class StepProgress:
-    """Where a run stands, from its events (for a resume).
-
-    ``completed``: steps whose last outcome is succeeded or skipped (never redone).
-    ``interrupted_step``: the step whose action was announced (``action.intent``) and that has no
-    successful outcome: its effect may or may not have happened. ``action_finished``: that
-    action's ``action.result`` was recorded ok after its last intent (it ran to its end; only its
-    verification is missing). ``rollback_started``: the step had started rolling back.
-    """
-
-    completed: frozenset[str]
-    interrupted_step: str | None = None
-    action_finished: bool = False
-    rollback_started: bool = False
-
-
-def progress_from_events(events: Iterable[EventRecord]) -> StepProgress:
-    """Which steps are done and which one was left half-way (see :class:`StepProgress`), from a
-    run's events in order: the same answer from every store.
-
-    Conservative on purpose: an intent from any earlier attempt of a step that never succeeded
-    still counts, so a non-idempotent action announced once is never silently redone."""
-    done: set[str] = set()
-    intent: dict[str, bool] = {}  # step -> its action has finished ok after its last intent
-    rollback: set[str] = set()
-    order: list[str] = []
-    for e in events:
-        step = e.step
-        if not step:
-            continue
-        if e.kind == "step.start" and step not in order:
-            order.append(step)
-        elif e.kind == "step.outcome":
-            if e.data.get("status") in DONE_STEP_STATUSES:
-                done.add(step)
-                intent.pop(step, None)
-                rollback.discard(step)
-            else:
-                done.discard(step)
-        elif e.kind == "action.intent" and not e.data.get("rollback"):
-            intent[step] = False
-        elif e.kind == "action.result" and not e.data.get("rollback") and step in intent:
-            intent[step] = bool(e.data.get("ok"))
-        elif e.kind == "rollback.start":
-            rollback.add(step)
-    pending = [s for s in order if s in intent and s not in done]
-    current = pending[-1] if pending else None
-    return StepProgress(completed=frozenset(done), interrupted_step=current,
-                        action_finished=bool(current and intent[current]),
-                        rollback_started=current in rollback if current else False)
-
-
 def journal_fault(path: Path, what: str, error: BaseException, *, lock_timeout: float = LOCK_TIMEOUT) -> JournalError:
     """One line naming the journal file, what was being done and why it failed."""
     name = str(getattr(error, "sqlite_errorname", "") or "")
@@ -305,20 +177,14 @@ def _read_only(path: Path) -> bool:
     return not os.access(target, os.W_OK) or not os.access(path.parent, os.W_OK)
 
 
-def _iso(ts: float | None) -> str | None:
-    if ts is None:
-        return None
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ts)) + f".{int(ts % 1 * 1000):03d}Z"
-
-
-class Journal:
+class Journal(StoreBase):
     """One SQLite file, safe for several processes (WAL) and threads (a lock per connection)."""
 
     def __init__(self, path: Path | str | None = None, *, lock_timeout: float = LOCK_TIMEOUT) -> None:
+        super().__init__()
         self.path = Path(path) if path else default_journal_path()
         self.lock_timeout = lock_timeout
         self._lock = threading.RLock()
-        self._secrets: set[str] = set()
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -353,15 +219,6 @@ class Journal:
             except sqlite3.Error as e:
                 raise self._fault(what, e) from e
 
-    def add_secret(self, value: str | None) -> None:
-        """Mask this exact value wherever it would be written."""
-        if value:
-            self._secrets.add(value)
-
-    def redact(self, value: Any) -> Any:
-        """``value`` with secret-looking keys and the registered secret values masked."""
-        return redact(value, frozenset(self._secrets))
-
     def _dump(self, value: Any) -> str:
         return json.dumps(self.redact(value), default=str, sort_keys=True)
 
@@ -394,13 +251,14 @@ class Journal:
         """Record a new run and its first ``events`` (kind, data), numbered from 1, in one transaction:
         one commit (one fsync) instead of one per event, for the server's webhook path."""
         run_id = run_id or new_run_id()
+        state = run_state(state)
         pid = os.getpid()
         with self._tx("record a new run") as db:
             now = time.time()
             db.execute(
                 "INSERT INTO runs (id, runbook, params, nodes, state, source, approval_required, created,"
                 " owner_host, owner_pid, owner_start, heartbeat) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
-                (run_id, runbook, self._dump(dict(params)), json.dumps(nodes), state, source,
+                (run_id, runbook, self._dump(dict(params)), json.dumps(nodes), state.value, source,
                  int(approval_required), now, socket.gethostname(), pid, _process_start(pid), now),
             )
             for seq, (kind, data) in enumerate(events, start=1):
@@ -435,20 +293,21 @@ class Journal:
             db.execute("UPDATE runs SET plan=?, plan_digest=? WHERE id=?", (self._dump(plan), digest, run_id))
 
     def set_state(self, run_id: str, state: str, *, exit_code: int | None = None) -> None:
+        state = run_state(state)
         now = time.time()
         with self._tx(f"record state {state} of run {run_id}") as db:
-            if state == "running":
+            if state is RunState.RUNNING:
                 db.execute("UPDATE runs SET state=?, started=COALESCE(started, ?), finished=NULL,"
-                           " exit_code=NULL WHERE id=?", (state, now, run_id))
-            elif state in FINAL_STATES:
+                           " exit_code=NULL WHERE id=?", (state.value, now, run_id))
+            elif state.is_final:
                 db.execute("UPDATE runs SET state=?, finished=?, exit_code=? WHERE id=?",
-                           (state, now, exit_code, run_id))
-            elif state in RESUMABLE_STATES:  # stopped, and nobody executes it: any process may resume it
+                           (state.value, now, exit_code, run_id))
+            elif state.is_resumable:  # stopped, and nobody executes it: any process may resume it
                 db.execute("UPDATE runs SET state=?, finished=?, exit_code=?, owner_pid=NULL, owner_start=NULL"
-                           " WHERE id=?", (state, now, exit_code, run_id))
+                           " WHERE id=?", (state.value, now, exit_code, run_id))
             else:
-                db.execute("UPDATE runs SET state=? WHERE id=?", (state, run_id))
-        self.append(run_id, "run.state", state=state, exit_code=exit_code)
+                db.execute("UPDATE runs SET state=? WHERE id=?", (state.value, run_id))
+        self.append(run_id, "run.state", state=state.value, exit_code=exit_code)
 
     def record_approval(self, run_id: str, digest: str, approved_by: str) -> RunRecord:
         """Approve the run's current plan. Raises StalePlan for another digest, UsageError if unknown."""
@@ -460,7 +319,7 @@ class Journal:
             if current is None or digest != current:
                 raise StalePlan(f"run {run_id}: approval names plan {digest!r}, but the run's plan is "
                                 f"{current!r}; re-read the plan and approve that digest")
-            if state != "waiting-approval":
+            if state != RunState.WAITING_APPROVAL:
                 raise StalePlan(f"run {run_id} is {state}, not waiting for approval")
             db.execute("UPDATE runs SET approved_by=?, approved_at=?, approved_digest=? WHERE id=?",
                        (approved_by, time.time(), digest, run_id))
@@ -480,7 +339,7 @@ class Journal:
         args: list[Any] = []
         if states:
             q += f" WHERE state IN ({','.join('?' * len(states))})"
-            args.extend(states)
+            args.extend(run_state(s).value for s in states)
         q += " ORDER BY created DESC LIMIT ?"
         args.append(limit)
         with self._reading("list runs") as db:
@@ -490,10 +349,8 @@ class Journal:
         return [self._record(dict(zip(cols, r, strict=True))) for r in rows]
 
     def _record(self, row: dict[str, Any]) -> RunRecord:
-        state = row["state"]
-        if state in ACTIVE_STATES and \
-                process_alive(row["owner_host"], row["owner_pid"], row["owner_start"]) is False:
-            state = "interrupted"  # the engine that owned it is gone, however it died
+        # an active run whose engine is gone, however it died, reads interrupted
+        state = read_state(row["state"], row["owner_host"], row["owner_pid"], row["owner_start"])
         return RunRecord(
             id=row["id"], runbook=row["runbook"], params=json.loads(row["params"]),
             nodes=json.loads(row["nodes"]), state=state, source=row["source"],
@@ -542,36 +399,20 @@ class Journal:
                 (run_id,)).fetchall()
         return [EventRecord(r[0], r[1], r[2], r[3], r[4], json.loads(r[5])) for r in rows]
 
-    def progress(self, run_id: str) -> StepProgress:
-        """Which steps are done and which one was left half-way (see :func:`progress_from_events`)."""
-        return progress_from_events(self.events(run_id))
 
-    def step_progress(self, run_id: str) -> tuple[set[str], str | None]:
-        """(completed steps, the step whose action started without a successful outcome)."""
-        p = self.progress(run_id)
-        return set(p.completed), p.interrupted_step
+@contextmanager
+def opened(store: RunStore | Path | str | None) -> Iterator[RunStore]:
+    """``store`` itself (left open: its owner closes it), or the SQLite journal at that path
+    (``None``: the default path), opened for the block and closed after it."""
+    if store is None or isinstance(store, Path | str):
+        journal = Journal(store)
+        try:
+            yield journal
+        finally:
+            journal.close()
+    else:
+        yield store
 
 
-class JournalSink:
-    """An EventSink that writes to the run store before returning (write-ahead), then logs the
-    event on ``runbook.events`` (what ``--log-format json`` shows; masked like the store)."""
-
-    def __init__(self, journal: RunStore, run_id: str) -> None:
-        self.journal = journal
-        self.run_id = run_id
-        self._who: tuple[str, str | None] | None = None
-
-    def emit(self, kind: str, **data: Any) -> None:
-        step = data.pop("step", None)
-        self.journal.append(self.run_id, kind, step=step, **data)
-        if _events_log.isEnabledFor(logging.INFO):
-            self._log(kind, step, data)
-
-    def _log(self, kind: str, step: str | None, data: dict[str, Any]) -> None:
-        if self._who is None:
-            rec = self.journal.get_run(self.run_id)
-            self._who = (rec.runbook, rec.nodes[0] if rec.nodes else None)
-        safe = self.journal.redact({k: data.get(k) for k in ("status", "reason")})
-        _events_log.info("%s%s", kind, f" {step}" if step else "", extra={
-            "run_id": self.run_id, "runbook": self._who[0], "node": self._who[1], "step": step, "event": kind,
-            "status": safe["status"], "reason": safe["reason"]})
+def _journal_is_a_run_store(journal: Journal) -> RunStore:
+    return journal  # mypy checks that the SQLite journal satisfies the interface

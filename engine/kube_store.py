@@ -39,20 +39,20 @@ from typing import Any, TypeVar
 
 from engine.connectors.base import ObjectAPI
 from engine.errors import Conflict, JournalError, KubeError, StalePlan, UsageError
-from engine.journal import (
-    ACTIVE_STATES,
+from engine.model import RunState
+from engine.store import (
     FINAL_STATES,
-    RESUMABLE_STATES,
     EventRecord,
     RunRecord,
-    StepProgress,
+    RunStore,
+    StoreBase,
     current_owner,
     new_run_id,
     process_alive,
-    progress_from_events,
-    redact,
+    read_state,
+    run_state,
 )
-from engine.journal import PHASES as RUN_PHASES
+from engine.store import PHASES as RUN_PHASES
 
 API_VERSION = "runbook.io/v1alpha1"
 KIND = "RemediationRun"
@@ -135,27 +135,20 @@ def shrink(data: Mapping[str, Any], limit: int) -> dict[str, Any]:
     return out
 
 
-class KubeRunStore:
+class KubeRunStore(StoreBase):
     """``engine.store.RunStore`` over RemediationRun objects in one namespace. Thread-safe."""
 
     def __init__(self, api: ObjectAPI, namespace: str = "runbook-system", *,
                  clock: Callable[[], float] = time.time) -> None:
+        super().__init__()
         self.api = api
         self.namespace = namespace
         self.clock = clock
-        self._secrets: set[str] = set()
         self._cache: dict[str, dict[str, Any]] = {}  # run id -> the object as last written/read
         self._locks: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()
 
-    # -- secrets ------------------------------------------------------------------------------
-
-    def add_secret(self, value: str | None) -> None:
-        if value:
-            self._secrets.add(value)
-
-    def redact(self, value: Any) -> Any:
-        return redact(value, frozenset(self._secrets))
+    # -- secrets (masking: engine.store.SecretMask) ----------------------------------------------
 
     def _clean(self, value: Any) -> Any:
         """As it is stored: masked, plain JSON."""
@@ -212,8 +205,8 @@ class KubeRunStore:
             return
         events = status.get("events") or []
         for e in events[:-1]:
-            if not isinstance(e.get("data"), dict) or e["data"].get("compacted"):
-                continue
+            if not isinstance(e.get("data"), dict) or e["data"].get("compacted") or e.get("kind") == "run.seal":
+                continue  # a seal is kept whole: engine.integrity verifies the run with it
             before = _size(e["data"])
             if before <= COMPACT_EVENT_MAX:
                 continue
@@ -266,8 +259,7 @@ class KubeRunStore:
                    approval_required: bool = False,
                    events: Sequence[tuple[str, Mapping[str, Any]]] = ()) -> str:
         run_id = run_id or new_run_id()
-        if state not in PHASES:
-            raise UsageError(f"unknown run state {state!r}")
+        state = run_state(state)
         node = nodes[0] if nodes else ""
         labels = {"app.kubernetes.io/managed-by": "runbook"}
         for key, value in (("runbook.io/runbook", runbook), ("runbook.io/node", node)):
@@ -285,7 +277,7 @@ class KubeRunStore:
         now = format_time(self.clock())
 
         def init(status: dict[str, Any]) -> tuple[bool, None]:
-            status.update({"phase": PHASES[state], "createdAt": now, "heartbeatAt": now,
+            status.update({"phase": state.phase, "createdAt": now, "heartbeatAt": now,
                            "owner": {"host": host, "pid": pid, "start": start}, "claimedBy": f"{host}/{pid}"})
             return True, None
 
@@ -330,27 +322,26 @@ class KubeRunStore:
         self._update(run_id, put)
 
     def set_state(self, run_id: str, state: str, *, exit_code: int | None = None) -> None:
-        if state not in PHASES:
-            raise UsageError(f"unknown run state {state!r}")
+        state = run_state(state)
         now = format_time(self.clock())
 
         def put(status: dict[str, Any]) -> tuple[bool, None]:
-            status["phase"] = PHASES[state]
-            if state == "running":
+            status["phase"] = state.phase
+            if state is RunState.RUNNING:
                 status.setdefault("startedAt", now)
                 status.pop("finishedAt", None)
                 status.pop("exitCode", None)
-            elif state in FINAL_STATES or state in RESUMABLE_STATES:
+            elif state.is_final or state.is_resumable:
                 status["finishedAt"] = now
                 if exit_code is None:
                     status.pop("exitCode", None)
                 else:
                     status["exitCode"] = int(exit_code)
-                if state in RESUMABLE_STATES:  # stopped, and nobody executes it: any process may resume it
+                if state.is_resumable:  # stopped, and nobody executes it: any process may resume it
                     owner = status.get("owner") or {}
                     status["owner"] = {"host": owner.get("host"), "pid": None, "start": None}
                     status.pop("claimedBy", None)
-            self._event(status, "run.state", None, {"state": state, "exit_code": exit_code})
+            self._event(status, "run.state", None, {"state": state.value, "exit_code": exit_code})
             return True, None
 
         self._update(run_id, put)
@@ -360,11 +351,11 @@ class KubeRunStore:
 
         def approve(status: dict[str, Any]) -> tuple[bool, None]:
             current = status.get("planDigest")
-            state = STATES.get(str(status.get("phase")), "pending")
+            state = _phase_state(status)
             if current is None or digest != current:
                 raise StalePlan(f"run {run_id}: approval names plan {digest!r}, but the run's plan is "
                                 f"{current!r}; re-read the plan and approve that digest")
-            if state != "waiting-approval":
+            if state is not RunState.WAITING_APPROVAL:
                 raise StalePlan(f"run {run_id} is {state}, not waiting for approval")
             status["approval"] = {"by": self._clean(approved_by), "at": format_time(now), "digest": digest}
             self._event(status, "approval.granted", None, {"approved_by": approved_by, "plan_digest": digest})
@@ -385,11 +376,10 @@ class KubeRunStore:
 
     def _record(self, obj: dict[str, Any]) -> RunRecord:
         meta, spec, status = obj.get("metadata") or {}, obj.get("spec") or {}, obj.get("status") or {}
-        state = _stored_state(obj)
         owner = status.get("owner") or {}
         host, pid, start = owner.get("host"), owner.get("pid"), owner.get("start")
-        if state in ACTIVE_STATES and process_alive(host, pid, start) is False:
-            state = "interrupted"  # the engine that owned it is gone, however it died
+        state = read_state(_stored_state(obj), host, pid, start)
+        if state is not _stored_state(obj):  # the engine that owned it is gone, however it died
             self._record_interrupted(obj)
         approval = status.get("approval") or {}
         nodes = spec.get("nodes")
@@ -413,9 +403,9 @@ class KubeRunStore:
         def mark(status: dict[str, Any]) -> tuple[bool, None]:
             owner = status.get("owner") or {}
             gone = process_alive(owner.get("host"), owner.get("pid"), owner.get("start")) is False
-            if STATES.get(str(status.get("phase")), "pending") not in ACTIVE_STATES or not gone:
+            if not _phase_state(status).is_active or not gone:
                 return False, None
-            status.update({"phase": PHASES["interrupted"], "finishedAt": format_time(self.clock()),
+            status.update({"phase": RunState.INTERRUPTED.phase, "finishedAt": format_time(self.clock()),
                            "owner": {"host": owner.get("host"), "pid": None, "start": None},
                            "message": f"its process ({owner.get('host')}, pid {owner.get('pid')}) is gone; "
                                       f"`runbook resume {run_id}` continues it"})
@@ -468,20 +458,22 @@ class KubeRunStore:
                             e.get("step"), dict(e.get("data") or {}))
                 for e in status.get("events") or ()]
 
-    def progress(self, run_id: str) -> StepProgress:
-        return progress_from_events(self.events(run_id))
-
-    def step_progress(self, run_id: str) -> tuple[set[str], str | None]:
-        p = self.progress(run_id)
-        return set(p.completed), p.interrupted_step
 
 
-def _stored_state(obj: Mapping[str, Any]) -> str:
+def _phase_state(status: Mapping[str, Any]) -> RunState:
+    """The run state a status' phase records (no phase yet, or one we do not know: ``pending``)."""
+    return RunState(STATES.get(str(status.get("phase")), RunState.PENDING.value))
+
+
+def _stored_state(obj: Mapping[str, Any]) -> RunState:
     """The run state its phase records (no phase yet: ``pending``)."""
-    return STATES.get(str((obj.get("status") or {}).get("phase")), "pending")
+    return _phase_state(obj.get("status") or {})
 
 
 def _created(obj: Mapping[str, Any]) -> float:
     return (parse_time((obj.get("status") or {}).get("createdAt"))
             or parse_time((obj.get("metadata") or {}).get("creationTimestamp")) or 0.0)
 
+
+def _kube_store_is_a_run_store(store: KubeRunStore) -> RunStore:
+    return store  # mypy checks that the Kubernetes store satisfies the interface

@@ -4,7 +4,7 @@
 logs readable lines. ``json`` sends every log record to stderr as one JSON object per line:
 ``ts``, ``level``, ``logger``, ``msg`` and, when the record carries them, ``run_id``, ``runbook``,
 ``step``, ``node``, ``event``, ``status``, ``reason`` (run events are logged by
-``engine.journal.JournalSink`` on logger ``runbook.events``). No secret is written: keys that look
+``engine.store.JournalSink`` on logger ``runbook.events``). No secret is written: keys that look
 secret (password, token, secret, authorization) are masked; so is the value of every setting typed
 ``engine.secrecy.Secret`` in a loaded configuration (tokens, signing secrets, notification URLs,
 routing keys: masked by their type, ``engine.secrecy.register``), and of every ``RUNBOOK_*``
@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from engine import secrecy
-from engine.journal import redact
+from engine.store import redact
 
 FORMATS = ("text", "json")
 FIELDS = ("run_id", "runbook", "step", "node", "event", "status", "reason")

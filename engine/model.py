@@ -19,7 +19,7 @@ import hashlib
 import json
 import re
 from collections.abc import Mapping
-from typing import Annotated, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, TypeVar, Union
 
 from pydantic import (
     BeforeValidator,
@@ -185,83 +185,109 @@ class WaitSpec(_Model):
         return self
 
 
-class KubeLabel(_Model):
+# -- kube verbs: a runbook's ``kube: {VERB: spec}`` ------------------------------------------------
+# A verb is one spec class here, decorated with ``@kube_verb`` (its ``KEY`` is the runbook key),
+# plus its module in ``engine/kube_verbs/`` whose ``decide`` registers itself for the class
+# (``@decides``). The format's union and the loader's hints are built from this registry.
+class KubeVerbSpec(_Model):
+    """The base of a kube verb's spec: ``KEY`` is the runbook key (``kube: {KEY: spec}``)."""
+
+    KEY: ClassVar[str]
+
+
+_KUBE_VERBS: list[type[KubeVerbSpec]] = []
+V = TypeVar("V", bound=type[KubeVerbSpec])
+
+
+def kube_verb(spec: V) -> V:
+    """Make ``spec`` a kube verb of the format (a class decorator); its ``KEY`` must be new."""
+    key = getattr(spec, "KEY", None)
+    if not key or any(key == v.KEY for v in _KUBE_VERBS):
+        raise ValueError(f"kube verb {spec.__qualname__}: KEY {key!r} missing or already registered")
+    _KUBE_VERBS.append(spec)
+    return spec
+
+
+@kube_verb
+class KubeLabel(KubeVerbSpec):
     KEY: ClassVar[str] = "label"
     label: dict[str, str] = Field(min_length=1)
 
 
-class KubeUnlabel(_Model):
+@kube_verb
+class KubeUnlabel(KubeVerbSpec):
     KEY: ClassVar[str] = "unlabel"
     unlabel: tuple[str, ...] = Field(min_length=1)
 
 
-class KubeAnnotate(_Model):
+@kube_verb
+class KubeAnnotate(KubeVerbSpec):
     KEY: ClassVar[str] = "annotate"
     annotate: dict[str, str] = Field(min_length=1)
 
 
-class KubeCordon(_Model):
+@kube_verb
+class KubeCordon(KubeVerbSpec):
     KEY: ClassVar[str] = "cordon"
     cordon: Literal[True]
 
 
-class KubeUncordon(_Model):
+@kube_verb
+class KubeUncordon(KubeVerbSpec):
     KEY: ClassVar[str] = "uncordon"
     uncordon: Literal[True]
 
 
-class KubeTaint(_Model):
+@kube_verb
+class KubeTaint(KubeVerbSpec):
     KEY: ClassVar[str] = "taint"
     taint: TaintSpec
 
 
-class KubeUntaint(_Model):
+@kube_verb
+class KubeUntaint(KubeVerbSpec):
     KEY: ClassVar[str] = "untaint"
     untaint: UntaintSpec
 
 
-class KubePatch(_Model):
+@kube_verb
+class KubePatch(KubeVerbSpec):
     KEY: ClassVar[str] = "patch"
     patch: PatchSpec
 
 
-class KubeEvict(_Model):
+@kube_verb
+class KubeEvict(KubeVerbSpec):
     KEY: ClassVar[str] = "evict"
     evict: PodSelectorSpec
 
 
-class KubeDeletePods(_Model):
+@kube_verb
+class KubeDeletePods(KubeVerbSpec):
     KEY: ClassVar[str] = "delete_pods"
     delete_pods: PodSelectorSpec
 
 
-class KubeWait(_Model):
+@kube_verb
+class KubeWait(KubeVerbSpec):
     KEY: ClassVar[str] = "wait"
     wait: WaitSpec
 
 
-class KubeDrain(_Model):
+@kube_verb
+class KubeDrain(KubeVerbSpec):
     KEY: ClassVar[str] = "drain"
     drain: DrainSpec = Field(default_factory=DrainSpec)
 
 
-KubeVerb = Annotated[
-    Annotated[KubeLabel, Tag("label")]
-    | Annotated[KubeUnlabel, Tag("unlabel")]
-    | Annotated[KubeAnnotate, Tag("annotate")]
-    | Annotated[KubeCordon, Tag("cordon")]
-    | Annotated[KubeUncordon, Tag("uncordon")]
-    | Annotated[KubeTaint, Tag("taint")]
-    | Annotated[KubeUntaint, Tag("untaint")]
-    | Annotated[KubePatch, Tag("patch")]
-    | Annotated[KubeEvict, Tag("evict")]
-    | Annotated[KubeDeletePods, Tag("delete_pods")]
-    | Annotated[KubeWait, Tag("wait")]
-    | Annotated[KubeDrain, Tag("drain")],
-    Discriminator(_single_key),
-]
-KUBE_VERBS = ("label", "unlabel", "annotate", "cordon", "uncordon", "taint", "untaint", "patch",
-              "evict", "delete_pods", "wait", "drain")
+# The kube verbs of the format, in registration order (the schema's and the hints' order): every
+# class decorated with ``@kube_verb`` above; its ``KEY`` is its only name.
+if TYPE_CHECKING:
+    KubeVerb = KubeVerbSpec
+else:
+    KubeVerb = Annotated[Union[tuple(Annotated[v, Tag(v.KEY)] for v in _KUBE_VERBS)],  # noqa: UP007
+                         Discriminator(_single_key)]
+KUBE_VERBS: tuple[str, ...] = tuple(v.KEY for v in _KUBE_VERBS)
 
 
 class AnsibleSpec(_Model):
@@ -632,16 +658,29 @@ class Evidence(_Model):
     says: str = ""
 
 
+class DiagnosisNote(_Model):
+    """Something an operator must know about a sick node whatever the diagnosis (a risk of the fix,
+    a source the runbook will not handle): said by ``runbook diagnose`` whenever ``when`` holds on
+    the node's facts. ``says`` is templated over params and facts."""
+
+    id: str = Field(pattern=STEP_ID, max_length=63)
+    when: Check
+    says: str = Field(min_length=1)
+
+
 class DiagnosisSpec(_Model):
     """What a runbook declares it fixes: the cause, the evidence that identifies it, what rules it out.
 
     ``params``: extra params of the suggested command (``-p k=v``), templated over params and facts;
-    the node param is always filled with the diagnosed node."""
+    the node param is always filled with the diagnosed node. ``notes``: what ``runbook diagnose``
+    says about a sick node when their condition holds (the domain knowledge of this runbook's
+    cause lives here, not in the code)."""
 
     cause: DiagnosisCause
     evidence: tuple[Evidence, ...] = Field(min_length=1)
     excludes: tuple[Evidence, ...] = ()
     params: dict[str, str] = Field(default_factory=dict)
+    notes: tuple[DiagnosisNote, ...] = ()
 
 
 class RunbookOnFailure(_Model):
@@ -709,6 +748,13 @@ class Runbook(_Model):
 
 
 class RunState(enum.StrEnum):
+    """A run's state, the one vocabulary of every store, front end and report. It knows what it
+    means (as httpx's status codes do): ``is_active`` (someone runs it or will: pending, waiting
+    for approval, running), ``is_final`` (it ended and stays so: succeeded, failed, blocked,
+    cancelled), ``is_resumable`` (it stopped half-way and a person or a server may continue it:
+    interrupted). Every state is exactly one of the three. A new state is one member here plus its
+    line in ``_MEANING``; the stores, the CRD's phases and the groups follow."""
+
     PENDING = "pending"
     WAITING_APPROVAL = "waiting-approval"
     RUNNING = "running"
@@ -717,6 +763,36 @@ class RunState(enum.StrEnum):
     BLOCKED = "blocked"
     CANCELLED = "cancelled"
     INTERRUPTED = "interrupted"
+
+    @property
+    def is_active(self) -> bool:
+        return _MEANING[self][0] == "active"
+
+    @property
+    def is_final(self) -> bool:
+        return _MEANING[self][0] == "final"
+
+    @property
+    def is_resumable(self) -> bool:
+        return _MEANING[self][0] == "resumable"
+
+    @property
+    def phase(self) -> str:
+        """The phase a RemediationRun shows (``kubectl get rr``, ``runbook runs``' PHASE column)."""
+        return _MEANING[self][1]
+
+
+# state -> (what it means, the RemediationRun phase)
+_MEANING: dict[RunState, tuple[Literal["active", "final", "resumable"], str]] = {
+    RunState.PENDING: ("active", "Pending"),
+    RunState.WAITING_APPROVAL: ("active", "WaitingApproval"),
+    RunState.RUNNING: ("active", "Running"),
+    RunState.SUCCEEDED: ("final", "Succeeded"),
+    RunState.FAILED: ("final", "Failed"),
+    RunState.BLOCKED: ("final", "Blocked"),
+    RunState.CANCELLED: ("final", "Cancelled"),
+    RunState.INTERRUPTED: ("resumable", "Interrupted"),
+}
 
 
 class StepStatus(enum.StrEnum):

@@ -18,11 +18,11 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TextIO
 
-from engine.journal import PHASES
+from engine.model import RunState
 
 if TYPE_CHECKING:
-    from engine.journal import EventRecord, RunRecord
     from engine.model import Plan, RunResult
+    from engine.store import EventRecord, RunRecord
 
 DECISION_MARK = {"change": "~", "no-op": "=", "blocked": "!"}
 DECISION_COLOR = {"change": "yellow", "no-op": "green", "blocked": "red"}  # rich styles
@@ -350,11 +350,12 @@ def runs_text(runs: Sequence[RunRecord], *, wide: bool = False, now: float | Non
     rows = [head + (more if wide else ())]
     for r in runs:
         s = r.summary()
-        row: tuple[str, ...] = (r.id, r.runbook, r.nodes[0] if r.nodes else "", PHASES.get(r.state, r.state),
+        state = RunState(r.state)
+        row: tuple[str, ...] = (r.id, r.runbook, r.nodes[0] if r.nodes else "", state.phase,
                                 age(now - r.created),
-                                (r.plan_digest or "") if r.state == "waiting-approval" else "")
+                                (r.plan_digest or "") if state is RunState.WAITING_APPROVAL else "")
         if wide:
-            row += (r.state, s["started"] or "", s["finished"] or "",
+            row += (state.value, s["started"] or "", s["finished"] or "",
                     "" if s["exit_code"] is None else str(s["exit_code"]), str(s["source"] or ""),
                     str(s["approved_by"] or ""), ",".join(r.nodes), json.dumps(s["params"], sort_keys=True))
         rows.append(row)

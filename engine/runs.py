@@ -28,6 +28,9 @@ continue for now stays ``interrupted`` (resumable): the API server or a host wen
 its Lease is held by another run, a guard blocks it, or a non-idempotent step needs a confirmation
 nobody could give.
 
+What happens to a run once it is recorded (continue it, take it over, approve, reject, cancel) is
+``engine.lifecycle``'s, over this service.
+
 Printing and prompting belong to the front ends (``engine.app``, ``engine.serve_starter``): this
 module returns values and writes the journal; it never imports ``kubernetes`` or ``ansible_runner``.
 """
@@ -50,9 +53,9 @@ from engine.checks import HOST
 from engine.errors import ExitCode, LockHeld, RunbookError, StalePlan, UsageError
 from engine.escalation import escalate_after_failure
 from engine.execution import Executor, Progress
-from engine.journal import JournalSink
+from engine.integrity import RunIntegrity, approve_sealed, plan_problems
 from engine.loader import LoadedRunbook
-from engine.locks import DEFAULT_NAMESPACE, DEFAULT_TTL_SECONDS, NodeLock, acquire_node_lock
+from engine.locks import DEFAULT_TTL_SECONDS, NodeLock, acquire_node_lock
 from engine.model import AnsibleAction, Plan, PlanState, RunResult, RunState
 from engine.output import Fanout
 from engine.params import PreparedRun, prepare_fleet, prepare_run
@@ -68,7 +71,7 @@ from engine.run_guards import (
     read_guard_facts,
 )
 from engine.run_windows import run_window_verdict
-from engine.store import RunStore, StepProgress
+from engine.store import JournalSink, RunStore, StepProgress, new_run_id
 from engine.windows import Clock, clock_from_env
 
 if TYPE_CHECKING:
@@ -266,6 +269,7 @@ class RunService:
 
     def __post_init__(self) -> None:
         self.journal: RunStore = self.settings.open_journal()
+        self.integrity = RunIntegrity(self.journal)  # seals what it records; checks before acting
         self._guard_lock = threading.Lock()
         self._in_flight: set[str] = set()  # nodes this service remediates now (the GPU budget counts them)
 
@@ -338,9 +342,14 @@ class RunService:
         A ``run_id`` that exists already raises the store's error and records nothing."""
         # Why: "the requester cannot approve their own run" needs to know who asked (the CLI's user,
         # or the server's sender identity). One transaction: the server creates runs on its webhook path.
-        first: list[tuple[str, Mapping[str, Any]]] = [("run.requested", {"by": requested_by or current_user()})]
+        requester = requested_by or current_user()
+        first: list[tuple[str, Mapping[str, Any]]] = [("run.requested", {"by": requester})]
         if note:
             first.append(("run.note", dict(note)))
+        run_id = run_id or new_run_id()
+        first.append(self.integrity.first_seal(run_id, runbook=prepared.loaded.name, nodes=[prepared.node],
+                                               params=prepared.params, source=source,
+                                               approval_required=approval_required, requested_by=requester))
         run_id = self.journal.create_run(prepared.loaded.name, prepared.params, [prepared.node], source=source,
                                          approval_required=approval_required, state=state, run_id=run_id,
                                          events=first)
@@ -352,6 +361,7 @@ class RunService:
         self.journal.set_plan(run_id, plan.model_dump(mode="json"), plan.digest)
         self.journal.append(run_id, "plan", plan_digest=plan.digest, state=plan.state.value,
                             steps=[{"id": s.id, "kind": s.kind, "summary": s.summary} for s in plan.steps])
+        self.integrity.seal(run_id, plan_digest=plan.digest, runbook=plan.runbook, node=plan.node)
 
     def record_blocked(self, run_id: str, reason: str) -> None:
         """A run that ends before anything changed because its plan (or a guard) blocks it."""
@@ -373,12 +383,13 @@ class RunService:
     def approve(self, run_id: str, plan_digest: str, approved_by: str | None = None, *,
                 roles: frozenset[str] = frozenset(), requester_default: bool = True) -> Mapping[str, Any]:
         """Record an approval under the approval policy (``engine.approvals``); the run's approval
-        is recorded once the policy counts enough distinct approvers."""
+        is recorded once the policy counts enough distinct approvers. Verified first and sealed
+        after (``engine.integrity.approve_sealed``): a forged run is never approved."""
         from engine.approvals import approve
 
-        return approve(self.journal, run_id, plan_digest, approved_by or current_user(),
-                       config=self.settings.approval_config(), roles=roles, labels=self.node_labels(run_id),
-                       requester_default=requester_default)
+        return approve_sealed(self.integrity, run_id, plan_digest, approved_by or current_user(), lambda who: approve(
+            self.journal, run_id, plan_digest, who, config=self.settings.approval_config(), roles=roles,
+            labels=self.node_labels(run_id), requester_default=requester_default), roles=roles)
 
     def node_labels(self, run_id: str) -> Callable[[], Mapping[str, str] | None]:
         """Reads the run's node's labels when the approval policy selects by them (None: unreadable)."""
@@ -390,6 +401,24 @@ class RunService:
                 return None
             return dict(node.labels) if node is not None else None
         return read
+
+    def refuse_unverified(self, run_id: str, plan: Plan | None = None,
+                          params: Mapping[str, Any] | None = None) -> str | None:
+        """Before a run is planned, resumed, taken over or executed: the reason it may not be (its
+        seal does not verify, or ``plan`` is not the run's recorded, approved plan for its node),
+        recorded as ``blocked`` (``RunIntegrity.block``); None when it may go on."""
+        try:
+            why = self.integrity.problem(run_id)
+            if why is None and plan is not None:
+                problems = plan_problems(plan, self.journal.get_run(run_id), params)
+                why = "; ".join(problems) if problems else None
+        except RunbookError as e:  # no key to check with: fail closed
+            why = f"it cannot be verified: {e}"
+        if why is None:
+            return None
+        reason = f"run {run_id} refused, nothing done: {why}"
+        self.integrity.block(run_id, reason)
+        return reason
 
     # -- guards ---------------------------------------------------------------------------------
 
@@ -468,7 +497,8 @@ class RunService:
         self.journal.set_state(run_id, RunState.WAITING_APPROVAL.value)
         while True:
             rec = self.journal.get_run(run_id)
-            if rec.approved_digest == digest:
+            # an approval that does not verify (written into the store by hand) is no approval
+            if rec.approved_digest == digest and self.integrity.problem(run_id) is None:
                 self.journal.set_state(run_id, RunState.RUNNING.value)
                 return True
             if time.monotonic() >= deadline or (cancel is not None and cancel.is_set()):
@@ -485,6 +515,14 @@ class RunService:
         Lease. ``overrides``: guard name -> reason (a person's, journaled with who and why).
         ``nodes_for_run``: the node automation to execute with (a batch's ``SharedPlaybooks``)."""
         self.check_overrides(overrides or {})
+        refused = self.refuse_unverified(run_id, plan, prepared.params)
+        if refused is None and prepared.node != plan.node:
+            refused = (f"run {run_id} refused, nothing done: the plan is for node {plan.node}, the run's Lease "
+                       f"would be {prepared.node}")
+            self.integrity.block(run_id, refused)
+        if refused is not None:
+            return RunResult(state=RunState.BLOCKED, exit_code=ExitCode.BLOCKED, runbook=prepared.loaded.name,
+                             node=prepared.node, plan_digest=plan.digest, reason=refused)
         kube, nodes = self.connectors(prepared.loaded, prepared.params)
         if nodes_for_run is not None and nodes is not None:
             nodes = nodes_for_run
@@ -506,7 +544,8 @@ class RunService:
         journal.set_state(run_id, RunState.RUNNING.value)
         with self._guard_lock:  # one node at a time, so that a batch's GPU budget counts its own nodes
             # A resumed run started before (its node's capacity is already taken): only new work
-            # is held to the capacity guards.
+            # is held to the capacity guards. A recovered run that never started is new work
+            # (resume=False) and is held to them, as every other guard holds every run.
             window = run_window_verdict(journal, run_id, prepared.loaded.runbook, self.clock(),
                                         overrides=overrides or {}, actor=current_user(), automatic=self.automatic)
             refused = self._pass_guards(run_id, prepared.node, overrides or {}, window=window,
@@ -535,7 +574,7 @@ class RunService:
         lock: NodeLock | None = None
         try:
             lock = acquire_node_lock(kube, prepared.node, run_id, ttl=self.lock_ttl, wait=self.lock_wait,
-                                     namespace=self.settings.namespace or DEFAULT_NAMESPACE)
+                                     namespace=self.settings.lease_namespace)
 
             def lost(holder: str) -> None:
                 # Someone else may remediate the node now: stop before the next action (the fence
@@ -625,7 +664,8 @@ class RunService:
         if loaded.digest != plan.runbook_digest:
             raise StalePlan(f"runbook {rec.runbook} changed since run {run_id} was planned "
                             f"(planned {plan.runbook_digest[:12]}, now {loaded.digest[:12]})")
-        prepared = prepare_run(loaded, dict(rec.params))
+        # Why the plan's params: they are what was reviewed and approved; the spec's could change after
+        prepared = prepare_run(loaded, dict(plan.params))
         return prepared, plan
 
     # -- many nodes -----------------------------------------------------------------------------

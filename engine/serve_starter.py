@@ -1,19 +1,21 @@
 """The engine's ``RunStarter`` for ``runbook serve``: paged runs through the same RunService as the CLI.
 
-``submit`` only validates params and records the run (it is on the webhook's request path).
-``execute`` (in a worker thread) plans with live facts and previews through ``RunService``; a
-blocked plan is recorded as blocked (``RunService.record_blocked``); an ``approve``-mode run is
-parked in ``waiting-approval`` with its plan digest (``RunService.park``); an ``auto`` or approved
-run goes through ``RunService.execute``: the run guards (never overridden here: the service is
-``automatic``), the node Lease, the executor. The journal is the only state, so runs and pending
-approvals survive a server restart (``recover``); the store is the service's (``--store``: the
-SQLite journal or RemediationRuns). This module adapts; it decides nothing the service decides for
-the CLI too.
+``submit`` only validates params and records the run (``RunService.create``; it is on the
+webhook's request path). ``execute`` (in a worker thread) is ``engine.lifecycle.continue_run`` as
+an automatic front end: plan with live facts (the trigger's ``require_diagnosis`` gate first), a
+blocked plan recorded as blocked, an ``approve``-mode run parked for its approval, an ``auto`` or
+approved run executed by the run service (run guards never overridden, the node Lease, the
+executor). ``approve``/``reject`` and the takeover of a silent replica's run are the lifecycle's
+too. The store is the only state, so runs and pending approvals survive a server restart
+(``recover``). This module translates the ``RunStarter`` protocol into those calls; what it decides
+itself is the server's: which recorded runs a (leading) server picks up, when another replica's
+executor counts as silent, and the shared dedup run ids.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import socket
 import threading
@@ -21,14 +23,18 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from engine.errors import RunbookError, StalePlan, UsageError
+from engine import lifecycle
+from engine.errors import RunbookError, UsageError
+from engine.integrity import ESCALATED_EVENT
 from engine.loader import list_runbooks
-from engine.locks import DEFAULT_NAMESPACE, LeaseObservation, holder_for, lease_name
-from engine.model import PlanState, Runbook, RunState
+from engine.locks import LeaseObservation, holder_for, lease_name
+from engine.model import Runbook, RunState
 from engine.params import prepare_run
 from engine.runs import RunService
 from engine.serve.starter import WEBHOOK_SOURCES, AlreadyStarted, RunOutcome, RunRequest, RunTicket, TriggerSpec
-from engine.store import ACTIVE_STATES, FINAL_STATES, RunStore
+from engine.store import ACTIVE_STATES, RunStore
+
+log = logging.getLogger("runbook.serve")
 
 if TYPE_CHECKING:
     from engine.connectors.base import KubeAPI
@@ -51,7 +57,7 @@ class JournalRunStarter:
         self._shared_window = shared_dedup_window
         self._clock = clock
         self._kube = kube or settings.kube
-        self._lock_namespace = settings.namespace or DEFAULT_NAMESPACE
+        self._lock_namespace = settings.lease_namespace
         self._monotonic = monotonic
         self._watching: dict[str, LeaseObservation] = {}  # running runs of other replicas: their node Lease
         self._taken_over: set[str] = set()
@@ -63,6 +69,7 @@ class JournalRunStarter:
         self._cancels: dict[str, threading.Event] = {}  # runs executing here: their cancel (``cancel``)
         self._guard = threading.Lock()
         self.service.preload()  # at server start, not in the first run's worker (docs/performance.md, P8)
+        self.service.integrity.keys()  # the run key: read, or created at first start (engine.integrity)
 
     @property
     def journal(self) -> RunStore:
@@ -144,16 +151,14 @@ class JournalRunStarter:
         rec = self.journal.get_run(run_id)  # UsageError for an unknown id
         with self._guard:
             event = self._cancels.get(run_id)
-        if rec.state in FINAL_STATES:
-            return rec.state
+        if rec.state.is_final:
+            return rec.state.value
         self.journal.append(run_id, "run.cancel_requested", reason=reason)
         if event is not None:
             event.set()
             return "cancelling"
-        if rec.state in (RunState.PENDING.value, RunState.WAITING_APPROVAL.value):
-            self.journal.append(run_id, "run.cancelled", reason=reason)
-            self.journal.set_state(run_id, RunState.CANCELLED.value, exit_code=4)
-            return RunState.CANCELLED.value
+        if rec.state in (RunState.PENDING, RunState.WAITING_APPROVAL):
+            return lifecycle.cancel(self.service, run_id, reason).state.value
         return "requested"
 
     def _cancel_event(self, run_id: str) -> threading.Event | None:
@@ -161,48 +166,43 @@ class JournalRunStarter:
             return self._cancels.get(run_id)
 
     def _execute(self, run_id: str) -> RunOutcome:
-        rec = self.journal.get_run(run_id)
-        if rec.state in FINAL_STATES:
-            return RunOutcome(run_id, rec.state, rec.plan_digest, rec.exit_code, "already finished")
-        # read before the claim makes it look alive again; a run taken over from a silent replica too
-        interrupted = rec.state == "interrupted" or run_id in self._taken_over
-        # Why: a run parked for approval has no owner; whoever executes it owns it from now on, so
-        # if this server dies mid-run the run reads "interrupted" and the next server resumes it.
-        if not self.journal.claim(run_id):
-            return RunOutcome(run_id, rec.state, rec.plan_digest, rec.exit_code,
-                              f"executed by another process (pid {rec.owner_pid} on {rec.owner_host})")
-        loaded = self._runbooks[rec.runbook]
-        outside = self._outside_window(run_id, loaded.runbook, rec.approval_required and rec.approved_digest is None)
-        if outside is not None:
-            return outside
-        if rec.plan is None and self._requires_diagnosis(run_id):
-            refused = self._diagnose(run_id, loaded, dict(rec.params))
-            if refused is not None:
-                return refused
-        if rec.plan is None:
-            prepared = prepare_run(loaded, dict(rec.params))
-            plan = self.service.plan(prepared, preview=rec.approval_required)
-            self.service.record_plan(run_id, plan)
-            resume = False
-        else:
-            prepared, plan = self.service.prepare_from_record(run_id)
-            resume = interrupted or bool(self.journal.step_progress(run_id)[0])
-        if plan.state is PlanState.BLOCKED:
-            reason = "; ".join(plan.blocked_reasons)
-            self.service.record_blocked(run_id, reason)
-            return RunOutcome(run_id, RunState.BLOCKED.value, plan.digest, 3, reason)
-        if rec.approval_required and rec.approved_digest != plan.digest:
-            self.service.park(run_id, plan, "approve-mode run: POST /runs/{id}/approve with this plan_digest")
-            return RunOutcome(run_id, RunState.WAITING_APPROVAL.value, plan.digest, None, "waiting for approval")
-        cancel = self._cancel_event(run_id)
-        if cancel is not None and cancel.is_set():
-            reason = "cancelled before it started: " + _cancel_reason(self.journal.events(run_id))
-            self.journal.append(run_id, "run.cancelled", reason=reason)
-            self.journal.set_state(run_id, RunState.CANCELLED.value, exit_code=4)
-            return RunOutcome(run_id, RunState.CANCELLED.value, plan.digest, 4, reason)
-        result = self.service.execute(run_id, prepared, plan, approved=True, wait_approval=False, resume=resume,
-                                      cancel=cancel)
-        return RunOutcome(run_id, result.state.value, plan.digest, result.exit_code, result.reason)
+        with self._guard:
+            taken_over = run_id in self._taken_over
+        window: list[RunOutcome] = []
+
+        def window_gate(rec: RunRecord) -> lifecycle.Continued | None:
+            """Maintenance windows (engine.run_windows): deferred or refused before anything else."""
+            awaiting = lifecycle.requires_approval(self.service, rec) and rec.approved_digest is None
+            outside = self._outside_window(run_id, self._runbooks[rec.runbook].runbook, awaiting)
+            if outside is None:
+                return None
+            window.append(outside)
+            return lifecycle.Continued(run_id, rec.state, outside.exit_code, outside.reason, outside.plan_digest)
+
+        done = lifecycle.continue_run(self.service, run_id, automatic=True, taken_over=taken_over,
+                                      runbooks=self._runbooks, after_claim=window_gate,
+                                      before_plan=self._diagnosis_gate, cancel_event=self._cancel_event(run_id))
+        if window:
+            return window[0]  # its own outcome ("deferred", with the next opening)
+        return RunOutcome(run_id, done.state.value, done.plan_digest, done.exit_code, done.reason)
+
+    def _diagnosis_gate(self, rec: RunRecord) -> lifecycle.Continued | None:
+        """The trigger's ``require_diagnosis`` before a run is planned (None: go on)."""
+        if not self._requires_diagnosis(rec.id):
+            return None
+        return self._diagnose(rec.id, self._runbooks[rec.runbook], dict(rec.params))
+
+    def require_approval(self, run_id: str, reason: str) -> None:
+        """A recovered or taken-over automatic run that the server's rules would not let run
+        automatically now (``force_mode``, ``mode_overrides``, the breaker): from now on it waits for
+        a person, as a new run would (an ``approval.required`` event, sealed with the run)."""
+        if self.service.refuse_unverified(run_id) is not None or self._escalated(run_id):
+            return
+        self.journal.append(run_id, ESCALATED_EVENT, reason=reason)
+        self.service.integrity.seal(run_id, approval_required=True)
+
+    def _escalated(self, run_id: str) -> bool:
+        return lifecycle.requires_approval(self.service, self.journal.get_run(run_id))
 
     def _outside_window(self, run_id: str, runbook: Runbook, awaiting_approval: bool) -> RunOutcome | None:
         """An automatic run outside its maintenance windows (engine.run_windows): deferred (stays
@@ -229,7 +229,7 @@ class JournalRunStarter:
         notes = [e.data for e in self.journal.events(run_id) if e.kind == "run.note"]
         return bool(notes and notes[0].get("require_diagnosis"))
 
-    def _diagnose(self, run_id: str, loaded: LoadedRunbook, params: dict[str, Any]) -> RunOutcome | None:
+    def _diagnose(self, run_id: str, loaded: LoadedRunbook, params: dict[str, Any]) -> lifecycle.Continued | None:
         """The trigger's ``require_diagnosis``: the runbook's declared diagnosis on the node, from facts
         read now. Recorded either way (``diagnosis``, with every piece of evidence); a diagnosis
         that does not match ends the run blocked before any plan: None when it matches."""
@@ -243,21 +243,14 @@ class JournalRunStarter:
         if match.matched:
             return None
         self.service.record_blocked(run_id, reason)
-        return RunOutcome(run_id, RunState.BLOCKED.value, None, 3, reason)
+        return lifecycle.Continued(run_id, RunState.BLOCKED, 3, reason)
 
     def approve(self, run_id: str, plan_digest: str, approved_by: str, *,
                 roles: frozenset[str] = frozenset()) -> Mapping[str, Any]:
-        return self.service.approve(run_id, plan_digest, approved_by, roles=roles)
+        return lifecycle.approve(self.service, run_id, plan_digest, approved_by, roles=roles)
 
     def reject(self, run_id: str, reason: str, rejected_by: str) -> Mapping[str, Any]:
-        rec = self.journal.get_run(run_id)
-        if rec.state != RunState.WAITING_APPROVAL.value:
-            raise StalePlan(f"run {run_id} is {rec.state}, not waiting for approval")
-        self.journal.append(run_id, "approval.rejected", by=rejected_by, reason=reason)
-        # Why cancelled wins over a racing approval: execute() returns at once for a final state
-        self.journal.set_state(run_id, RunState.CANCELLED.value, exit_code=4)
-        self.journal.append(run_id, "run.cancelled", reason=f"rejected by {rejected_by}: {reason}")
-        return self.journal.get_run(run_id).summary()
+        return lifecycle.reject(self.service, run_id, reason, rejected_by).summary()
 
     def runs(self, limit: int = 100) -> Sequence[Mapping[str, Any]]:
         return [r.summary() for r in self.journal.list_runs(limit=limit)]
@@ -267,7 +260,9 @@ class JournalRunStarter:
         events = self.journal.events(run_id)
         notes = [e.data for e in events if e.kind == "run.note"]
         requested = [e.data.get("by") for e in events if e.kind == "run.requested"]
-        return {**rec.summary(), "plan": rec.plan, "warnings": notes[0].get("warnings", []) if notes else [],
+        escalated = any(e.kind == ESCALATED_EVENT for e in events)
+        return {**rec.summary(), "approval_required": rec.approval_required or escalated, "plan": rec.plan,
+                "warnings": notes[0].get("warnings", []) if notes else [],
                 "reason": notes[0].get("reason", "") if notes else "",
                 "dedup_key": notes[0].get("dedup_key", "") if notes else "",
                 "requested_by": requested[0] if requested else None,
@@ -309,33 +304,96 @@ class JournalRunStarter:
         re-announced; runs another live process owns are left to it."""
         out = []
         running = set()
-        for rec in self.journal.list_runs(limit=1000, states=(*ACTIVE_STATES, "interrupted")):
+        self._ingest_store_approvals()
+        for rec in self.journal.list_runs(limit=1000, states=(*ACTIVE_STATES, RunState.INTERRUPTED)):
             if rec.source not in WEBHOOK_SOURCES:
                 continue  # a CLI run: its operator resumes it
-            if rec.state == "interrupted" and not self._died_silently(rec.id):
+            if rec.state is RunState.INTERRUPTED and not self._died_silently(rec.id):
                 continue  # stopped on purpose (API away, Lease held, a confirmation needed): a person resumes it
-            if rec.state == "running":
+            if rec.state is RunState.RUNNING:
                 running.add(rec.id)
-                if self._shared_window and self._silent_executor(rec) and self.journal.claim(rec.id):
-                    self._taken_over.add(rec.id)
-                    self.journal.append(rec.id, "run.taken_over", reason=self._takeover_reason(rec),
-                                        previous_owner=f"{rec.owner_host}/{rec.owner_pid}")
+                if self._shared_window and self._silent_executor(rec) and \
+                        lifecycle.take_over(self.service, rec, self._takeover_reason(rec)):
+                    with self._guard:
+                        self._taken_over.add(rec.id)
                     out.append(rec.id)
                 continue  # else a live process is executing it
             approved = rec.plan_digest is not None and rec.approved_digest == rec.plan_digest
             if rec.approval_required and not approved and self._parked(rec.id):
                 self.journal.disown(rec.id)
                 continue
-            if self._shared_window and rec.state == "pending" and rec.owner_pid is not None and (
+            if self._shared_window and rec.state is RunState.PENDING and rec.owner_pid is not None and (
                     rec.owner_host, rec.owner_pid) != (socket.gethostname(), os.getpid()):
                 # Queued at another replica whose death the store cannot see (another machine): its
                 # worker executes it; taking it here could make two executors.
                 continue
-            if (rec.state in ("pending", "interrupted") or approved) and self.journal.claim(rec.id):
+            if (rec.state in (RunState.PENDING, RunState.INTERRUPTED) or approved) and \
+                    self.service.refuse_unverified(rec.id) is None and self.journal.claim(rec.id):
                 out.append(rec.id)
         for gone in set(self._watching) - running:
             del self._watching[gone]
         return list(reversed(out))
+
+    def _ingest_store_approvals(self) -> None:
+        """Approvals made with ``runbook approve --store kubernetes`` (engine.store_approvals): each
+        request whose author, as the API server recorded it, RBAC lets approve runs in the store
+        namespace and who did not request the run, approves exactly the plan digest it names of a
+        run waiting for it; recorded sealed, as an approval through the HTTP API."""
+        from engine import store_approvals
+        from engine.kube_store import KubeRunStore
+
+        store = self.journal
+        if not isinstance(store, KubeRunStore):
+            return
+        try:
+            items = store.api.list_objects(store_approvals.API_VERSION, store_approvals.PLURAL,
+                                           label_selector=f"{store_approvals.LABEL}=true")
+        except Exception as e:  # Why: not served or not allowed: approvals through HTTP still work
+            log.debug("store approvals not read: %s", e)
+            return
+        for item in items:
+            found = store_approvals.parse(item)
+            if found is None or found.namespace != store.namespace:
+                continue
+            try:
+                rec = store.get_run(found.run_id)
+            except RunbookError:
+                continue
+            if rec.state != RunState.WAITING_APPROVAL.value or rec.plan_digest != found.digest or \
+                    rec.approved_digest == found.digest:
+                continue
+            why = self._store_approval_refused(found, rec.id)
+            if why is not None:
+                self.journal.append(rec.id, "approval.refused", by=found.username, request=found.name, reason=why)
+                continue
+            try:
+                self.service.approve(rec.id, found.digest, found.username)
+            except RunbookError as e:
+                log.warning("run %s: approval %s not recorded: %s", rec.id, found.name, e)
+                continue
+            self.journal.append(rec.id, "approval.request", by=found.username, request=found.name)
+
+    def _store_approval_refused(self, found: Any, run_id: str) -> str | None:
+        """Why the author of a store approval may not approve this run (None: they may)."""
+        from engine.cluster_auth import GROUP, RESOURCE, VERB
+
+        requested = [e.data.get("by") for e in self.journal.events(run_id) if e.kind == "run.requested"]
+        if requested and requested[0] == found.username:
+            return f"{found.username} requested this run and may not approve it"
+        reviews: Any = self._kube()
+        try:
+            answer = reviews.review_access(user=found.username, groups=found.groups, uid=found.uid,
+                                           extra=found.extra, verb=VERB, resource=RESOURCE, group=GROUP,
+                                           namespace=self.journal_namespace())
+        except Exception as e:  # Why: RBAC could not be asked: no approval (fail closed)
+            return f"the API server could not be asked whether {found.username} may approve: {e}"
+        if not answer.allowed:
+            return (f"{found.username} may not approve: RBAC allows no verb approve on remediationruns in "
+                    f"namespace {self.journal_namespace()} ({answer.reason or 'no rule'})")
+        return None
+
+    def journal_namespace(self) -> str:
+        return str(getattr(self.journal, "namespace", ""))
 
     def _silent_executor(self, rec: RunRecord) -> bool:
         """A ``running`` run of another replica whose executor is gone: its node Lease (held by
@@ -370,11 +428,6 @@ class JournalRunStarter:
         """The run's last recorded state is ``waiting-approval`` (whatever became of its owner)."""
         states = [e.data.get("state") for e in self.journal.events(run_id) if e.kind == "run.state"]
         return bool(states) and states[-1] == RunState.WAITING_APPROVAL.value
-
-
-def _cancel_reason(events: Sequence[Any]) -> str:
-    asked = [e for e in events if e.kind == "run.cancel_requested"]
-    return str(asked[-1].data.get("reason") or "") if asked else ""
 
 
 _OUTCOME_EVENTS = ("run.blocked", "run.failed", "run.cancelled", "run.error", "run.finish",

@@ -36,7 +36,7 @@ class Settings:
     ask_become_pass: bool = False
     debug: bool = False
     guards_config: Path | None = None  # a YAML file with a ``guards:`` section (``engine.run_guards``)
-    namespace: str | None = None  # where the node Leases live (None: ``engine.locks.DEFAULT_NAMESPACE``)
+    namespace: str | None = None  # where the node Leases live (None: ``lease_namespace`` decides)
     request_timeout: float | None = None  # seconds an API request may take (None: the connector's default)
     no_tty: bool = False  # plain progress lines even on a terminal (``engine.live``)
     _cache: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -134,6 +134,17 @@ class Settings:
 
             self._cache["guards"] = load_guard_config(self.guards_config)
         return self._cache["guards"]
+
+    @property
+    def lease_namespace(self) -> str:
+        """Where node Leases live: ``--namespace``; else, in cluster mode (``--store kubernetes``), the
+        store namespace, so that the engine's ServiceAccount needs no Lease rights in kube-system
+        (where the controller-manager's and scheduler's leader Leases live); else kube-system."""
+        from engine.locks import DEFAULT_NAMESPACE
+
+        if self.namespace:
+            return self.namespace
+        return self.store_namespace if self.store == "kubernetes" else DEFAULT_NAMESPACE
 
     def approval_config(self) -> ApprovalConfig:
         """The approval policy: the serve configuration's ``approvals:`` (set by serve), else the

@@ -30,7 +30,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from engine.errors import UsageError
-from engine.store import FINAL_STATES, RunRecord, RunStore, opened
+from engine.journal import opened
+from engine.store import RunRecord, RunStore
 
 SOURCE = "cli"
 _MAX_RUNS = 1_000_000
@@ -57,9 +58,9 @@ class _JournalRuns(Collector):
         counts: dict[tuple[str, str], int] = {}
         latest: dict[tuple[str, str], RunRecord] = {}
         for r in runs:  # newest first
-            if r.state not in FINAL_STATES:
+            if not r.state.is_final:
                 continue
-            counts[(r.runbook, r.state)] = counts.get((r.runbook, r.state), 0) + 1
+            counts[(r.runbook, r.state.value)] = counts.get((r.runbook, r.state.value), 0) + 1
             for node in r.nodes or [""]:
                 latest.setdefault((r.runbook, node), r)
         for (runbook, state), n in sorted(counts.items()):
@@ -77,7 +78,7 @@ class _JournalRuns(Collector):
                                   labels=["runbook", "node", "step", "status"])
         for (runbook, node), r in sorted(latest.items()):
             end = r.finished or r.created
-            when.add_metric([runbook, node, r.state], end)
+            when.add_metric([runbook, node, r.state.value], end)
             duration.add_metric([runbook, node], max(0.0, end - (r.started or r.created)))
             if r.exit_code is not None:
                 code.add_metric([runbook, node], float(r.exit_code))

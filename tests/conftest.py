@@ -23,16 +23,25 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+import tests.fakes
+import tests.notify_receiver
 from engine.lab.assets import find_assets
 from engine.lab.controlplane import ControlPlane
 from engine.lab.kubectl import Kubectl
 from engine.lab.nodehosts import NodeHostSet, NodeHostSpec, node_host_prerequisite_problems, start_node_hosts
+
+# The unit tests are packages now (tests/unit mirrors engine/, basenames may repeat): helpers are
+# imported as ``tests.fakes`` / ``tests.notify_receiver``. Test modules still written with the bare
+# names (before the tree moved) get the very same module objects, never a second copy.
+sys.modules.setdefault("fakes", tests.fakes)
+sys.modules.setdefault("notify_receiver", tests.notify_receiver)
 
 IN_CI = os.environ.get("CI", "").strip().lower() in {"1", "true", "yes"}
 _started_planes: list[ControlPlane] = []

@@ -26,9 +26,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlencode
 
-from notify_receiver import pd_errors
-
 from engine.serve.slack import sign
+from tests.notify_receiver import pd_errors
 
 PD_TOKEN = "y_NbAkKc66ryYTWUXYEu"  # the shape of a PagerDuty REST API key (20 characters)
 PD_FROM = "oncall-bot@example.org"

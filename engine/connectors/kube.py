@@ -493,7 +493,8 @@ class KubeConnector:
                       subresource: str | None = None) -> str:
         prefix = f"/api/{_q(api_version)}" if "/" not in api_version else (
             "/apis/" + "/".join(_q(p) for p in api_version.split("/", 1)))
-        path = f"{prefix}/namespaces/{_q(namespace)}/{_q(kind_plural)}"
+        # namespace "": a cluster-scoped kind (CertificateSigningRequests: engine.store_approvals)
+        path = f"{prefix}/namespaces/{_q(namespace)}/{_q(kind_plural)}" if namespace else f"{prefix}/{_q(kind_plural)}"
         if name:
             path += f"/{_q(name)}"
         if subresource:

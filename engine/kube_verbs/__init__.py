@@ -3,8 +3,9 @@ variant (``effects``: ``NodePatch``, ``PodOperation``, ``Wait``) has its apply a
 
 ``kube_effect(verb, node)`` is what planning and execution call to decide; ``apply(effect, ctx)`` and
 ``preview(effect, ctx)`` are what the executor and the plan previews call. A new verb is one module
-here with its ``decide`` and a ``VERBS`` line (its spec class goes into ``engine.model``'s ``KubeVerb``
-union): see docs/design.md, "How to add a kube verb".
+here whose ``decide`` registers itself (``@decides(SpecClass)``), imported below; its spec class is
+one ``@kube_verb`` class in ``engine.model`` (the format's union and hints are built from those):
+see docs/design.md, "How to add a kube verb".
 
 Deciding is pure. Applying and previewing talk to Kubernetes only through ``KubeAPI``.
 """
@@ -14,9 +15,11 @@ from __future__ import annotations
 from typing import Any
 
 from engine.facts import NodeFacts
-from engine.kube_verbs import cordon, drain, evict, labels, node_patch, patch, taints, wait
+
+# Importing a verb module registers its decide (``@decides``): one name per verb module on this line.
+from engine.kube_verbs import cordon, drain, evict, labels, node_patch, patch, taints, wait  # noqa: F401
 from engine.kube_verbs.effects import (
-    Decide,
+    DECIDE,
     EffectFailed,
     KubeContext,
     KubeEffect,
@@ -30,10 +33,6 @@ from engine.kube_verbs.effects import (
 __all__ = ["EffectFailed", "KubeContext", "KubeEffect", "NoOp", "NodePatch", "PodOperation", "PodRules", "Wait",
            "apply", "apply_to_node", "kube_effect", "preview", "select_pods"]
 
-# The registry: spec class -> decide(verb, node). One line per verb module.
-DECIDE: dict[type, Decide] = {
-    **labels.VERBS, **cordon.VERBS, **taints.VERBS, **patch.VERBS, **evict.VERBS, **drain.VERBS, **wait.VERBS,
-}
 
 
 def kube_effect(verb: Any, node: NodeFacts) -> KubeEffect | NoOp:

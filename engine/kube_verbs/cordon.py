@@ -9,11 +9,12 @@ from __future__ import annotations
 from typing import Any
 
 from engine.facts import NodeFacts
-from engine.kube_verbs.effects import CORDONED_BY_ANNOTATION, Decide, NodePatch, NoOp
+from engine.kube_verbs.effects import CORDONED_BY_ANNOTATION, NodePatch, NoOp, decides
 from engine.kube_verbs.node_patch import q
 from engine.model import Change, KubeCordon, KubeUncordon
 
 
+@decides(KubeCordon, KubeUncordon)
 def decide(verb: KubeCordon | KubeUncordon, node: NodeFacts) -> NodePatch | NoOp:
     cordon = isinstance(verb, KubeCordon)
     reads: dict[str, Any] = {"node.unschedulable": node.unschedulable}
@@ -33,6 +34,3 @@ def decide(verb: KubeCordon | KubeUncordon, node: NodeFacts) -> NodePatch | NoOp
     return NodePatch("uncordon", f"uncordon (cordoned by run {by}): unschedulable True -> False", command,
                      {"metadata": {"annotations": {CORDONED_BY_ANNOTATION: None}}, "spec": {"unschedulable": False}},
                      "merge", (change, gone), reads)
-
-
-VERBS: dict[type, Decide] = {KubeCordon: decide, KubeUncordon: decide}

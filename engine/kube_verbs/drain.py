@@ -30,7 +30,7 @@ from typing import Any, Literal
 from engine.connectors.base import PodRef
 from engine.errors import ActionFailed, KubeError, NamespaceTerminating, RunbookError
 from engine.facts import NodeFacts
-from engine.kube_verbs.effects import Decide, EffectFailed, KubeContext, PodOperation, PodRules, cordon_patch
+from engine.kube_verbs.effects import EffectFailed, KubeContext, PodOperation, PodRules, cordon_patch, decides
 from engine.kube_verbs.node_patch import q
 from engine.model import Change, KubeDrain, PodSelectorSpec, parse_duration
 from engine.resources import parse_quantity
@@ -43,6 +43,7 @@ WATCH_CHUNK = 15.0  # seconds per watch while waiting for the pods to be gone
 # -- deciding (pure) ------------------------------------------------------------------------------
 
 
+@decides(KubeDrain)
 def decide(verb: KubeDrain, node: NodeFacts) -> PodOperation:
     s = verb.drain
     rules = PodRules(selector=s.selector, cordon=True, ignore_daemonsets=s.ignore_daemonsets,
@@ -292,6 +293,3 @@ def preview(effect: PodOperation, ctx: KubeContext) -> str:
     if not any(d.verdict == "evict" for d in decisions):
         lines.append(f"server dry-run: no pod to {verb} now ({effect.summary})")
     return "\n".join(lines)
-
-
-VERBS: dict[type, Decide] = {KubeDrain: decide}

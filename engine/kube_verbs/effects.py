@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from engine.connectors.base import KubeAPI
 from engine.errors import ActionFailed
@@ -114,6 +114,24 @@ class Wait:
 
 KubeEffect = NodePatch | PodOperation | Wait
 Decide = Callable[[Any, NodeFacts], KubeEffect | NoOp]  # a verb module's decide(verb, node)
+D = TypeVar("D", bound=Decide)
+
+# The registry: a verb's spec class (``engine.model``, ``@kube_verb``) -> its module's decide(verb, node).
+DECIDE: dict[type, Decide] = {}
+
+
+def decides(*specs: type) -> Callable[[D], D]:
+    """Register the decorated ``decide`` for the kube verbs ``specs`` (a verb module's one
+    registration). A spec decided twice is a programming error."""
+
+    def register(decide: D) -> D:
+        for spec in specs:
+            if spec in DECIDE:
+                raise ValueError(f"kube verb {spec.__qualname__} already has a decide ({DECIDE[spec].__qualname__})")
+            DECIDE[spec] = decide
+        return decide
+
+    return register
 
 WaitUntil = Callable[[Any, float], tuple[bool, str, Mapping[str, Any]]]  # (check, timeout) -> holds, observed, evidence
 

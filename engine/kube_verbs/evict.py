@@ -7,11 +7,12 @@ DaemonSet-managed pods are skipped with their reason, every other selected pod i
 from __future__ import annotations
 
 from engine.facts import NodeFacts
-from engine.kube_verbs.effects import Decide, PodOperation, PodRules
+from engine.kube_verbs.effects import PodOperation, PodRules, decides
 from engine.kube_verbs.node_patch import q
 from engine.model import KubeDeletePods, KubeEvict, parse_duration
 
 
+@decides(KubeEvict, KubeDeletePods)
 def decide(verb: KubeEvict | KubeDeletePods, node: NodeFacts) -> PodOperation:
     evict = isinstance(verb, KubeEvict)
     sel = verb.evict if isinstance(verb, KubeEvict) else verb.delete_pods
@@ -39,6 +40,3 @@ def decide(verb: KubeEvict | KubeDeletePods, node: NodeFacts) -> PodOperation:
                      grace_seconds=sel.grace_seconds, timeout=parse_duration(sel.timeout))
     return PodOperation("evict" if evict else "delete_pods", f"{'evict' if evict else 'delete'} {what}", command,
                         rules)
-
-
-VERBS: dict[type, Decide] = {KubeEvict: decide, KubeDeletePods: decide}

@@ -8,11 +8,12 @@ from __future__ import annotations
 from typing import Any
 
 from engine.facts import NodeFacts
-from engine.kube_verbs.effects import Decide, NodePatch, NoOp
+from engine.kube_verbs.effects import NodePatch, NoOp, decides
 from engine.kube_verbs.node_patch import q, show
 from engine.model import Change, KubeAnnotate, KubeLabel, KubeUnlabel
 
 
+@decides(KubeLabel, KubeAnnotate)
 def decide_set(verb: KubeLabel | KubeAnnotate, node: NodeFacts) -> NodePatch | NoOp:
     is_label = isinstance(verb, KubeLabel)
     what = "label" if is_label else "annotation"
@@ -30,6 +31,7 @@ def decide_set(verb: KubeLabel | KubeAnnotate, node: NodeFacts) -> NodePatch | N
     return NodePatch(what, summary, command, {"metadata": {section: dict(todo)}}, "merge", changes, reads)
 
 
+@decides(KubeUnlabel)
 def decide_unlabel(verb: KubeUnlabel, node: NodeFacts) -> NodePatch | NoOp:
     reads: dict[str, Any] = {f"node.labels[{k}]": node.labels.get(k) for k in verb.unlabel}
     command = f"kubectl label node {q(node.name)} " + " ".join(q(f"{k}-") for k in verb.unlabel)
@@ -40,6 +42,3 @@ def decide_unlabel(verb: KubeUnlabel, node: NodeFacts) -> NodePatch | NoOp:
     summary = "; ".join(f"label {k}: {node.labels[k]} -> (absent)" for k in present)
     return NodePatch("unlabel", summary, command, {"metadata": {"labels": dict.fromkeys(present)}}, "merge",
                      changes, reads)
-
-
-VERBS: dict[type, Decide] = {KubeLabel: decide_set, KubeAnnotate: decide_set, KubeUnlabel: decide_unlabel}

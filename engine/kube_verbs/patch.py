@@ -11,11 +11,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from engine.facts import NodeFacts
-from engine.kube_verbs.effects import Decide, NodePatch, NoOp
+from engine.kube_verbs.effects import NodePatch, NoOp, decides
 from engine.kube_verbs.node_patch import q, show
 from engine.model import Change, KubePatch
 
 
+@decides(KubePatch)
 def decide(verb: KubePatch, node: NodeFacts) -> NodePatch | NoOp:
     p = verb.patch
     body = p.body
@@ -56,6 +57,3 @@ def _known_leaves(body: Mapping[str, Any], node: NodeFacts) -> list[tuple[str | 
     if "unschedulable" in spec:
         out.append(("node.unschedulable", node.unschedulable, bool(spec["unschedulable"])))
     return out
-
-
-VERBS: dict[type, Decide] = {KubePatch: decide}

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.facts import NodeFacts, Taint
-from engine.kube_verbs.effects import Decide, NodePatch, NoOp
+from engine.kube_verbs.effects import NodePatch, NoOp, decides
 from engine.kube_verbs.node_patch import q, show
 from engine.model import Change, KubeTaint, KubeUntaint
 
@@ -36,6 +36,7 @@ def _taint_patch(node: NodeFacts, new: list[Taint]) -> list[dict[str, Any]]:
     return ops
 
 
+@decides(KubeTaint)
 def decide_taint(verb: KubeTaint, node: NodeFacts) -> NodePatch | NoOp:
     s = verb.taint
     want = Taint(s.key, s.effect, s.value)
@@ -51,6 +52,7 @@ def decide_taint(verb: KubeTaint, node: NodeFacts) -> NodePatch | NoOp:
                      _taint_patch(node, new), "json", (change,), reads)
 
 
+@decides(KubeUntaint)
 def decide_untaint(verb: KubeUntaint, node: NodeFacts) -> NodePatch | NoOp:
     u = verb.untaint
     texts = sorted(taint_text(t) for t in node.taints if t.key == u.key)
@@ -65,6 +67,3 @@ def decide_untaint(verb: KubeUntaint, node: NodeFacts) -> NodePatch | NoOp:
                     after=", ".join(sorted(taint_text(t) for t in new if t.key == u.key)) or None)
     return NodePatch("untaint", f"untaint {', '.join(taint_text(t) for t in gone)}", command,
                      _taint_patch(node, new), "json", (change,), reads)
-
-
-VERBS: dict[type, Decide] = {KubeTaint: decide_taint, KubeUntaint: decide_untaint}

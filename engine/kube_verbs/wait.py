@@ -12,12 +12,13 @@ from typing import Any
 
 from engine.errors import ActionFailed
 from engine.facts import NodeFacts
-from engine.kube_verbs.effects import Decide, EffectFailed, KubeContext, Wait
+from engine.kube_verbs.effects import EffectFailed, KubeContext, Wait, decides
 from engine.model import KubeWait, parse_duration
 
 DEFAULT_TIMEOUT = "300s"
 
 
+@decides(KubeWait)
 def decide(verb: KubeWait, node: NodeFacts) -> Wait:
     w = verb.wait
     if w.seconds is not None:
@@ -47,6 +48,3 @@ def apply(effect: Wait, ctx: KubeContext) -> dict[str, Any]:
 
 def preview(effect: Wait, ctx: KubeContext) -> str:
     return ""
-
-
-VERBS: dict[type, Decide] = {KubeWait: decide}

@@ -37,15 +37,26 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from datetime import datetime
 from typing import Any, Literal
 
 from engine.errors import ApprovalRefused, RunbookError
+from engine.model import RunState
 from engine.serve.access import Identity
 from engine.serve.alertmanager import Alert, WebhookPayload
 from engine.serve.cluster import ClusterSnapshot, ClusterUnavailable, ClusterView, RefreshingClusterView
 from engine.serve.config import ServeConfig
-from engine.serve.guards import Guards, NodeBreaker, Reservation, SharedBreaker
+from engine.serve.guards import (
+    Guards,
+    Reservation,
+    RunSummary,
+    SharedBreaker,
+    automatic_runs,
+    in_window,
+    node_of,
+    open_in_store,
+    shared_verdict,
+)
+from engine.serve.guards import epoch as _epoch
 from engine.serve.leader import Leadership, SingleReplica
 from engine.serve.metrics import ServeMetrics
 from engine.serve.notify import Notification, Notifier, RefusalDigest, run_report, step_outcomes
@@ -57,9 +68,6 @@ from engine.serve.worker import WorkerPool
 
 log = logging.getLogger(__name__)
 Outcome = Literal["started", "duplicate", "blocked", "rejected", "ignored"]
-_ACTIVE = ("pending", "waiting-approval", "running")
-_FINAL = ("succeeded", "failed", "blocked", "cancelled", "interrupted")
-_ENDED = ("succeeded", "failed", "blocked", "cancelled")  # final, not resumable
 BREAKER_RESET = "breaker.reset"  # event on a run: a person reset the breaker that run held open
 _BREAKER_SCAN = 500  # newest runs read for the shared breaker
 INCIDENT_KEY = "pd-incident-"  # dedup key prefix of runs paged by a PagerDuty incident (triggers.py)
@@ -115,6 +123,31 @@ class _RunMeta:
                             group_key=self.group_key, incident_id=self.incident_id, **kw)
 
 
+def _run_state(value: Any) -> RunState | None:
+    try:
+        return RunState(str(value))
+    except ValueError:
+        return None
+
+
+def _active(value: Any) -> bool:
+    """Someone runs it or will (pending, waiting for approval, running)."""
+    state = _run_state(value)
+    return state is not None and state.is_active
+
+
+def _final(value: Any) -> bool:
+    """It ended for good (succeeded, failed, blocked, cancelled)."""
+    state = _run_state(value)
+    return state is not None and state.is_final
+
+
+def _not_active(value: Any) -> bool:
+    """Nobody executes it here any more: final, or stopped resumable (interrupted)."""
+    state = _run_state(value)
+    return state is not None and not state.is_active
+
+
 class NotFound(Exception):
     """No run with that id (HTTP 404)."""
 
@@ -131,15 +164,6 @@ def _cut(text: str, limit: int) -> str:
     return data[: limit - 14].decode("utf-8", "ignore") + "...[truncated]"
 
 
-def _epoch(iso: Any) -> float | None:
-    if not isinstance(iso, str) or not iso:
-        return None
-    try:
-        return datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return None
-
-
 def incident_of(summary: Mapping[str, Any]) -> str:
     """The PagerDuty incident id a recorded run was paged by (its dedup key), or ``""``."""
     key = summary.get("dedup_key")
@@ -153,14 +177,6 @@ def plan_summary(run: Mapping[str, Any]) -> str:
     if not isinstance(steps, list | tuple):
         return ""
     return " -> ".join(str(s.get("id")) for s in steps if isinstance(s, Mapping))[:1000]
-
-
-def node_of(summary: Mapping[str, Any]) -> str | None:
-    nodes = summary.get("nodes") or ()
-    if nodes:
-        return str(nodes[0])
-    node = (summary.get("params") or {}).get("node")
-    return node if isinstance(node, str) else None
 
 
 class Dispatcher:
@@ -209,13 +225,13 @@ class Dispatcher:
             started = _epoch(s.get("started")) or now
             if mode == "auto":
                 self.guards.note_auto_start(str(s.get("runbook")), started)
-            if state in _ACTIVE or run_id in queue_ids:
+            if _active(state) or run_id in queue_ids:
                 with self._lock:
                     self._runs[run_id] = _RunMeta(str(s.get("runbook")), node, mode, state=state,
                                                   approved=bool(s.get("approved_by")),
                                                   plan_digest=s.get("plan_digest"), incident_id=incident_of(s))
                 self.guards.track_active(node, run_id, approve=mode == "approve")
-            elif state in _FINAL:
+            elif _not_active(state):
                 self.guards.track_ended(node, run_id, _epoch(s.get("finished")) or started)
             if now - started < self.config.dedup.fingerprint_window:
                 # Why: the alert's fingerprint window promised in docs/serve.md outlives the process
@@ -228,6 +244,8 @@ class Dispatcher:
                 if isinstance(key, str) and key:
                     self.guards.remember(f"{s.get('runbook')}|{key}", started, run_id)
         for run_id in queue_ids:
+            if self._readmit(run_id) is None:
+                continue
             if not self.worker.submit(functools.partial(self._execute, run_id), reserved=False):
                 log.warning("worker pool full at start: run %s stays pending until the next start", run_id)
         if sweep_interval > 0:
@@ -281,10 +299,13 @@ class Dispatcher:
                 s = self.starter.run(run_id)
             except RunbookError:
                 continue
-            if s.get("state") in _FINAL and s.get("state") != "interrupted":
+            if _final(s.get("state")):
                 continue  # finished meanwhile (by whoever executed it)
+            readmitted = self._readmit(run_id, s)
+            if readmitted is None:
+                continue
             node = node_of(s)
-            mode: Mode = "approve" if s.get("approval_required") else "auto"
+            mode: Mode = readmitted
             with self._lock:
                 self._runs[run_id] = _RunMeta(str(s.get("runbook")), node, mode, state=str(s.get("state")),
                                               approved=bool(s.get("approved_by")),
@@ -305,6 +326,48 @@ class Dispatcher:
         if pruned:
             log.info("retention: pruned %d finished runs", len(pruned))
         return {"leader": True, "resumed": queued, "pruned": list(pruned)}
+
+    def _readmit(self, run_id: str, s: Mapping[str, Any] | None = None) -> Mode | None:
+        """A run the leader resumes or takes over passes the rules a new run passes (issue 25 item 4):
+        its page stays a duplicate for the dedup window here too; an automatic run that
+        ``force_mode``/``mode_overrides`` or the breaker (the shared one too) would not let run
+        automatically now waits for a person instead (``RunStarter.require_approval``), within
+        ``max_pending_approvals``. The run's mode from now on, or None: not now (it stays
+        claimed and is looked at again at the next sweep). Guards and the GPU budget are
+        evaluated again by the run service before its Lease, as for any run."""
+        try:
+            s = s if s is not None else self.starter.run(run_id)
+        except RunbookError:
+            return None
+        runbook, node = str(s.get("runbook")), node_of(s)
+        key = s.get("dedup_key")
+        if isinstance(key, str) and key:
+            self.guards.remember(f"{runbook}|{key}", _epoch(s.get("started")) or self._clock(), run_id)
+        if s.get("approval_required") or s.get("approved_by"):
+            return "approve"
+        reasons: list[str] = []
+        if self.config.mode_for(runbook, "auto") == "approve":
+            reasons.append("the configuration (force_mode / mode_overrides) makes this runbook approve-mode")
+        else:
+            try:
+                snapshot = self.cluster.snapshot()
+                reasons += self.guards.check_auto(runbook, node, snapshot, self.shared_breaker(runbook, node))
+            except Exception as e:  # Why: the breaker fails closed, as for a new run
+                reasons.append(f"breaker: cannot be evaluated ({type(e).__name__}: {str(e)[:200]})")
+        if not reasons:
+            return "auto"
+        why = self.guards.reserve_approval()
+        if why is not None:
+            log.warning("run %s not resumed now: it needs an approval and %s", run_id, why)
+            return None
+        try:
+            self.starter.require_approval(run_id, "; ".join(reasons))
+        except Exception:
+            self.guards.bind_approval(None)
+            raise
+        self.guards.bind_approval(run_id)
+        self.metrics.runs_blocked.labels(runbook=runbook, reason="breaker").inc()
+        return "approve"
 
     def readiness(self) -> dict[str, Any]:
         """``/readyz``: the store answers (one read), and this replica's role (leader or follower)."""
@@ -344,7 +407,7 @@ class Dispatcher:
                 state = str(self.starter.run(run_id).get("state"))
             except RunbookError:
                 state = "cancelled"
-            if state in _FINAL:
+            if _not_active(state):
                 self._finish(run_id, meta, RunOutcome(run_id, state, reason="ended while waiting for approval"))
 
     # -- pages --------------------------------------------------------------------------------
@@ -626,7 +689,7 @@ class Dispatcher:
                 "waiting-approval", run_id, reason=meta.reason, warnings=meta.warnings, state=outcome.state,
                 extra=extra))
             return
-        if outcome.state not in _FINAL:
+        if not _not_active(outcome.state):
             log.warning("run %s returned state %s; treating it as still active", run_id, outcome.state)
             with self._lock:
                 meta.state = outcome.state
@@ -782,10 +845,9 @@ class Dispatcher:
     def _shared(self) -> bool:
         return self.leadership.describe().get("role") != "single"
 
-    def _automatic(self) -> list[Mapping[str, Any]]:
-        """The store's automatic webhook runs, newest first (one read)."""
-        return [s for s in self.starter.runs(limit=_BREAKER_SCAN)
-                if s.get("source") in WEBHOOK_SOURCES and not s.get("approval_required")]
+    def _automatic(self) -> list[RunSummary]:
+        """The store's automatic webhook runs, newest first (one read), typed."""
+        return automatic_runs(self.starter.runs(limit=_BREAKER_SCAN))
 
     def _was_reset(self, run_id: str, scope: str) -> bool:
         if (run_id, scope) in self._resets:
@@ -797,54 +859,34 @@ class Dispatcher:
             return True
         return False
 
-    def _open_in_store(self, runs: Sequence[Mapping[str, Any]], node: str) -> Mapping[str, Any] | None:
-        """The node's last ended automatic run, when it failed and nobody reset it."""
-        for s in runs:
-            if node_of(s) == node and s.get("state") in _ENDED:
-                failed = s.get("state") == "failed" and not self._was_reset(str(s["id"]), "node")
-                return s if failed else None
-        return None
-
-    def _in_window(self, runs: Sequence[Mapping[str, Any]], runbook: str | None) -> list[Mapping[str, Any]]:
-        now, window = self._clock(), self.config.breaker.window
-        return [s for s in runs if (runbook is None or s.get("runbook") == runbook)
-                and now - (_epoch(s.get("started")) or now) < window]
-
     def shared_breaker(self, runbook: str, node: str | None) -> SharedBreaker | None:
         """The store's breaker verdict for an automatic candidate (None: one replica, no shared store).
         Raises when the store does not answer (the caller fails closed)."""
         if not self._shared():
             return None
-        runs = self._automatic()
-        failed = self._open_in_store(runs, node) if node is not None else None
-        open_node = None
-        if failed is not None and node is not None:
-            open_node = NodeBreaker(node, str(failed["id"]), _epoch(failed.get("finished")) or self._clock(),
-                                    f"automatic run failed (exit {failed.get('exit_code')})")
-        window = self._in_window(runs, runbook)
-        if len(window) >= self.config.breaker.max_auto_runs:  # tripped, unless a reset marked some
-            window = [s for s in window if not self._was_reset(str(s["id"]), "runbook")]
-        return SharedBreaker(open_node, len(window))
+        b = self.config.breaker
+        return shared_verdict(self._automatic(), runbook, node, now=self._clock(), window=b.window,
+                              max_auto_runs=b.max_auto_runs, was_reset=self._was_reset)
 
     def _reset_in_store(self, node: str | None, runbook: str | None, by: str) -> list[str]:
         runs = self._automatic()
         done: list[str] = []
         if runbook is None:
-            nodes = [node] if node is not None else sorted({n for s in runs if (n := node_of(s)) is not None})
+            nodes = [node] if node is not None else sorted({r.node for r in runs if r.node is not None})
             for n in nodes:
-                failed = self._open_in_store(runs, n)
+                failed = open_in_store(runs, n, self._was_reset)
                 if failed is not None:
-                    self.starter.record_event(str(failed["id"]), BREAKER_RESET, {"scope": "node", "by": by})
+                    self.starter.record_event(failed.id, BREAKER_RESET, {"scope": "node", "by": by})
                     with self._lock:
-                        self._resets.add((str(failed["id"]), "node"))
+                        self._resets.add((failed.id, "node"))
                     done.append(f"node:{n}")
         if node is None:
-            for s in self._in_window(runs, runbook):
-                if not self._was_reset(str(s["id"]), "runbook"):
-                    self.starter.record_event(str(s["id"]), BREAKER_RESET, {"scope": "runbook", "by": by})
+            for r in in_window(runs, runbook, self._clock(), self.config.breaker.window):
+                if not self._was_reset(r.id, "runbook"):
+                    self.starter.record_event(r.id, BREAKER_RESET, {"scope": "runbook", "by": by})
                     with self._lock:
-                        self._resets.add((str(s["id"]), "runbook"))
-                    done.append(f"runbook:{s.get('runbook')}")
+                        self._resets.add((r.id, "runbook"))
+                    done.append(f"runbook:{r.runbook}")
         return sorted(set(done))
 
     def refresh_gauges(self) -> None:

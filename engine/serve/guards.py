@@ -36,13 +36,16 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from engine.model import RunState
 from engine.serve.cluster import ClusterSnapshot
 from engine.serve.config import ServeConfig
+from engine.serve.starter import WEBHOOK_SOURCES
 
 log = logging.getLogger(__name__)
 _RESERVED = "(starting)"
@@ -85,6 +88,96 @@ class SharedBreaker:
 
     open_node: NodeBreaker | None  # the node's last automatic run failed and nobody reset it
     auto_runs: int  # automatic runs of the runbook in the window (not reset), from every replica
+
+
+def epoch(iso: Any) -> float | None:
+    """An ISO 8601 time of a run summary as epoch seconds (None when absent or unreadable)."""
+    if not isinstance(iso, str) or not iso:
+        return None
+    try:
+        return datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+def node_of(summary: Mapping[str, Any]) -> str | None:
+    """The node of a run summary: its first node, else its ``node`` param."""
+    nodes = summary.get("nodes") or ()
+    if nodes:
+        return str(nodes[0])
+    node = (summary.get("params") or {}).get("node")
+    return node if isinstance(node, str) else None
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """A run as the shared breaker reads it, typed once from ``RunStarter.runs()``' summaries
+    (``RunRecord.summary()``-shaped dicts): a state that is not a ``RunState`` is ``None`` and
+    never counts as ended."""
+
+    id: str
+    runbook: str
+    node: str | None
+    state: RunState | None
+    source: str
+    approval_required: bool
+    started: float | None
+    finished: float | None
+    exit_code: int | None
+
+    @classmethod
+    def of(cls, s: Mapping[str, Any]) -> RunSummary:
+        try:
+            state: RunState | None = RunState(str(s.get("state")))
+        except ValueError:
+            state = None
+        code = s.get("exit_code")
+        return cls(id=str(s.get("id", "")), runbook=str(s.get("runbook", "")), node=node_of(s), state=state,
+                   source=str(s.get("source", "")), approval_required=bool(s.get("approval_required")),
+                   started=epoch(s.get("started")), finished=epoch(s.get("finished")),
+                   exit_code=code if isinstance(code, int) else None)
+
+    @property
+    def automatic(self) -> bool:
+        """Started by a page without a person's approval: what the breaker counts."""
+        return self.source in WEBHOOK_SOURCES and not self.approval_required
+
+
+ResetCheck = Callable[[str, str], bool]  # (run id, scope "node" | "runbook") -> a person reset it
+
+
+def automatic_runs(summaries: Iterable[Mapping[str, Any]]) -> list[RunSummary]:
+    """The store's automatic webhook runs, typed, in the order given (newest first)."""
+    return [r for r in map(RunSummary.of, summaries) if r.automatic]
+
+
+def open_in_store(runs: Sequence[RunSummary], node: str, was_reset: ResetCheck) -> RunSummary | None:
+    """The node's last ended automatic run, when it failed and nobody reset it (the node's breaker
+    is open at every replica)."""
+    for r in runs:
+        if r.node == node and r.state is not None and r.state.is_final:
+            failed = r.state is RunState.FAILED and not was_reset(r.id, "node")
+            return r if failed else None
+    return None
+
+
+def in_window(runs: Sequence[RunSummary], runbook: str | None, now: float, window: float) -> list[RunSummary]:
+    """The automatic runs (of ``runbook``, or of every runbook) started within ``window`` seconds."""
+    return [r for r in runs if (runbook is None or r.runbook == runbook) and now - (r.started or now) < window]
+
+
+def shared_verdict(runs: Sequence[RunSummary], runbook: str, node: str | None, *, now: float, window: float,
+                   max_auto_runs: int, was_reset: ResetCheck) -> SharedBreaker:
+    """The breaker over the store's runs (every replica's) for one automatic candidate."""
+    failed = open_in_store(runs, node, was_reset) if node is not None else None
+    open_node = None
+    if failed is not None and node is not None:
+        open_node = NodeBreaker(node, failed.id, failed.finished or now,
+                                f"automatic run failed (exit {failed.exit_code})")
+    recent = in_window(runs, runbook, now, window)
+    if len(recent) >= max_auto_runs:  # tripped, unless a reset marked some
+        recent = [r for r in recent if not was_reset(r.id, "runbook")]
+    return SharedBreaker(open_node, len(recent))
 
 
 class Guards:

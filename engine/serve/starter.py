@@ -3,7 +3,7 @@
 The server decides *whether* and *how* (mode, warnings) a run starts; a ``RunStarter`` owns
 *what a run is*: params validation, the journal, planning, approvals, the node Lease, execution.
 The real implementation lives with the engine (``engine.serve_starter.JournalRunStarter``, an
-adapter over the run service); unit tests use ``engine.serve.testing.FakeRunStarter``. This module
+adapter over the run service); unit tests use ``tests.fakes.FakeRunStarter``. This module
 holds types only: no I/O, no decisions.
 
 Lifecycle of a paged run, and which side calls what::
@@ -47,6 +47,8 @@ Rules every implementation must keep:
   (who asked for the run: the sender identity, or the user of a CLI run).
 * ``approve``'s ``approved_by`` is the identity bound to the approver's credential, never a name the
   caller typed.
+* ``require_approval`` (a recovered automatic run the rules would no longer let run automatically)
+  makes ``execute`` park that run for approval from then on, durably and tamper-evidently.
 * ``preview`` changes nothing and records nothing: no journal run, no Lease, no mutation (facts are
   read, previews are Ansible check mode and server-side dry-runs, as ``runbook plan``).
 """
@@ -148,6 +150,11 @@ class RunStarter(Protocol):
         """A person declined the plan of a run waiting for approval: record who and why
         (``approval.rejected``) and end the run ``cancelled`` (exit 4); the run's summary.
         StalePlan when it is not waiting for approval, UsageError for an unknown id."""
+        ...
+
+    def require_approval(self, run_id: str, reason: str) -> None:
+        """A recovered automatic run may no longer run automatically (the configuration or the
+        breaker say so now): it waits for a person's approval from now on, recorded with ``reason``."""
         ...
 
     def runs(self, limit: int = 100) -> Sequence[Mapping[str, Any]]:

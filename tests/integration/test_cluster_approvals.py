@@ -39,6 +39,8 @@ def approvers(kubectl: Kubectl, control_plane: ControlPlane, tmp_path_factory: p
             ("rolebinding", "bob-approves-only")]
     kubectl("create", "clusterrolebinding", "alice-identity", "--clusterrole=runbook-approver-identity",
             f"--serviceaccount={NS}:approver-alice")
+    kubectl("create", "clusterrolebinding", "alice-requests", "--clusterrole=runbook-approver-requests",
+            f"--serviceaccount={NS}:approver-alice")
     for sa in ("approver-alice", "approver-bob", "approver-nobody"):
         kubectl("-n", NS, "create", "serviceaccount", sa)
     kubectl("-n", NS, "create", "rolebinding", "alice-approves", "--clusterrole=runbook-approver",
@@ -53,9 +55,10 @@ def approvers(kubectl: Kubectl, control_plane: ControlPlane, tmp_path_factory: p
     finally:
         for kind, name in made:
             kubectl("-n", NS, "delete", kind, name, "--ignore-not-found", check=False)
-        kubectl("delete", "clusterrolebinding", "alice-identity", "--ignore-not-found", check=False)
+        kubectl("delete", "clusterrolebinding", "alice-identity", "alice-requests", "--ignore-not-found", check=False)
         kubectl("delete", "clusterrole", "approve-only", "runbook-approver", "runbook-approver-identity",
-                "--ignore-not-found", check=False)
+                "runbook-approver-requests", "--ignore-not-found", check=False)
+        kubectl("delete", "csr", "-l", "runbook.io/approval=true", check=False)
 
 
 def _as(sa: str, approvers: dict[str, Path]) -> KubeConnector:
@@ -99,7 +102,7 @@ def _cli(*args: str, kubeconfig: Path) -> subprocess.CompletedProcess[str]:
                           timeout=120, check=False)
 
 
-def test_runbook_approve_with_the_kubernetes_store_records_the_authenticated_username_or_exits_3(
+def test_runbook_approve_with_the_kubernetes_store_requests_the_approval_as_the_authenticated_user_or_exits_3(
         approvers: dict[str, Path], control_plane: ControlPlane, kubectl: Kubectl) -> None:
     from engine.settings import Settings
 
@@ -118,6 +121,11 @@ def test_runbook_approve_with_the_kubernetes_store_records_the_authenticated_use
         assert typed.returncode == 2 and "--by is refused" in typed.stderr, typed.stderr
         done = _cli("approve", run_id, "--plan-digest", "d" * 64, kubeconfig=kubeconfigs["approver-alice"])
         assert done.returncode == 0, done.stdout + done.stderr
-        assert store.get_run(run_id).approved_by == f"system:serviceaccount:{NS}:approver-alice"
+        # issue 25: an approver writes nothing into the run (no status rights, no run key); the request
+        # names its author as the API server authenticated it, and the server records it after a
+        # SubjectAccessReview (tests/integration/test_cluster_integrity.py)
+        assert store.get_run(run_id).approved_by is None
+        csrs = kubectl("get", "csr", "-l", "runbook.io/approval=true", "-o", "json").stdout
+        assert f'"username": "system:serviceaccount:{NS}:approver-alice"' in csrs and run_id in csrs
     finally:
         kubectl("-n", NS, "delete", "rr", run_id, "--ignore-not-found", check=False)

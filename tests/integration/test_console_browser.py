@@ -27,7 +27,8 @@ from typing import Any
 import httpx
 import pytest
 
-from engine.serve.testing import (
+from tests.conftest import require
+from tests.fakes import (
     APPROVER_TOKEN,
     INCIDENT_NODES,
     READER_TOKEN,
@@ -39,7 +40,6 @@ from engine.serve.testing import (
     trigger_spec,
     webhook,
 )
-from tests.conftest import require
 
 pytestmark = pytest.mark.integration
 

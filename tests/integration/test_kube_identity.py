@@ -22,7 +22,7 @@ from engine.connectors.kube import KubeConnector
 from engine.lab.controlplane import ControlPlane
 from engine.serve.access import Identity
 from engine.serve.kube_identity import DEFAULT_AUDIENCE, IdentityUnavailable, KubeIdentity
-from engine.serve.testing import FakeRunStarter, alert, served, trigger_spec
+from tests.fakes import FakeRunStarter, alert, served, trigger_spec
 
 pytestmark = pytest.mark.integration
 

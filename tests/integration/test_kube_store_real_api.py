@@ -4,6 +4,9 @@ columns for ``kubectl get rr``, retention deletes with preconditions.
 
 Two engines are two ``KubeRunStore`` instances on two ``KubeConnector`` clients; a counting wrapper
 of our connector (not of the kubernetes client) proves the conflicts really came from the server.
+
+The run store's whole contract (tests/store_contract.py, the suite every store passes) runs here on
+the real API server too: each test in a namespace of its own, a second client as "another process".
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ from engine.errors import Conflict
 from engine.kube_store import API_VERSION, PLURAL, KubeRunStore
 from engine.lab.controlplane import ControlPlane
 from engine.lab.kubectl import Kubectl
+from engine.store import RunStore
+from tests.store_contract import *  # noqa: F403  (the contract's tests and the ``store`` fixture)
+from tests.store_contract import StoreBed, set_owner_in
 
 pytestmark = pytest.mark.integration
 
@@ -56,6 +62,23 @@ def crd(control_plane: ControlPlane, kubectl: Kubectl) -> Iterator[ControlPlane]
 
 def connector(plane: ControlPlane) -> KubeConnector:
     return KubeConnector(kubeconfig=str(plane.kubeconfig))
+
+
+_namespaces = iter(range(1, 10_000))
+
+
+@pytest.fixture
+def bed(crd: ControlPlane, kubectl: Kubectl) -> Iterator[StoreBed]:
+    """The contract's store: RemediationRuns in a fresh namespace, each view on its own client."""
+    namespace = f"contract-{next(_namespaces)}"
+    kubectl("create", "namespace", namespace)
+
+    def reopen() -> RunStore:
+        return KubeRunStore(connector(crd), namespace)
+
+    first = reopen()
+    yield StoreBed(first, reopen, set_owner_in(first))
+    kubectl("delete", "rr", "--all", "-n", namespace, check=False)
 
 
 def test_a_write_with_a_stale_resource_version_is_a_409_retried_on_a_fresh_read_never_written_over(

@@ -13,7 +13,7 @@ import pytest
 from engine.connectors.kube import KubeConnector
 from engine.lab.controlplane import ControlPlane
 from engine.serve.leader import LEASE_NAME, LeaderElector
-from engine.serve.testing import FakeRunStarter, served, trigger_spec
+from tests.fakes import FakeRunStarter, served, trigger_spec
 
 pytestmark = pytest.mark.integration
 

@@ -30,7 +30,7 @@ from engine.lab.procs import ProcessRef, die_with_parent, reap_child, stop_proce
 from engine.serve.app import create_app
 from engine.serve.config import load_config
 from engine.serve.notify import Notifier
-from engine.serve.testing import INCIDENT_NODES, FakeRunStarter, StaticClusterView, trigger_spec
+from tests.fakes import INCIDENT_NODES, FakeRunStarter, StaticClusterView, trigger_spec
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 TOKEN = "am-integration-token"

@@ -19,11 +19,11 @@ from engine.serve.dispatcher import Dispatcher
 from engine.serve.guards import Guards
 from engine.serve.metrics import ServeMetrics
 from engine.serve.notify import Notifier
-from engine.serve.testing import StaticClusterView
 from engine.serve.triggers import TriggerIndex
 from engine.serve.worker import WorkerPool
 from engine.serve_starter import JournalRunStarter
 from engine.settings import Settings
+from tests.fakes import StaticClusterView
 
 pytestmark = pytest.mark.integration
 

@@ -57,10 +57,20 @@ def test_a_bad_policy_is_a_located_usage_error() -> None:
 
 
 def _waiting(tmp_path: Path, requester: str = "zed") -> tuple[Journal, str]:
+    """A run waiting for approval of plan d1, recorded and sealed as the engine records it
+    (engine.integrity: the CLI refuses to approve a run it cannot verify)."""
+    from engine.integrity import RunIntegrity
+    from engine.journal import new_run_id
+
     j = Journal(tmp_path / "j.sqlite")
-    run_id = j.create_run("gpu-node-recovery", {"node": "omen2"}, ["omen2"], approval_required=True,
-                          events=[("run.requested", {"by": requester})])
+    integrity = RunIntegrity(j)
+    run_id = new_run_id()
+    seal = integrity.first_seal(run_id, runbook="gpu-node-recovery", nodes=["omen2"], params={"node": "omen2"},
+                                source="cli", approval_required=True, requested_by=requester)
+    j.create_run("gpu-node-recovery", {"node": "omen2"}, ["omen2"], approval_required=True, run_id=run_id,
+                 events=[("run.requested", {"by": requester}), seal])
     j.set_plan(run_id, {"digest": "d1"}, "d1")
+    integrity.seal(run_id, plan_digest="d1")
     j.set_state(run_id, "waiting-approval")
     return j, run_id
 

@@ -13,16 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fakes import (
-    FakeClock,
-    FakeKube,
-    FakeNodes,
-    RecordingSink,
-    incident_host,
-    incident_node,
-    install_recovery_effects,
-    make_host,
-)
 
 from engine import checks as chk
 from engine import probes
@@ -39,6 +29,16 @@ from engine.model import (
 )
 from engine.planning import plan_run, reads_baseline, saved_plan_problems
 from engine.templating import TemplateError, baseline_data, baseline_paths, context, render, template_problems
+from tests.fakes import (
+    FakeClock,
+    FakeKube,
+    FakeNodes,
+    RecordingSink,
+    incident_host,
+    incident_node,
+    install_recovery_effects,
+    make_host,
+)
 
 DATA = Path(__file__).parent / "data"
 PLAYBOOKS = DATA / "playbooks"

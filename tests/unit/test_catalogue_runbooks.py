@@ -9,12 +9,12 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
-from fakes import GPU_LABEL, incident_host, incident_node, make_host, make_node
 
 from engine.facts import Facts, HostFacts, ServiceFacts
 from engine.loader import default_runbooks_dir, load_runbook
 from engine.model import Plan, PlanState, Runbook
 from engine.planning import plan_run
+from tests.fakes import GPU_LABEL, incident_host, incident_node, make_host, make_node
 
 NOW = datetime(2026, 12, 3, 8, 0, tzinfo=UTC)
 CRI_ERROR = 'E run.go:72] "command failed" err="failed to run Kubelet: validate CRI v1 runtime API for endpoint ' \

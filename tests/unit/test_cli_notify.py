@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import yaml
 from click.testing import CliRunner
-from notify_receiver import ROUTING_KEY, SECRET, Receiver, running
 
 from engine.cli import main
 from engine.cli_notify import notifications_since, send_cli_notifications
 from engine.journal import Journal
 from engine.serve.config import load_config
 from engine.serve.notify import verify_webhook
+from tests.notify_receiver import ROUTING_KEY, SECRET, Receiver, running
 
 
 @pytest.fixture

@@ -6,15 +6,6 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-from fakes import (
-    SWAP_REFUSAL,
-    healthy_host,
-    healthy_node,
-    incident_host,
-    incident_node,
-    make_host,
-    make_node,
-)
 
 from engine.diagnose import (
     Diagnosis,
@@ -28,6 +19,15 @@ from engine.diagnose import (
 from engine.errors import LoadError
 from engine.facts import Facts, HostFacts, NodeFacts, ProbeError, ServiceFacts, Taint
 from engine.loader import default_runbooks_dir, parse_runbook
+from tests.fakes import (
+    SWAP_REFUSAL,
+    healthy_host,
+    healthy_node,
+    incident_host,
+    incident_node,
+    make_host,
+    make_node,
+)
 
 RTX = "nvidia.com/GB202_GEFORCE_RTX_5090"
 CRI_ERROR = ('E1202 16:33:07.992404 2031 run.go:72] "command failed" err="failed to run Kubelet: validate '

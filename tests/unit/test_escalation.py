@@ -11,13 +11,13 @@ from typing import Any
 
 import pytest
 import yaml
-from fakes import FakeClock, FakeKube, FakeNodes, make_host, make_node
 
 from engine.escalation import lineage
 from engine.model import RunState
 from engine.params import prepare_run
 from engine.runs import RunService
 from engine.settings import Settings
+from tests.fakes import FakeClock, FakeKube, FakeNodes, make_host, make_node
 
 KEY = "example.io/state"
 

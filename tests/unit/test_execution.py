@@ -10,7 +10,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fakes import (
+
+from engine import probes
+from engine.connectors.base import PlaybookResult
+from engine.errors import HostError, KubeError
+from engine.execution import Executor
+from engine.facts import HostFacts
+from engine.loader import load_runbook, parse_runbook
+from engine.model import Plan, PlanState, Runbook, RunResult, RunState, StepStatus
+from engine.planning import plan_run
+from tests.fakes import (
     GPU_LABEL,
     FakeClock,
     FakeKube,
@@ -26,15 +35,6 @@ from fakes import (
     make_host,
     make_node,
 )
-
-from engine import probes
-from engine.connectors.base import PlaybookResult
-from engine.errors import HostError, KubeError
-from engine.execution import Executor
-from engine.facts import HostFacts
-from engine.loader import load_runbook, parse_runbook
-from engine.model import Plan, PlanState, Runbook, RunResult, RunState, StepStatus
-from engine.planning import plan_run
 
 DATA = Path(__file__).parent / "data"
 PLAYBOOKS = DATA / "playbooks"

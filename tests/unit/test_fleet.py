@@ -13,7 +13,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fakes import (
+
+from engine import app
+from engine.connectors.base import PlaybookResult
+from engine.errors import ExitCode, UsageError
+from engine.model import Plan, PlanState, RunState
+from engine.params import PreparedRun
+from engine.run_guards import EXCLUDE_LABEL, GpuBudget, GuardConfig
+from engine.runs import FleetResult, NodeOutcome, RunService, current_user
+from engine.settings import Settings
+from tests.fakes import (
     GPU_LABEL,
     FakeClock,
     FakeKube,
@@ -25,15 +34,6 @@ from fakes import (
     install_recovery_effects,
     make_host,
 )
-
-from engine import app
-from engine.connectors.base import PlaybookResult
-from engine.errors import ExitCode, UsageError
-from engine.model import Plan, PlanState, RunState
-from engine.params import PreparedRun
-from engine.run_guards import EXCLUDE_LABEL, GpuBudget, GuardConfig
-from engine.runs import FleetResult, NodeOutcome, RunService, current_user
-from engine.settings import Settings
 
 DATA = Path(__file__).parent / "data"
 RUNBOOK = DATA / "runbooks" / "gpu-recovery.yaml"

@@ -25,7 +25,6 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
-from fakes import FakeClock, FakeKube, FakeNodes, incident_host, incident_node
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -35,6 +34,7 @@ from engine.errors import LoadError
 from engine.loader import parse_runbook
 from engine.model import Runbook
 from engine.planning import plan_run
+from tests.fakes import FakeClock, FakeKube, FakeNodes, incident_host, incident_node
 
 DATA = Path(__file__).parent / "data"
 BAD = DATA / "bad"
@@ -248,8 +248,8 @@ def test_the_sandbox_refuses_payloads_authored_into_a_template_and_never_reaches
 @pytest.mark.parametrize("payload", PAYLOADS)
 def test_alert_labels_carrying_payloads_stay_data_and_are_refused_as_node_names(payload: str) -> None:
     from engine.serve.alertmanager import parse_webhook
-    from engine.serve.testing import alert, served, trigger_spec, webhook
     from engine.serve.triggers import TriggerIndex
+    from tests.fakes import alert, served, trigger_spec, webhook
 
     parsed = parse_webhook(json.dumps(webhook(alert(payload, instance=payload))).encode()).alerts[0]
     idx = TriggerIndex([trigger_spec(params={"node": "{{ labels.node }}"})])
@@ -338,7 +338,7 @@ ALERT_SHAPED = st.fixed_dictionaries({
 
 
 def test_random_alertmanager_deliveries_never_fail_the_server() -> None:
-    from engine.serve.testing import AUTH, served
+    from tests.fakes import AUTH, served
 
     with served() as s:
         @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -357,7 +357,7 @@ def test_random_alertmanager_deliveries_never_fail_the_server() -> None:
 
 def test_random_pagerduty_deliveries_never_fail_the_server_even_when_signed() -> None:
     from engine.serve.pagerduty import sign
-    from engine.serve.testing import served
+    from tests.fakes import served
 
     secret = "pd-secret-0123456789"  # secrets under 16 bytes are refused at start
     mapping = {"service": "GPU nodes", "title_pattern": r"Node (?P<node>[a-z0-9.-]+) is NotReady",

@@ -21,15 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fakes import (
-    GPU_LABEL,
-    FakeClock,
-    FakeKube,
-    FakeNodes,
-    incident_host,
-    incident_node,
-    install_recovery_effects,
-)
 
 from engine import probes
 from engine.connectors.base import PlaybookResult
@@ -42,6 +33,15 @@ from engine.params import PreparedRun, prepare_run
 from engine.planning import plan_run
 from engine.runs import RunService
 from engine.settings import Settings
+from tests.fakes import (
+    GPU_LABEL,
+    FakeClock,
+    FakeKube,
+    FakeNodes,
+    incident_host,
+    incident_node,
+    install_recovery_effects,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 FLAGSHIP = REPO / "runbooks" / "gpu-node-recovery.yaml"

@@ -22,12 +22,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fakes import FakeNodes
-from test_journal import World, world  # noqa: F401  (the fixture: a flagship run on fakes)
 
 from engine.errors import ExitCode, JournalError
 from engine.journal import LOCK_TIMEOUT, Journal
 from engine.model import RunState
+from tests.fakes import FakeNodes
+from tests.unit.test_journal import World, world  # noqa: F401  (the fixture: a flagship run on fakes)
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -13,18 +13,14 @@ from __future__ import annotations
 import copy
 import json
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from fakes import FakeClock, FakeKube, FakeNodes, incident_host, incident_node, install_recovery_effects
-from test_journal import FLAGSHIP, REPO, Died, DyingSink, World
 
 from engine import kube_store
-from engine.errors import Conflict, JournalError, StalePlan, UsageError
+from engine.errors import Conflict, JournalError, UsageError
 from engine.journal import Journal, JournalSink, _process_start
 from engine.kube_store import API_VERSION, PLURAL, KubeRunStore
 from engine.model import RunState
@@ -32,6 +28,8 @@ from engine.params import prepare_run
 from engine.runs import RunService
 from engine.settings import Settings
 from engine.store import RunStore
+from tests.fakes import FakeClock, FakeKube, FakeNodes, incident_host, incident_node, install_recovery_effects
+from tests.unit.test_journal import FLAGSHIP, REPO, Died, DyingSink, World
 
 NS = "runbook-system"
 
@@ -58,132 +56,7 @@ def _set_owner(store: RunStore, run_id: str, pid: int | None, start: str | None)
         obj["metadata"]["resourceVersion"] = kube._next_rv()  # a write by someone else
 
 
-@pytest.fixture(params=["sqlite", "kubernetes"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[RunStore]:
-    s: RunStore = Journal(tmp_path / "j.sqlite") if request.param == "sqlite" else \
-        KubeRunStore(FakeKube(), NS)
-    yield s
-    s.close()
-
-
-# -- the contract, on both stores -------------------------------------------------------------
-
-
-def test_the_sqlite_journal_and_the_kubernetes_store_both_satisfy_the_run_store_interface(store: RunStore) -> None:
-    assert isinstance(store, RunStore)
-
-
-def test_a_run_records_its_plan_events_and_final_state(store: RunStore) -> None:
-    run_id = store.create_run("gpu-node-recovery", {"node": "omen2"}, ["omen2"], source="cli")
-    rec = store.get_run(run_id)
-    assert (rec.runbook, rec.nodes, rec.state, rec.source, rec.owner_pid) == (
-        "gpu-node-recovery", ["omen2"], "pending", "cli", os.getpid())
-    store.set_plan(run_id, {"steps": [{"id": "swap-off"}]}, "sha256:abc")
-    assert [store.append(run_id, "step.start", step="swap-off"),
-            store.append(run_id, "action.intent", step="swap-off", action="ansible")] == [1, 2]
-    store.set_state(run_id, "running")
-    store.append(run_id, "step.outcome", step="swap-off", status="succeeded", reason="swap is off")
-    store.set_state(run_id, "succeeded", exit_code=0)
-    rec = store.get_run(run_id)
-    assert (rec.state, rec.exit_code, rec.plan_digest, rec.plan) == (
-        "succeeded", 0, "sha256:abc", {"steps": [{"id": "swap-off"}]})
-    assert rec.started is not None and rec.finished is not None and rec.finished >= rec.started
-    events = store.events(run_id)
-    assert [(e.seq, e.kind, e.step) for e in events] == [
-        (1, "step.start", "swap-off"), (2, "action.intent", "swap-off"), (3, "run.state", None),
-        (4, "step.outcome", "swap-off"), (5, "run.state", None)]
-    assert events[1].data == {"action": "ansible"}
-    assert store.progress(run_id).completed == frozenset({"swap-off"})
-    assert store.step_progress(run_id) == ({"swap-off"}, None)
-
-
-def test_the_progress_of_a_run_left_after_an_intent_names_that_step(store: RunStore) -> None:
-    run_id = store.create_run("rb", {}, ["omen2"], state="running")
-    store.append(run_id, "step.start", step="relabel")
-    store.append(run_id, "step.outcome", step="relabel", status="succeeded")
-    store.append(run_id, "step.start", step="swap-off")
-    store.append(run_id, "action.intent", step="swap-off")
-    store.append(run_id, "action.result", step="swap-off", ok=True)
-    p = store.progress(run_id)
-    assert (p.completed, p.interrupted_step, p.action_finished) == (frozenset({"relabel"}), "swap-off", True)
-
-
-def test_an_approval_must_name_the_current_plan_of_a_run_waiting_for_one(store: RunStore) -> None:
-    run_id = store.create_run("rb", {}, ["omen2"], approval_required=True)
-    store.set_plan(run_id, {"x": 1}, "sha256:one")
-    with pytest.raises(StalePlan, match="not waiting for approval"):
-        store.record_approval(run_id, "sha256:one", "alice")
-    store.set_state(run_id, "waiting-approval")
-    with pytest.raises(StalePlan, match="sha256:one"):
-        store.record_approval(run_id, "sha256:other", "alice")
-    rec = store.record_approval(run_id, "sha256:one", "alice")
-    assert (rec.approved_by, rec.approved_digest, rec.approval_required) == ("alice", "sha256:one", True)
-    assert store.events(run_id)[-1].kind == "approval.granted"
-    with pytest.raises(UsageError, match="unknown run id"):
-        store.record_approval("r-nope", "sha256:one", "alice")
-
-
-def test_runs_list_newest_first_and_filter_by_state(store: RunStore) -> None:
-    ids = [store.create_run("rb", {"i": i}, ["omen2"]) for i in range(3)]
-    store.set_state(ids[1], "failed", exit_code=1)
-    assert [r.id for r in store.list_runs()] == list(reversed(ids))
-    assert [r.id for r in store.list_runs(limit=2)] == [ids[2], ids[1]]
-    assert [r.id for r in store.list_runs(states=("failed",))] == [ids[1]]
-    with pytest.raises(UsageError, match="unknown run id"):
-        store.get_run("r-nope")
-
-
-def test_a_run_whose_owner_is_gone_reads_interrupted_and_a_live_owner_keeps_it(store: RunStore) -> None:
-    run_id = store.create_run("rb", {}, ["omen2"], state="running")
-    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    try:
-        ident = None
-        while ident is None:
-            ident = _process_start(other.pid)
-        _set_owner(store, run_id, other.pid, ident)
-        assert store.get_run(run_id).state == "running"
-        assert store.claim(run_id) is False  # two executors of one run never both proceed
-        assert store.get_run(run_id).owner_pid == other.pid
-    finally:
-        other.kill()
-        other.wait()
-    assert store.get_run(run_id).state == "interrupted"
-    assert store.list_runs()[0].state == "interrupted"
-    assert store.claim(run_id) is True
-    assert store.get_run(run_id).owner_pid == os.getpid()
-
-
-def test_a_parked_run_has_no_owner_and_stays_waiting(store: RunStore) -> None:
-    run_id = store.create_run("rb", {}, ["omen2"], state="waiting-approval")
-    store.disown(run_id)
-    _set_owner(store, run_id, None, None)
-    rec = store.get_run(run_id)
-    assert (rec.state, rec.owner_pid) == ("waiting-approval", None)
-
-
-def test_secrets_and_secret_looking_keys_are_masked_in_every_store(store: RunStore) -> None:
-    store.add_secret("s3cr3t-Become")
-    run_id = store.create_run("rb", {"node": "omen2", "api_token": "t0k"}, ["omen2"])
-    store.append(run_id, "action.result", step="s", stdout="sudo said s3cr3t-Become", password="pw")
-    assert store.get_run(run_id).params == {"node": "omen2", "api_token": "***"}
-    assert store.events(run_id)[0].data == {"stdout": "sudo said ***", "password": "***"}
-    assert store.redact({"token": "x", "y": "s3cr3t-Become"}) == {"token": "***", "y": "***"}
-
-
-def test_retention_deletes_old_and_surplus_finished_runs_never_active_ones(store: RunStore) -> None:
-    ids = [store.create_run("rb", {"i": i}, ["omen2"]) for i in range(5)]
-    for run_id in ids[:4]:
-        store.set_state(run_id, "succeeded", exit_code=0)
-    # ids[4] is pending: never pruned. Keep the 2 newest finished: ids[3], ids[2].
-    assert sorted(store.prune(keep=2)) == sorted(ids[:2])
-    assert {r.id for r in store.list_runs()} == set(ids[2:])
-    assert store.prune(keep=10, max_age=3600) == []
-    far = store.get_run(ids[3]).finished
-    assert far is not None
-    assert sorted(store.prune(keep=10, max_age=60, now=far + 61)) == sorted(ids[2:4])
-    assert [r.id for r in store.list_runs()] == [ids[4]]
-    with pytest.raises(UsageError):
-        store.prune(keep=-1)
+# -- the contract, on both stores: tests/store_contract.py (tests/unit/test_store_contract.py) ---
 
 
 # -- the Kubernetes store ---------------------------------------------------------------------

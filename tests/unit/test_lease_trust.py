@@ -12,13 +12,13 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-from fakes import FakeClock, FakeKube, FakeNodes
-from test_journal import World, world  # noqa: F401  (the fixture: a flagship run on fakes)
 
 from engine.connectors.base import LeaseRecord
 from engine.errors import Conflict, KubeError, LockHeld, LockLost
 from engine.locks import DEFAULT_NAMESPACE, NodeLock, acquire_node_lock, holder_for, lease_name
 from engine.model import RunState, StepStatus
+from tests.fakes import FakeClock, FakeKube, FakeNodes
+from tests.unit.test_journal import World, world  # noqa: F401  (the fixture: a flagship run on fakes)
 
 KEY = (DEFAULT_NAMESPACE, lease_name("omen2"))
 

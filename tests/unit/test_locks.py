@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from fakes import FakeClock, FakeKube
 
 from engine.errors import KubeError, LockHeld
 from engine.locks import DEFAULT_NAMESPACE, acquire_node_lock, holder_for, lease_name
+from tests.fakes import FakeClock, FakeKube
 
 KEY = (DEFAULT_NAMESPACE, lease_name("omen2"))
 

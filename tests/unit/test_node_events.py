@@ -5,13 +5,20 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from fakes import FakeClock, FakeKube, FakeNodes, RecordingSink, incident_host, incident_node, install_recovery_effects
-from test_execution import PARAMS, PLAYBOOKS, RUNBOOK, Lab
-
 from engine.errors import JournalError, KubeError
 from engine.execution import Executor
 from engine.model import RunState
 from engine.node_events import NodeEventSink, find_run_id, node_event_for
+from tests.fakes import (
+    FakeClock,
+    FakeKube,
+    FakeNodes,
+    RecordingSink,
+    incident_host,
+    incident_node,
+    install_recovery_effects,
+)
+from tests.unit.test_execution import PARAMS, PLAYBOOKS, RUNBOOK, Lab
 
 
 class _JournalLike:

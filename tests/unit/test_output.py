@@ -8,13 +8,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fakes import FakeKube, FakeNodes, incident_host, incident_node
 from markdown_it import MarkdownIt
 
 from engine import output, probes
 from engine.loader import load_runbook
 from engine.model import Plan
 from engine.planning import plan_run, with_previews
+from tests.fakes import FakeKube, FakeNodes, incident_host, incident_node
 
 DATA = Path(__file__).parent / "data"
 RUNBOOK = load_runbook(DATA / "runbooks" / "gpu-recovery.yaml", playbooks_dir=DATA / "playbooks")

@@ -11,8 +11,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from fakes import FakeClock, FakeKube, FakeNodes, RecordingSink, make_host, make_node
-
 from engine.connectors.base import PlaybookResult
 from engine.execution import Executor
 from engine.facts import HostFacts
@@ -21,6 +19,7 @@ from engine.model import PlanState, RunState
 from engine.params import PreparedRun, prepare_run
 from engine.previews import start_host_work
 from engine.runs import plan_targets
+from tests.fakes import FakeClock, FakeKube, FakeNodes, RecordingSink, make_host, make_node
 
 REPO = Path(__file__).resolve().parents[2]
 

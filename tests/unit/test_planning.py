@@ -9,12 +9,12 @@ from types import MappingProxyType
 from typing import Any
 
 import pytest
-from fakes import GPU_LABEL, healthy_host, healthy_node, incident_host, incident_node, make_host, make_node
 
 from engine.facts import Facts, NodeFacts, ProbeError, Taint
 from engine.loader import load_runbook, parse_runbook
 from engine.model import Plan, PlanState, Runbook
 from engine.planning import plan_drift, plan_fleet, plan_run, saved_plan_problems, with_previews
+from tests.fakes import GPU_LABEL, healthy_host, healthy_node, incident_host, incident_node, make_host, make_node
 
 DATA = Path(__file__).parent / "data"
 PLAYBOOKS = DATA / "playbooks"

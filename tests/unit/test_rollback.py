@@ -8,7 +8,6 @@ import threading
 from pathlib import Path
 
 import pytest
-from fakes import FakeClock, FakeKube, FakeNodes, RecordingSink, make_host, make_node
 from pydantic import ValidationError
 
 from engine.loader import list_runbooks, load
@@ -17,6 +16,7 @@ from engine.params import prepare_run
 from engine.rollback import changed_steps, inverse_steps
 from engine.runs import plan_targets
 from engine.store import EventRecord
+from tests.fakes import FakeClock, FakeKube, FakeNodes, RecordingSink, make_host, make_node
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -8,7 +8,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fakes import (
+
+from engine.errors import LoadError, UsageError
+from engine.execution import Executor
+from engine.loader import load, load_plan, save_plan
+from engine.model import PlanState, RunState
+from engine.params import prepare_fleet, prepare_run
+from engine.previews import start_host_work
+from engine.runs import check_saved_plan, plan_targets, select_nodes
+from tests.fakes import (
     GPU_LABEL,
     FakeClock,
     FakeKube,
@@ -22,14 +30,6 @@ from fakes import (
     make_host,
     make_node,
 )
-
-from engine.errors import LoadError, UsageError
-from engine.execution import Executor
-from engine.loader import load, load_plan, save_plan
-from engine.model import PlanState, RunState
-from engine.params import prepare_fleet, prepare_run
-from engine.previews import start_host_work
-from engine.runs import check_saved_plan, plan_targets, select_nodes
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = Path(__file__).parent / "data"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from fakes import make_host, make_node
 
 from engine.facts import Facts
 from engine.templating import (
@@ -14,6 +13,7 @@ from engine.templating import (
     render,
     template_problems,
 )
+from tests.fakes import make_host, make_node
 
 FACTS = Facts(node_name="omen2", node=make_node("omen2", labels={"nvidia.com/gpu.workload.config": "vm-passthrough"}),
               host=make_host("omen2", swap=True, kubelet="activating", journal="running with swap on is not supported"))

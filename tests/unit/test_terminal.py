@@ -256,12 +256,11 @@ def test_kubectl_runbook_works_through_the_real_kubectl(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("namespace", [None, "runbook-locks"])
 def test_the_node_lease_lives_in_the_namespace_given_with_n(tmp_path: Path, namespace: str | None) -> None:
-    from fakes import FakeClock as Clock
-    from fakes import FakeKube, FakeNodes, incident_host, incident_node, install_recovery_effects
-
     from engine.params import prepare_run
     from engine.runs import RunService
     from engine.settings import Settings
+    from tests.fakes import FakeClock as Clock
+    from tests.fakes import FakeKube, FakeNodes, incident_host, incident_node, install_recovery_effects
 
     clock = Clock()
     kube = FakeKube([incident_node()], clock=clock)

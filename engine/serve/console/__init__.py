@@ -48,7 +48,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from engine.errors import ConnectorError, LoadError, RunbookError, StalePlan, UsageError
-from engine.model import Plan
+from engine.model import Plan, RunState
 from engine.serve.access import Access, Identity, ReviewsBusy, TooManyFailures, client_of
 from engine.serve.config import ConsoleConfig, ServeConfig
 from engine.serve.console.plans import (
@@ -73,9 +73,9 @@ MAX_REASON = 500
 MAX_UPLOAD_BYTES = MAX_PLAN_BYTES + 64 * 1024  # the plan file and the form around it
 MAX_DRAIN_BYTES = 8 * 1024 * 1024  # a larger upload is read to its end (so the browser shows our answer)
 MAX_PLANNING = 2  # plans being made at once from the page (each gathers facts over SSH)
-FINAL = frozenset({"succeeded", "failed", "blocked", "cancelled", "rolled-back"})
-STATES = ("waiting-approval", "pending", "approved", "running", "succeeded", "failed", "blocked",
-          "cancelled", "rolled-back", "interrupted")
+FINAL = frozenset(s.value for s in RunState if s.is_final)  # the live stream ends for these
+# the runs page's state filter: the run states, those waiting for a person first
+STATES = tuple(s.value for s in sorted(RunState, key=lambda s: s is not RunState.WAITING_APPROVAL))
 _STATIC = {"console.css": "text/css; charset=utf-8", "console.js": "text/javascript; charset=utf-8"}
 
 

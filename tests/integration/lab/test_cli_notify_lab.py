@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import yaml
 from flagship_cli import runbook
-from notify_receiver import ROUTING_KEY, SECRET, running
 
 from engine.serve.notify import verify_webhook
+from tests.notify_receiver import ROUTING_KEY, SECRET, running
 
 pytestmark = [pytest.mark.integration, pytest.mark.lab]
 

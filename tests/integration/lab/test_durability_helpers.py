@@ -242,9 +242,10 @@ def stop_kubelet(lab: Any, node: str = NODE) -> None:
     host.update(change)
 
 
-def lease_holder(lab: Any) -> str | None:
-    """The holder of omen2's remediation Lease, or None when there is none."""
-    done = subprocess.run(["kubectl", "get", "lease", "-n", "kube-system", LEASE, "-o",
+def lease_holder(lab: Any, namespace: str = "kube-system") -> str | None:
+    """The holder of omen2's remediation Lease, or None when there is none (``namespace``: where
+    Leases live; the store namespace in cluster mode, ``Settings.lease_namespace``)."""
+    done = subprocess.run(["kubectl", "get", "lease", "-n", namespace, LEASE, "-o",
                            "jsonpath={.spec.holderIdentity}"], env=lab.env(), capture_output=True, text=True,
                           timeout=30, check=False)
     if done.returncode != 0:

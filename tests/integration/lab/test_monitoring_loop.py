@@ -27,10 +27,10 @@ from typing import Any
 import httpx
 import pytest
 from lab_helpers import wait_for
-from oncall_fakes import SLACK_BOT_TOKEN, SLACK_CHANNEL, SLACK_SIGNING_SECRET, OnCallFakes, click
 from serve_helpers import TOKEN, Server, alertmanager_binary, node_json, ready_status, serving
 
 from engine.lab.monitoring import Monitoring, binary
+from tests.oncall_fakes import SLACK_BOT_TOKEN, SLACK_CHANNEL, SLACK_SIGNING_SECRET, OnCallFakes, click
 
 pytestmark = [pytest.mark.integration, pytest.mark.lab, pytest.mark.timeout(900)]
 

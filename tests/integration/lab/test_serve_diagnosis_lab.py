@@ -14,7 +14,7 @@ import yaml
 from serve_helpers import REPO, node_json, serving
 
 from engine.lab.hoststate import HostState
-from engine.serve.testing import alert, webhook
+from tests.fakes import alert, webhook
 
 pytestmark = [pytest.mark.integration, pytest.mark.lab, pytest.mark.timeout(900)]
 

@@ -37,7 +37,7 @@ from engine.connectors.kube import KubeConnector
 from engine.lab.hoststate import HostState
 from engine.locks import DEFAULT_NAMESPACE, acquire_node_lock, holder_for, lease_name
 from engine.serve.pagerduty import sign
-from engine.serve.testing import alert, webhook
+from tests.fakes import alert, webhook
 
 pytestmark = [pytest.mark.integration, pytest.mark.lab, pytest.mark.timeout(900)]
 

@@ -14,7 +14,7 @@ import pytest
 import yaml
 from serve_helpers import APPROVERS, REPO, serving
 
-from engine.serve.testing import alert, webhook
+from tests.fakes import alert, webhook
 
 pytestmark = [pytest.mark.integration, pytest.mark.lab, pytest.mark.timeout(1200)]
 

@@ -26,7 +26,7 @@ from serve_helpers import Server, serving
 from test_durability_helpers import Effects, lease_holder, node_label, stop_kubelet
 
 from engine.lab.controlplane import ControlPlane
-from engine.serve.testing import alert, webhook
+from tests.fakes import alert, webhook
 
 pytestmark = [pytest.mark.integration, pytest.mark.lab, pytest.mark.timeout(1200)]
 
@@ -112,7 +112,7 @@ def test_two_replicas_start_one_run_for_20_alerts_and_the_survivor_finishes_it_a
         kinds = [(e["kind"], e.get("step")) for e in _events(b, run_id)]
         assert kinds[-1] == ("action.intent", "swap-off"), kinds[-5:]
         assert _changes(plane, effects, mark) == {"label": ["container"], "swapoff": 0, "restart": 0}
-        assert lease_holder(lab) == f"runbook/{run_id}"  # the dead replica's run still holds omen2
+        assert lease_holder(lab, NS) == f"runbook/{run_id}"  # the dead replica's run still holds omen2
 
         final = b.wait_state(run_id, ("succeeded",), timeout=RUN_TIMEOUT)
         resumed = [e for e in final["events"] if e["kind"] == "run.resume"]
@@ -127,7 +127,7 @@ def test_two_replicas_start_one_run_for_20_alerts_and_the_survivor_finishes_it_a
         # each change once, whoever made it: one label PATCH (audit log), one swapoff, one restart
         assert _changes(plane, effects, mark) == {"label": ["container"], "swapoff": 1, "restart": 1}
         assert node_label(lab) == "container"
-        assert lease_holder(lab) is None
+        assert lease_holder(lab, NS) is None  # cluster mode: node Leases live in the store namespace
         (rr,) = _remediation_runs(lab)
         assert rr["status"]["phase"] == "Succeeded"
 

@@ -1,0 +1,50 @@
+"""runbook never uncordons a node it did not cordon: its cordons carry ``runbook.io/cordoned-by: <run>``
+(the verb cordon and drain's cordon), and uncordon undoes only those."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+from types import MappingProxyType
+
+from engine import kube_verbs as kv
+from engine.kube_verbs.effects import CORDONED_BY_ANNOTATION, NodePatch, NoOp, PodRules
+from engine.model import KubeCordon, KubeUncordon
+from tests.fakes import FakeKube, make_node
+
+
+def ctx(kube: FakeKube, run_id: str = "r-42") -> kv.KubeContext:
+    return kv.KubeContext(kube, "omen2", lambda: 0.0, lambda s: None, threading.Event(), run_id=run_id)
+
+
+def test_a_cordon_carries_the_run_that_made_it() -> None:
+    kube = FakeKube([make_node("omen2")])
+    effect = kv.kube_effect(KubeCordon(cordon=True), kube.nodes["omen2"])
+    assert isinstance(effect, NodePatch)
+    kv.apply(effect, ctx(kube))
+    node = kube.nodes["omen2"]
+    assert node.unschedulable and node.annotations[CORDONED_BY_ANNOTATION] == "r-42"
+
+
+def test_drain_cordons_with_the_annotation_too() -> None:
+    kube = FakeKube([make_node("omen2")])
+    op = kv.PodOperation("drain", "drain omen2", "kubectl drain omen2", PodRules(cordon=True, timeout=5))
+    kv.apply(op, ctx(kube, "r-7"))
+    assert kube.nodes["omen2"].annotations[CORDONED_BY_ANNOTATION] == "r-7"
+
+
+def test_uncordon_leaves_a_node_someone_else_cordoned() -> None:
+    node = make_node("omen2", unschedulable=True)
+    effect = kv.kube_effect(KubeUncordon(uncordon=True), node)
+    assert isinstance(effect, NoOp)
+    assert "not cordoned by runbook" in effect.reason
+
+
+def test_uncordon_undoes_a_runbook_cordon_and_removes_the_annotation() -> None:
+    kube = FakeKube([replace(make_node("omen2", unschedulable=True),
+                             annotations=MappingProxyType({CORDONED_BY_ANNOTATION: "r-42"}))])
+    effect = kv.kube_effect(KubeUncordon(uncordon=True), kube.nodes["omen2"])
+    assert isinstance(effect, NodePatch) and "cordoned by run r-42" in effect.summary
+    kv.apply(effect, ctx(kube, "r-43"))
+    node = kube.nodes["omen2"]
+    assert not node.unschedulable and CORDONED_BY_ANNOTATION not in node.annotations
