@@ -79,8 +79,9 @@ def test_concurrent_token_reviews_are_capped_by_their_own_small_pool_and_an_over
 
         with ThreadPoolExecutor(24) as pool:
             answers = [pool.submit(reset) for _ in range(24)]
-            for _ in range(200):
-                if fake.in_flight >= 3 and s.client.app.state.handlers.access._reviews_waiting >= 12:
+            for _ in range(1500):  # until every request is held (3 reviewing, 12 queued) or refused
+                if fake.in_flight >= 3 and s.client.app.state.handlers.access._reviews_waiting >= 12 and \
+                        sum(a.done() for a in answers) >= 24 - 12 - 3:
                     break
                 threading.Event().wait(0.02)
             assert fake.in_flight == 3  # no more than the pool's size, though 24 wait
