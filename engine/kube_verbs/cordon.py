@@ -13,6 +13,8 @@ from engine.kube_verbs.effects import CORDONED_BY_ANNOTATION, NodePatch, NoOp, d
 from engine.kube_verbs.node_patch import q
 from engine.model import Change, KubeCordon, KubeUncordon
 
+THIS_RUN = "(this run)"  # a planned cordon's stamp: the run id is written when it is applied
+
 
 @decides(KubeCordon, KubeUncordon)
 def decide(verb: KubeCordon | KubeUncordon, node: NodeFacts) -> NodePatch | NoOp:
@@ -23,8 +25,11 @@ def decide(verb: KubeCordon | KubeUncordon, node: NodeFacts) -> NodePatch | NoOp
         return NoOp(f"node already {'cordoned' if cordon else 'schedulable'}", command, reads)
     change = Change(path="node.unschedulable", before=node.unschedulable, after=cordon)
     if cordon:
+        # the stamp is a change too: a later uncordon in the same plan is predicted to undo this cordon
+        stamp = Change(path=f"node.annotations[{CORDONED_BY_ANNOTATION}]",
+                       before=node.annotations.get(CORDONED_BY_ANNOTATION), after=THIS_RUN)
         return NodePatch("cordon", f"cordon: unschedulable {node.unschedulable} -> True", command,
-                         {"spec": {"unschedulable": True}}, "merge", (change,), reads)
+                         {"spec": {"unschedulable": True}}, "merge", (change, stamp), reads)
     by = node.annotations.get(CORDONED_BY_ANNOTATION)
     reads[f"node.annotations[{CORDONED_BY_ANNOTATION}]"] = by
     if not by:

@@ -40,7 +40,7 @@ from engine.lab.sim_kube import NODES, PODS, VMS, Kube
 
 LAB_FILE = "lab.json"
 SHIMS_DIR = Path(__file__).resolve().parent / "shims"
-PROC_FILES = {"/proc/swaps": "proc_swaps"}
+PROC_FILES = {"/proc/swaps": "proc_swaps", "/proc/sys/kernel/random/boot_id": "boot_id"}
 UNREACHABLE = "node.kubernetes.io/unreachable"
 Progress = Callable[[str], object]
 

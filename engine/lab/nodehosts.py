@@ -66,6 +66,8 @@ HOST_FILES_MOUNT = "/run/runbook-host"
 DEFAULT_FSTAB = "UUID=1111-2222 / ext4 errors=remount-ro 0 1\n/swapfile none swap sw 0 0\n"
 OVERLAID = ("etc", "usr", "var", "root")
 HELPER_DIR = "usr/local/lib/runbook-lab"
+INIT_PID_FILE = "/run/runbook-init.pid"  # the host's init loop (shims/_reboot.py reads it)
+REBOOT_FLAG = "/run/runbook-reboot"  # set by shims/_reboot.py: sshd ended because the host reboots
 _PLAIN_SHIM_DIRS = ("usr/local/sbin", "usr/local/bin", "usr/sbin", "usr/bin")
 
 SudoMode = Literal["password", "nopasswd"]
@@ -243,7 +245,20 @@ class NodeHost:
             f"cp {HOST_FILES_MOUNT}/authorized_keys /home/{LOGIN_USER}/.ssh/authorized_keys",
             f"chown -R {LOGIN_USER}:{LOGIN_USER} /home/{LOGIN_USER}",
             f"chmod 700 /home/{LOGIN_USER} /home/{LOGIN_USER}/.ssh",
-            f"exec /usr/sbin/sshd -D -e -f {HOST_FILES_MOUNT}/sshd_config",
+            # the host's init: sshd, and after a reboot (the lab's shutdown shim kills every other
+            # process of the namespace and sets the flag) the boot, then sshd again; the namespace
+            # and this PID stay (docs/lab.md, "Reboot")
+            f"echo $$ > {INIT_PID_FILE}",
+            "while :; do",
+            f"  rm -f {REBOOT_FLAG}",
+            f"  /usr/sbin/sshd -D -e -f {HOST_FILES_MOUNT}/sshd_config &",
+            "  wait $! || true",
+            f"  [ -e {REBOOT_FLAG} ] || exit 1",
+            f"  while [ \"$(cat {REBOOT_FLAG} 2>/dev/null)\" != down ]; do sleep 0.1 || true; done",
+            "  echo \"runbook-lab: host rebooting (sshd gone)\"",
+            f"  /usr/bin/python3 /{HELPER_DIR}/_reboot.py boot || true",
+            "  echo \"runbook-lab: host booted (boot id $(cat /proc/sys/kernel/random/boot_id)), sshd starting\"",
+            "done",
         ]
         return "\n".join(lines) + "\n"
 
@@ -318,7 +333,7 @@ class NodeHostSet:
         return list(self.hosts)
 
     def pids(self) -> dict[str, int]:
-        """The sshd PID of every running host."""
+        """The PID of every running host's init (its sshd's parent: the namespace's first process)."""
         return {h.name: h.pid for h in self if h.pid is not None}
 
     def stop(self, timeout: float = 15.0) -> None:

@@ -123,6 +123,9 @@ class SwapDevice(_Model):
     # /etc/systemd/zram-generator.conf); it comes back at boot whatever /etc/fstab says
     generator: str | None = None
     description: str | None = None  # systemd unit description (zram: "Compressed Swap on /dev/zram0")
+    # swapoff of this device fails with this error (the fault the flagship cannot fix without a
+    # reboot): "Cannot allocate memory" when the RAM cannot take its pages back
+    swapoff_error: str | None = None
 
     def names(self, path: str) -> list[str]:
         """Every way a fstab entry can name this device."""

@@ -48,3 +48,17 @@ def test_uncordon_undoes_a_runbook_cordon_and_removes_the_annotation() -> None:
     kv.apply(effect, ctx(kube, "r-43"))
     node = kube.nodes["omen2"]
     assert not node.unschedulable and CORDONED_BY_ANNOTATION not in node.annotations
+
+
+def test_a_plan_that_cordons_then_uncordons_predicts_the_uncordon() -> None:
+    """node-reboot's shape: the cordon's stamp is a planned change, so the uncordon later in the same
+    plan is planned as an uncordon (not a no-op that the run would then block on)."""
+    from engine.kube_verbs.node_patch import apply_to_node
+
+    node = make_node("omen2")
+    cordon = kv.kube_effect(KubeCordon(cordon=True), node)
+    assert isinstance(cordon, NodePatch)
+    after = apply_to_node(cordon, node)
+    assert after.unschedulable and after.annotations[CORDONED_BY_ANNOTATION]
+    uncordon = kv.kube_effect(KubeUncordon(uncordon=True), after)
+    assert isinstance(uncordon, NodePatch) and uncordon.verb == "uncordon"
