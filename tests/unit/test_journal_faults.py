@@ -10,6 +10,7 @@ bind mount and ``query_only``; garbage bytes. Mounts are made inside a private m
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sqlite3
@@ -89,8 +90,10 @@ def test_a_lock_released_within_the_wait_is_no_error(tmp_path: Path) -> None:
     other.close()
 
 
-def fill(j: Journal) -> None:
-    """The database may not grow by one more page, and its last free pages are used."""
+def fill(j: Journal, run_id: str | None = None) -> None:
+    """The database may not grow by one more page, and its last free pages are used. With
+    ``run_id``: the room left in the pages that run's next event would go to is used too (rows of
+    that run, ever smaller), so its next event cannot be written whatever the pages held before."""
     db = j._db
     db.execute("CREATE TABLE IF NOT EXISTS filler (b BLOB)")
     pages = db.execute("PRAGMA page_count").fetchone()[0]
@@ -98,6 +101,18 @@ def fill(j: Journal) -> None:
     with pytest.raises(sqlite3.OperationalError, match="full"):
         for _ in range(100):
             db.execute("INSERT INTO filler VALUES (zeroblob(1000))")
+    if run_id is None:
+        return
+    seq = 1_000_000
+    for size in (1000, 200, 50, 10, 0):
+        for _ in range(200):
+            seq += 1
+            try:
+                db.execute("INSERT INTO events (run_id, seq, ts, kind, step, data) VALUES (?, ?, 0, 'f', NULL, ?)",
+                           (run_id, seq, json.dumps({"f": "x" * size})))
+            except sqlite3.OperationalError as e:
+                assert "full" in str(e)
+                break
 
 
 def test_a_full_disk_is_a_clear_error_and_the_failed_write_leaves_nothing_half_done(tmp_path: Path) -> None:
@@ -151,9 +166,9 @@ def test_a_disk_full_mid_run_stops_it_before_the_next_action(world: World) -> No
     """The disk fills while relabel-container's patch is applied: nothing after it is recorded, so
     no later intent is written and swap-off and restart-kubelet never act."""
     journal = world.service.journal
-    world.kube.on_patch = lambda name, patch: fill(journal)
     plan = world.plan()
     run_id = world.service.create(world.prepared, plan)
+    world.kube.on_patch = lambda name, patch: fill(journal, run_id)
     with pytest.raises(JournalError) as e:
         world.service.execute(run_id, world.prepared, plan)
     one_line(e.value, journal.path, "the disk is full")
