@@ -43,6 +43,26 @@ def waiting_run(path: Path) -> tuple[str, str]:
     return run_id, "d" * 64
 
 
+def sealed_waiting_run(path: Path) -> tuple[str, str]:
+    """As ``waiting_run``, sealed as the engine seals its runs (engine.integrity), so that an
+    approval gets as far as writing."""
+    from engine.integrity import RunIntegrity
+    from engine.store import new_run_id
+
+    j = Journal(path)
+    integrity = RunIntegrity(j)
+    run_id = new_run_id()
+    seal = integrity.first_seal(run_id, runbook="gpu-node-recovery", nodes=["omen2"], params={"node": "omen2"},
+                                source="cli", approval_required=True, requested_by="zed")
+    j.create_run("gpu-node-recovery", {"node": "omen2"}, ["omen2"], approval_required=True, run_id=run_id,
+                 events=[("run.requested", {"by": "zed"}), seal])
+    j.set_plan(run_id, {"steps": []}, "d" * 64)
+    integrity.seal(run_id, plan_digest="d" * 64)
+    j.set_state(run_id, RunState.WAITING_APPROVAL.value)
+    j.close()
+    return run_id, "d" * 64
+
+
 @pytest.fixture
 def held_lock(tmp_path: Path) -> Iterator[Path]:
     """Another writer holds the journal's write lock (an open write transaction)."""
@@ -259,9 +279,17 @@ def test_the_cli_on_a_full_disk_prints_one_line_exits_6_and_approves_nothing(tmp
 
 
 @pytest.mark.slow
-def test_the_cli_waits_30s_for_a_locked_journal_then_prints_one_line_and_exits_6(held_lock: Path) -> None:
-    run_id, digest = "r-x", "d" * 64
-    start = time.monotonic()
-    done = cli("approve", run_id, "--plan-digest", digest, journal=held_lock)
-    assert 29 <= time.monotonic() - start <= 45
-    assert_clean_failure(done, held_lock, "locked by another process for more than 30s")
+def test_the_cli_waits_30s_for_a_locked_journal_then_prints_one_line_and_exits_6(tmp_path: Path) -> None:
+    path = tmp_path / "journal.sqlite"
+    run_id, digest = sealed_waiting_run(path)  # approve reads and verifies the run first (reads are not
+    # blocked), then writes
+    other = sqlite3.connect(path, isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")
+    try:
+        start = time.monotonic()
+        done = cli("approve", run_id, "--plan-digest", digest, journal=path)
+        assert 29 <= time.monotonic() - start <= 45
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+    assert_clean_failure(done, path, "locked by another process for more than 30s")
