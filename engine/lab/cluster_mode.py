@@ -226,12 +226,32 @@ def _closed_to_others(uid: int, repo: Path) -> list[str]:
     return sorted(out)
 
 
+def _image_under_empty_dirs(plan: ContainerPlan, repo: Path) -> list[Path]:
+    """Folders of the installed package (its source, its virtual environment, its interpreter) that
+    an emptyDir's tmpfs would hide: a checkout or a virtual environment under /tmp, which the base
+    mounts an emptyDir over. An image has them in its own layers; here they are bound back over the
+    tmpfs (read-only), so the pod runs the same installed package wherever this machine keeps it."""
+    image = sorted({Path(sys.base_prefix).resolve(), Path(sys.prefix).resolve(), repo.resolve()},
+                   key=lambda p: len(p.parts))
+    empty_dirs = [Path(m.path) for m in plan.mounts if m.files is None]
+    out: list[Path] = []
+    for path in image:
+        if any(path.is_relative_to(kept) for kept in out):
+            continue  # inside a folder already bound back
+        if any(path.is_relative_to(d) for d in empty_dirs):
+            out.append(path)
+    return out
+
+
 def container_script(plan: ContainerPlan, folder: Path, repo: Path) -> str:
     """The shell run by ``unshare --mount --uts``: mounts as the pod's, then exec as the pod's UID."""
     q = shlex.quote
     staged = _stage(plan, folder)
     layers = folder / "layers"
     lines = ["set -e", f"hostname {q(plan.pod)}", "mount -t tmpfs -o mode=755 tmpfs /run"]
+    kept = _image_under_empty_dirs(plan, repo)
+    for i, path in enumerate(kept):  # held in this namespace's /run while a tmpfs covers their place
+        lines += [f"mkdir -p /run/runbook-image/{i}", f"mount --rbind {q(str(path))} /run/runbook-image/{i}"]
     for d in (*OVERLAID, *_closed_to_others(plan.uid, repo)):
         for sub in (f"{d}-up", f"{d}-work"):
             (layers / sub).mkdir(parents=True, exist_ok=True)
@@ -261,6 +281,9 @@ def container_script(plan: ContainerPlan, folder: Path, repo: Path) -> str:
         else:
             lines.append(f"mount --bind {q(str(staged[mount.name]))} {q(mount.path)}")
             lines.append(f"mount -o remount,bind,ro {q(mount.path)}")
+    for i, path in enumerate(kept):
+        lines += [f"mkdir -p {q(str(path))}", f"mount --rbind /run/runbook-image/{i} {q(str(path))}",
+                  f"mount -o remount,bind,ro {q(str(path))}"]
     lines.append(f"cd {q(plan.workdir)}")
     groups = ",".join(str(g) for g in plan.groups)
     setpriv = ["setpriv", f"--reuid={plan.uid}", f"--regid={plan.gid}", f"--groups={groups}"]
