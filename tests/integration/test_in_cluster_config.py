@@ -64,7 +64,10 @@ def _in_cluster(control_plane: ControlPlane, tmp: Path, token: str, *args: str) 
     env = {k: v for k, v in os.environ.items() if k not in ("KUBECONFIG", "RUNBOOK_INVENTORY")}
     env.update(HOME=str(home), PYTHONPATH=str(ROOT), KUBERNETES_SERVICE_HOST="127.0.0.1",
                KUBERNETES_SERVICE_PORT=str(control_plane.ports["apiserver"]),
-               RUNBOOK_JOURNAL=str(tmp / "journal.sqlite"), XDG_STATE_HOME=str(tmp / "state"))
+               RUNBOOK_JOURNAL=str(tmp / "journal.sqlite"), XDG_STATE_HOME=str(tmp / "state"),
+               # as the Deployment sets it: node Leases in the store namespace (the ServiceAccount has
+               # no Lease rights in kube-system, deploy/kubernetes/rbac.yaml)
+               RUNBOOK_NAMESPACE="runbook-system")
     return subprocess.run(["unshare", "--mount", "--propagation", "private", "/bin/sh", "-c", script],
                           env=env, capture_output=True, text=True, timeout=300, check=False)
 
