@@ -36,8 +36,7 @@ NFD_LABELS = ("feature.node.kubernetes.io/pci-10de.present", "feature.node.kuber
 GFD_LABELS = ("nvidia.com/gpu.product", "nvidia.com/gpu.count", "nvidia.com/gpu.memory", "nvidia.com/gpu.family")
 OPERAND_LABEL = "runbook.lab/operand"
 MANAGED_LABEL = "runbook.lab/managed"
-# a DaemonSet pod of the template's first generation (apps/v1's pod-template-generation): the pods the
-# lab seeds before their DaemonSet exists are adopted as up to date (no rolling replacement)
+# what the daemonset controller stamps on its pods (the template's generation, 1 for the lab's)
 TEMPLATE_GENERATION_LABEL = "pod-template-generation"
 POD_TEMPLATE_HASH_LABEL = "pod-template-hash"
 
@@ -222,13 +221,18 @@ def _operand_spec(operator: GpuOperator, operand: str) -> dict[str, Any]:
 
 def daemonset(operator: GpuOperator, operand: str) -> dict[str, Any]:
     """The operand's DaemonSet as the GPU Operator makes it: named as its pods' prefix, selecting the
-    nodes with its ``nvidia.com/gpu.deploy.<operand>=true`` label (NFD's worker: every node)."""
+    nodes with its ``nvidia.com/gpu.deploy.<operand>=true`` label (NFD's worker: every node).
+
+    Update strategy OnDelete (a ClusterPolicy choice; the driver's default): the pods the lab seeds
+    lack the controller-revision-hash only the controller can compute, and 1.20's controller never
+    matches the template generation instead (it formats a pointer), so a rolling update would take
+    every adopted pod for an old one and replace it, the incident's Error pods first."""
     labels = _operand_labels(operand)
     return {
         "apiVersion": "apps/v1", "kind": "DaemonSet",
         "metadata": {"name": POD_PREFIX[operand], "namespace": operator.namespace,
                      "labels": {MANAGED_LABEL: "true", "app.kubernetes.io/part-of": "gpu-operator"}},
-        "spec": {"selector": {"matchLabels": {"app": labels["app"]}},
+        "spec": {"selector": {"matchLabels": {"app": labels["app"]}}, "updateStrategy": {"type": "OnDelete"},
                  "template": {"metadata": {"labels": labels}, "spec": _operand_spec(operator, operand)}},
     }
 

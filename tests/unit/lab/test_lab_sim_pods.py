@@ -72,7 +72,8 @@ def test_each_operand_daemonset_selects_nodes_by_its_deploy_label_and_seeded_pod
     pod = sim_gpu.operand_pod(op, "omen2", "device-plugin", "nvidia-device-plugin-daemonset-abcde")
     selector = ds["spec"]["selector"]["matchLabels"]
     assert selector.items() <= pod["metadata"]["labels"].items()  # the DaemonSet adopts it
-    assert pod["metadata"]["labels"][sim_gpu.TEMPLATE_GENERATION_LABEL] == "1"  # as up to date
+    assert pod["metadata"]["labels"][sim_gpu.TEMPLATE_GENERATION_LABEL] == "1"
+    assert ds["spec"]["updateStrategy"] == {"type": "OnDelete"}  # adopted pods are never replaced
     owned = sim_gpu.operand_pod(op, "omen2", "vfio-manager", owner={
         "kind": "DaemonSet", "metadata": {"name": "nvidia-vfio-manager", "uid": "u-ds"}})
     assert owned["metadata"]["ownerReferences"][0]["uid"] == "u-ds" and owned["metadata"]["ownerReferences"][0]["controller"]
