@@ -124,8 +124,9 @@ def test_a_drain_respects_the_budget_one_eviction_at_a_time_and_leaves_daemonset
         "spec": {"selector": {"matchLabels": {"app": "drain-ds"}},
                  "template": {"metadata": {"labels": {"app": "drain-ds", "drain-test": "yes"}},
                               "spec": {"nodeSelector": {"kubernetes.io/hostname": NODE}, "containers": CONTAINERS}}}})
-    (ds_pod,) = wait_for(lambda: [n for n, p in pods_on(core, NODE).items() if n.startswith("drain-ds-") and running(p)],
-                         60, "the daemonset controller's pod running on worker-2")
+    (ds_pod,) = wait_for(lambda: [n for n, p in pods_on(core, NODE).items()
+                                  if n.startswith("drain-ds-") and running(p)], 60,
+                         "the daemonset controller's pod running on worker-2")
     core.create_namespaced_pod(NS, {"metadata": {"name": "static-web-worker-2", "labels": {"drain-test": "yes"},
                                                  "annotations": {"kubernetes.io/config.mirror": "8f3c0a"}},
                                     "spec": {"nodeName": NODE, "containers": CONTAINERS}})

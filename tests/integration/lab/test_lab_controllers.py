@@ -76,7 +76,8 @@ def pods_on(core: Any, node: str, namespace: str | None = None) -> dict[str, Any
     """``namespace/name`` -> pod, for the pods bound to ``node`` that are not being deleted."""
     found = (core.list_namespaced_pod(namespace, field_selector=f"spec.nodeName={node}") if namespace
              else core.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={node}"))
-    return {f"{p.metadata.namespace}/{p.metadata.name}": p for p in found.items if p.metadata.deletion_timestamp is None}
+    return {f"{p.metadata.namespace}/{p.metadata.name}": p for p in found.items
+            if p.metadata.deletion_timestamp is None}
 
 
 def owner_kind(pod: Any) -> str:
@@ -143,9 +144,11 @@ def test_a_whole_node_drain_leaves_the_daemonset_pods_and_evicts_the_rest(
         assert core.read_node(node).spec.unschedulable
         # the ReplicaSets' pods came back elsewhere, and run
         for prefix, _component in sim_gpu.CLUSTER_COMPONENTS:
-            wait_for(lambda prefix=prefix: [p for p in core.list_namespaced_pod(OPERATOR_NS, label_selector=f"app={prefix}").items
-                                            if p.spec.node_name not in (None, node) and running_and_ready(p)],
-                     60, f"{prefix}'s pod running on another node")
+            def elsewhere(prefix: str = prefix) -> list[Any]:
+                pods = core.list_namespaced_pod(OPERATOR_NS, label_selector=f"app={prefix}").items
+                return [p for p in pods if p.spec.node_name not in (None, node) and running_and_ready(p)]
+
+            wait_for(elsewhere, 60, f"{prefix}'s pod running on another node")
     finally:
         core.patch_node(node, {"spec": {"unschedulable": None}})
 

@@ -43,9 +43,11 @@ def test_a_pod_whose_containers_ran_before_the_hosts_boot_is_restarted_with_fres
     assert sim_pods.kubelet_action(pod, booted_at=boot) == "restart"
     status = sim_pods.restarted_status(pod, "127.0.1.2", boot + 3)
     (cs,) = status["containerStatuses"]
-    assert cs["restartCount"] == 1 and cs["ready"] and parse_time(cs["state"]["running"]["startedAt"]) == int(boot + 3)
-    assert cs["lastState"]["terminated"]["reason"] == "Unknown" and cs["lastState"]["terminated"]["exitCode"] == 255
-    assert cs["lastState"]["terminated"]["startedAt"] == pod["status"]["containerStatuses"][0]["state"]["running"]["startedAt"]
+    assert cs["restartCount"] == 1 and cs["ready"]
+    assert parse_time(cs["state"]["running"]["startedAt"]) == int(boot + 3)
+    last = cs["lastState"]["terminated"]
+    assert last["reason"] == "Unknown" and last["exitCode"] == 255
+    assert last["startedAt"] == pod["status"]["containerStatuses"][0]["state"]["running"]["startedAt"]
     assert status["startTime"] == pod["status"]["startTime"]  # the pod's own start stays
     assert any(c["type"] == "Ready" and c["status"] == "True" for c in status["conditions"])
     # the restarted pod (started in the boot's second, after it) is not restarted again
@@ -76,7 +78,8 @@ def test_each_operand_daemonset_selects_nodes_by_its_deploy_label_and_seeded_pod
     assert ds["spec"]["updateStrategy"] == {"type": "OnDelete"}  # adopted pods are never replaced
     owned = sim_gpu.operand_pod(op, "omen2", "vfio-manager", owner={
         "kind": "DaemonSet", "metadata": {"name": "nvidia-vfio-manager", "uid": "u-ds"}})
-    assert owned["metadata"]["ownerReferences"][0]["uid"] == "u-ds" and owned["metadata"]["ownerReferences"][0]["controller"]
+    (ref,) = owned["metadata"]["ownerReferences"]
+    assert ref["uid"] == "u-ds" and ref["kind"] == "DaemonSet" and ref["controller"]
     rs = sim_gpu.replicaset(op, "gpu-operator", "gpu-operator")
     bare = sim_gpu.cluster_pod(op, "worker-1", "gpu-operator", "gpu-operator")
     assert rs["spec"]["selector"]["matchLabels"].items() <= bare["metadata"]["labels"].items()
