@@ -180,8 +180,10 @@ class Simulator:
             rt.last_lease = now
         extended = self._advertised(rt, api_node, running)
         previous = api_node.get("status", {})
-        status = sim_nodes.ready_status(rt.spec, rt.address, extended, previous, now)
-        key = json.dumps([status["capacity"], [c["status"] for c in status["conditions"]]], sort_keys=True)
+        status = sim_nodes.ready_status(rt.spec, rt.address, extended, previous, now,
+                                        str(rt.state.get("boot", {}).get("id", "")))
+        key = json.dumps([status["capacity"], [c["status"] for c in status["conditions"]],
+                          status["nodeInfo"]["bootID"]], sort_keys=True)
         ready: Obj = next((c for c in previous.get("conditions", []) if c["type"] == "Ready"), {})
         if key != rt.status_key or ready.get("status") != "True" or now - rt.last_status >= timing.status_seconds:
             self.kube.patch(NODES, name, {"status": status}, sub="status")

@@ -89,6 +89,7 @@ def test_the_flagship_escalates_to_node_reboot_and_the_host_really_reboots(
     # kubelet back per its enabled state, the node Ready with its GPU on nvidia, uncordoned
     node = kube_node(sh, "omen2")
     assert ready(node) and not node["spec"].get("unschedulable")
+    assert node["status"]["nodeInfo"]["bootID"] == boot_id_after[0]  # the kubelet reports the new boot
     assert node["metadata"]["labels"][LABEL] == "container"
     assert node["status"]["allocatable"].get("nvidia.com/gpu") == "1"
     assert [d["driver"] for d in state["pci_devices"] if d.get("display")] == ["nvidia"]
