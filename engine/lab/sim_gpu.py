@@ -199,7 +199,7 @@ def daemonset_operands(operator: GpuOperator) -> list[str]:
     and NFD's worker; the one-shot validators are pods another pod creates."""
     enabled = set(operator.operands) | ({"driver"} if operator.driver_enabled else set())
     known = {op for ops in WORKLOAD_OPERANDS.values() for op in ops}
-    return sorted(enabled & known) + ["nfd-worker"]
+    return [*sorted(enabled & known), "nfd-worker"]
 
 
 def _operand_labels(operand: str) -> dict[str, str]:

@@ -21,7 +21,19 @@ from typing import Any
 from engine.lab import sim_gpu, sim_kubelet, sim_kubevirt, sim_nodes, sim_pods
 from engine.lab.scenario import Node, Scenario, SwapDevice, starts_ready
 from engine.lab.sim_kube import (
-    CLUSTER_POLICIES, CRDS, DAEMONSETS, KUBEVIRTS, LEASES, NAMESPACES, NODES, PODS, REPLICASETS, VMIS, VMS, Kube, Obj,
+    CLUSTER_POLICIES,
+    CRDS,
+    DAEMONSETS,
+    KUBEVIRTS,
+    LEASES,
+    NAMESPACES,
+    NODES,
+    PODS,
+    REPLICASETS,
+    VMIS,
+    VMS,
+    Kube,
+    Obj,
 )
 
 MANAGED = f"{sim_nodes.MANAGED_LABEL}=true"

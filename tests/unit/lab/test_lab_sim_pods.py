@@ -66,7 +66,7 @@ def test_terminating_and_finished_pods_keep_their_rules() -> None:
 
 def test_each_operand_daemonset_selects_nodes_by_its_deploy_label_and_seeded_pods_match_it() -> None:
     op = GpuOperator()
-    assert sim_gpu.daemonset_operands(op) == sorted(op.operands) + ["nfd-worker"]
+    assert sim_gpu.daemonset_operands(op) == [*sorted(op.operands), "nfd-worker"]
     ds = sim_gpu.daemonset(op, "device-plugin")
     assert ds["metadata"]["name"] == "nvidia-device-plugin-daemonset"
     assert ds["spec"]["template"]["spec"]["nodeSelector"] == {"nvidia.com/gpu.deploy.device-plugin": "true"}
