@@ -66,7 +66,7 @@ def api(incident: Any) -> Iterator[tuple[ControlPlane, Any, Any]]:
 
 def runbook(sh: Any, args: str, tmp_path: Path, text: str) -> Any:
     (tmp_path / "runbooks").mkdir(exist_ok=True)
-    (tmp_path / "runbooks" / "drain.yaml").write_text(text)
+    (tmp_path / "runbooks" / "drain-whole-node.yaml").write_text(text)
     env = f"PYTHONPATH={shlex.quote(str(ROOT))} RUNBOOK_JOURNAL={shlex.quote(str(tmp_path / 'journal.sqlite'))}"
     return sh(f"{env} {shlex.quote(sys.executable)} -m engine {args} --runbooks-dir {tmp_path / 'runbooks'}",
               timeout=600)
