@@ -34,8 +34,9 @@ if [ "$#" -gt 0 ]; then
 fi
 phase "unit tests, 2 workers" -n 2 tests/unit
 unit=$?
-phase "integration and lab tests, 2 workers, one module per worker" -n 2 --dist loadfile --no-loadscope-reorder \
-  tests --ignore=tests/unit
+workers=${RUNBOOK_TEST_WORKERS:-2}  # the integration phase's workers (CI: 2, one per core; a measurement may try others)
+phase "integration and lab tests, $workers workers, one module per worker" -n "$workers" --dist loadfile \
+  --no-loadscope-reorder tests --ignore=tests/unit
 rest=$?
 [ "$unit" -eq 0 ] || { echo "test.sh: unit tests failed (rc=$unit)" >&2; exit "$unit"; }
 exit "$rest"
