@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
 from bench import common, harness  # noqa: E402
+from engine.lab.manager import Lab  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.lab]
 
@@ -39,18 +40,25 @@ FLEET_BENCHMARKS = ("p7",)  # a fleet lab of its own: the slow test's
 FLEET_METRIC_OF_P4 = "p4_plan_100_vs_ansible_ratio"  # P4's fleet part (--no-fleet: null, "skipped")
 
 
-def bench_quick(tmp_path: Path, *options: str) -> tuple[list[dict[str, Any]], str]:
+def bench_quick(tmp_path: Path, *options: str, timeout: float) -> tuple[list[dict[str, Any]], str]:
     """``bench/run --quick ... --down`` on labs in ``tmp_path``: its metrics and the tail of its log."""
     cmd = [sys.executable, str(ROOT / "bench" / "run"), "--quick", *options, "--no-write",
            "--lab-dir", str(tmp_path / "lab"), "--fleet-lab-dir", str(tmp_path / "fleet"),
            "--journal", str(tmp_path / "journal.sqlite"), "--work-dir", str(tmp_path / "work"), "--down"]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)  # P7's 4-node fleet adds ~4 min
+    labs = (tmp_path / "lab", tmp_path / "fleet")
+    try:
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        left_up = [str(folder) for folder in labs if folder.exists()]  # before the clean-up below
+    finally:  # a bench that failed or was killed half-way leaves its labs up: take them down
+        for folder in labs:
+            if (folder / "lab.json").exists():
+                Lab(folder).down()
     tail = done.stderr[-4000:]
     metrics = [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
     assert done.returncode == 0, tail
     for m in metrics:
         assert list(m) == ["metric", "value", "unit", "runs", "detail"]
-    assert not (tmp_path / "lab").exists() and not (tmp_path / "fleet").exists()  # labs taken down
+    assert left_up == [], tail  # --down took the incident lab down, P4 and P7 their fleet labs
     return metrics, tail
 
 
@@ -86,10 +94,11 @@ def check_the_incident_lab_benchmarks(by_name: dict[str, dict[str, Any]], tail: 
     assert paged["rule_for_s"] == paged["lab_timing"]["alert_for_seconds"] and p8["value"] > paged["rule_for_s"]
 
 
+@pytest.mark.timeout(1800)  # ~3 min idle; a loaded machine takes three times that and more
 def test_bench_run_quick_without_fleet_labs_prints_every_metric_with_sane_p1_figures(
         tmp_path: Path, record_property: Any) -> None:
     selected = [b for b in harness.ORDER if b not in FLEET_BENCHMARKS]
-    metrics, tail = bench_quick(tmp_path, "--no-fleet", "--only", ",".join(selected))
+    metrics, tail = bench_quick(tmp_path, "--no-fleet", "--only", ",".join(selected), timeout=1700)
     fleet_part = next(m for m in metrics if m["metric"] == FLEET_METRIC_OF_P4)
     assert fleet_part["value"] is None and fleet_part["detail"]["skipped"] == "--no-fleet", fleet_part
     expected = [name for b in selected for name in harness.PRODUCES[b] if name != FLEET_METRIC_OF_P4]
@@ -99,8 +108,9 @@ def test_bench_run_quick_without_fleet_labs_prints_every_metric_with_sane_p1_fig
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2400)  # ~7.5 min idle
 def test_bench_run_quick_prints_every_metric_with_sane_p1_figures(tmp_path: Path, record_property: Any) -> None:
-    metrics, tail = bench_quick(tmp_path)
+    metrics, tail = bench_quick(tmp_path, timeout=2300)
     by_name = measured(metrics, tail, list(common.METRICS))
     check_the_incident_lab_benchmarks(by_name, tail, record_property)
     p7 = by_name["p7_fleet_20_vs_script_ratio"]
