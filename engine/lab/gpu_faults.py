@@ -56,7 +56,8 @@ def xid_line(slot: str, code: int, pid: int | None = None, name: str = "") -> st
 
 
 def health(state: dict[str, Any], slot: str) -> dict[str, Any]:
-    return state.setdefault("gpu_health", {}).setdefault(slot, {})  # type: ignore[no-any-return]
+    out: dict[str, Any] = state.setdefault("gpu_health", {}).setdefault(slot, {})
+    return out
 
 
 def jobs_on(state: dict[str, Any], slot: str) -> list[dict[str, Any]]:
