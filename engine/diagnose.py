@@ -19,11 +19,13 @@ command itself (options, connectors, printing, exit code) is ``engine.app.diagno
 
 from __future__ import annotations
 
+import functools
 import json
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from decimal import Decimal
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -132,10 +134,17 @@ def _devices(vm: Mapping[str, Any]) -> list[str]:
 
 
 def default_fleet() -> Fleet:
-    """The packaged fleet knowledge (``runbooks/catalogue/fleet.yaml``)."""
-    from engine.loader import default_runbooks_dir, fleet_path, load_fleet
+    """The fleet knowledge of the default runbooks folder (``runbooks/catalogue/fleet.yaml``)."""
+    from engine.loader import default_runbooks_dir, fleet_path
 
-    return load_fleet(fleet_path(default_runbooks_dir()))
+    return _fleet_at(str(fleet_path(default_runbooks_dir()).resolve()))
+
+
+@functools.lru_cache(maxsize=4)
+def _fleet_at(path: str) -> Fleet:
+    from engine.loader import load_fleet
+
+    return load_fleet(Path(path))
 
 
 def node_gpu_resources(node: NodeFacts, host: HostFacts | None,
@@ -214,7 +223,7 @@ def node_state(node: NodeFacts, fleet: Fleet) -> str:
     return ",".join(parts)
 
 
-def _quantity(value: str) -> float:
+def _quantity(value: str) -> Decimal | int:
     try:
         return parse_quantity(value)
     except ValueError:
@@ -230,7 +239,8 @@ def gpu_less(node: NodeFacts, fleet: Fleet) -> bool:
 
 def gpus_withheld(node: NodeFacts, fleet: Fleet) -> bool:
     """Fewer GPUs allocatable than the node's capacity: the device plugin reports some Unhealthy, or is down."""
-    return _quantity(node.allocatable.get(fleet.gpu_resource, "0")) < _quantity(node.capacity.get(fleet.gpu_resource, "0"))
+    resource = fleet.gpu_resource
+    return _quantity(node.allocatable.get(resource, "0")) < _quantity(node.capacity.get(resource, "0"))
 
 
 def is_sick(node: NodeFacts, fleet: Fleet | None = None) -> bool:

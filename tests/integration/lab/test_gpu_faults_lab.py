@@ -128,7 +128,8 @@ def test_xid48_resets_only_its_gpu_and_every_other_gpus_job_lives(flab: Lab, fsh
     assert "GPU 02:00.0: Xid 48" in inject(fsh, "xid48", "02:00.0")
     wait_allocatable(fsh, "3")  # the device plugin marked it Unhealthy
     d = diagnose(fsh)
-    assert (d["cause"], d["runbook"], d["fix"]) == ("xid48", "gpu-reset", "runbook run gpu-reset --node gpu-quad -p gpu=02:00.0")
+    assert (d["cause"], d["runbook"]) == ("xid48", "gpu-reset")
+    assert d["fix"] == "runbook run gpu-reset --node gpu-quad -p gpu=02:00.0"
     assert d["evidence"]["per_gpu"]["02:00.0"]["xids"] == [48] and d["evidence"]["per_gpu"]["01:00.0"]["xids"] == []
     calls = len(host(flab).calls())
 
@@ -294,7 +295,8 @@ def test_xid79_full_cycle_reboot_uncordon_and_a_repeat_says_contact_support(
     shown = json.loads(runbook(fsh, f"runs show {first['run_id']} -o json", journal=journal).stdout)
     (child,) = [c for c in shown["children"] if c["why"] == "escalated to"]
     waiting = json.loads(runbook(fsh, f"runs show {child['run']} -o json", journal=journal).stdout)
-    assert runbook(fsh, f"approve {child['run']} --plan-digest {waiting['plan_digest']}", journal=journal).returncode == 0
+    approve = f"approve {child['run']} --plan-digest {waiting['plan_digest']}"
+    assert runbook(fsh, approve, journal=journal).returncode == 0
     resumed = runbook(fsh, f"resume {child['run']} --yes -o json" + BUDGET, journal=journal, timeout=1200)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     wait_allocatable(fsh, "4")
