@@ -212,14 +212,14 @@ def last_error(journal_tail: str) -> str:
 
 def node_state(node: NodeFacts, fleet: Fleet) -> str:
     """``kubectl get nodes``' STATUS, plus ``GPU-less`` for a container GPU node advertising no GPU and
-    ``GPUs A/C`` when allocatable GPUs are fewer than capacity (the device plugin withholds some)."""
+    ``GPUs:A/C`` when allocatable GPUs are fewer than capacity (the device plugin withholds some)."""
     parts = ["Ready" if node.ready else "NotReady"]
     if node.unschedulable:
         parts.append("SchedulingDisabled")
     if gpu_less(node, fleet):
         parts.append("GPU-less")
     elif gpus_withheld(node, fleet):
-        parts.append(f"GPUs {node.allocatable.get(fleet.gpu_resource, '0')}/{node.capacity.get(fleet.gpu_resource)}")
+        parts.append(f"GPUs:{node.allocatable.get(fleet.gpu_resource, '0')}/{node.capacity.get(fleet.gpu_resource)}")
     return ",".join(parts)
 
 

@@ -58,7 +58,7 @@ def test_an_xid48_on_one_gpu_of_a_ready_node_is_named_with_that_gpu_and_the_rese
     d = diag(quad_node(allocatable=3), host)
     assert (d.cause, d.runbook, d.confidence) == ("xid48", "gpu-reset", "high")
     assert d.fix == "runbook run gpu-reset --node gpu-quad -p gpu=02:00.0"
-    assert d.state == "Ready,GPUs 3/4"
+    assert d.state == "Ready,GPUs:3/4"
     assert d.evidence["per_gpu"]["02:00.0"]["xids"] == [48]
     assert d.evidence["per_gpu"]["01:00.0"] == {**d.evidence["per_gpu"]["01:00.0"], "xids": [],
                                                  "cuda_processes": [41000]}

@@ -222,13 +222,16 @@ def test_the_fabric_manager_restarts_only_when_its_version_is_the_drivers(
     assert (d["cause"], d["runbook"], d["confidence"]) == ("fabric-manager", "fabric-manager-restart", "high")
     journal = tmp_path / "j.sqlite"
 
+    driver = host(flab).read()["nvidia"]["fabric_manager"]  # the loaded driver's (570.158.01 after a reload)
     host(flab).update(lambda s: s["nvidia"].__setitem__("fabric_manager", "570.86.15"))
     calls = len(host(flab).calls())
     refused = runbook(fsh, f"run fabric-manager-restart --node {NODE} --yes" + BUDGET, journal=journal)
     assert refused.returncode == 3, refused.stdout + refused.stderr
-    assert "570.86.15" in refused.stdout and "570.133.07" in refused.stdout and mutating_calls(flab, calls) == []
+    said = " ".join(refused.stdout.split())
+    assert f"nvidia-fabricmanager 570.86.15 does not match the loaded driver {driver}" in said
+    assert mutating_calls(flab, calls) == []
 
-    host(flab).update(lambda s: s["nvidia"].__setitem__("fabric_manager", "570.133.07"))
+    host(flab).update(lambda s: s["nvidia"].__setitem__("fabric_manager", driver))
     result = run_json(fsh, "fabric-manager-restart", journal)
     assert outcome(result, "restart-fabric-manager") == "succeeded"
     assert host(flab).read()["units"]["nvidia-fabricmanager"]["active"] == "active" and jobs(flab) == before
@@ -253,7 +256,7 @@ def test_xid79_cordons_evicts_records_and_escalates_to_an_approved_reboot(
     journal = tmp_path / "j.sqlite"
     result = run_json(fsh, "gpu-fallen-off-bus", journal, want_rc=1)
     assert [outcome(result, s) for s in ("cordon", "record-lost-gpu", "gpus-back")] == \
-        ["succeeded", "succeeded", "failed"]
+        ["succeeded", "succeeded", "timed-out"]  # the lost GPU does not come back: the run fails
     node = kube_node(fsh, NODE)
     assert node["spec"].get("unschedulable") is True
     assert node["metadata"]["annotations"]["runbook.io/gpu-fallen-off-bus"] == "02:00.0 Xid 79"
