@@ -101,7 +101,8 @@ def _runner(name: str, args: argparse.Namespace) -> Callable[[Context], list[Met
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench/run", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="CI smoke: 1-2 runs each, 10- and 4-node fleets, short rounds")
-    p.add_argument("--only", default="", help="comma-separated benchmarks: p1,p2,p3,p4,p5,p6,p7,p8,p9,p10,p10b,p11 (p6 runs p1)")
+    p.add_argument("--only", default="",
+                   help="comma-separated benchmarks: p1,p2,p3,p4,p5,p6,p7,p8,p9,p10,p10b,p11 (p6 runs p1)")
     p.add_argument("--runs", type=int, default=5, help="repetitions per variant (>= 5 unless --quick)")
     p.add_argument("--lab-dir", type=Path, default=Path(DEFAULT_LAB_DIR))
     p.add_argument("--fleet-lab-dir", type=Path, default=Path(DEFAULT_FLEET_LAB_DIR))

@@ -77,7 +77,7 @@ def test_a_dead_claim_is_pruned_when_it_stands_in_the_way_and_a_live_one_is_not(
     acquire_node_lock(kube, "a", "run-live", namespace=NS, ttl=60)  # its run holds the node's Lease
     assert b.claim("run-dead", "b", room_for(2)).granted  # its process dies before taking the Lease
     assert not b.claim("run-c", "c", room_for(2)).granted  # within the grace both count
-    clock.advance(b.grace + 1)
+    clock.sleep(b.grace + 1)
     result = b.claim("run-c", "c", room_for(2))
     assert result.granted and [c.run for c in result.pruned] == ["run-dead"]
     assert sorted(c.run for c in b.claims()) == ["run-c", "run-live"]
@@ -89,9 +89,9 @@ def test_a_holder_that_stopped_renewing_its_lease_loses_its_claim_after_the_ttl_
     b = budget(kube, clock)
     assert b.claim("run-a", "a", room_for(1)).granted
     acquire_node_lock(kube, "a", "run-a", namespace=NS, ttl=60)
-    clock.advance(60 + b.grace - 1)
+    clock.sleep(60 + b.grace - 1)
     assert not b.claim("run-b", "b", room_for(1)).granted
-    clock.advance(2)
+    clock.sleep(2)
     assert b.claim("run-b", "b", room_for(1)).granted
 
 
@@ -177,7 +177,8 @@ def test_the_claim_and_its_release_are_journaled(tmp_path: Path) -> None:
     nodes = FakeNodes({"gpu-1": healthy_host("gpu-1")}, clock=clock)
     install_recovery_effects(kube, nodes, ready_after=0.0, gpu_after=0.0)
     kube.set_label("gpu-1", GPU_LABEL, "vm-passthrough")
-    service = _service(tmp_path, kube, nodes, "one", GuardConfig(concurrency=Concurrency(max_runs=3)))
+    service = _service(tmp_path, kube, nodes, "one", GuardConfig(gpu_budget=GpuBudget(max_percent=None),
+                                                                concurrency=Concurrency(max_runs=3)))
     (prep,) = service.targets(str(RUNBOOK), [], selector="")
     (p,) = service.plan_targets([prep], preview=False)
     run_id = service.create(prep, p)
