@@ -48,24 +48,31 @@ class BudgetWatch:
         self._watch = watch.Watch()
         self.most, self.versions, self.over = 0, 0, 0
         self.limit = 0
+        self.stopped = False
+        self.error = ""  # the watch broke before the end of the burst: its count is not complete
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         from engine.budget import BUDGET_LEASE, CLAIMS_ANNOTATION
 
-        for event in self._watch.stream(self._api.list_namespaced_lease, NAMESPACE,
-                                        field_selector=f"metadata.name={BUDGET_LEASE}", timeout_seconds=600):
-            annotations = event["object"].metadata.annotations or {}
-            n = len(json.loads(annotations.get(CLAIMS_ANNOTATION) or "[]"))
-            self.versions += 1
-            self.most = max(self.most, n)
-            self.over += n > self.limit
+        try:
+            for event in self._watch.stream(self._api.list_namespaced_lease, NAMESPACE,
+                                            field_selector=f"metadata.name={BUDGET_LEASE}", timeout_seconds=600):
+                annotations = event["object"].metadata.annotations or {}
+                n = len(json.loads(annotations.get(CLAIMS_ANNOTATION) or "[]"))
+                self.versions += 1
+                self.most = max(self.most, n)
+                self.over += n > self.limit
+        except Exception as e:  # the stream cut when the watch is stopped (or the plane goes away)
+            if not self.stopped:
+                self.error = f"{type(e).__name__}: {e}"
 
     def start(self, limit: int) -> None:
         self.limit = limit
         self._thread.start()
 
     def stop(self) -> None:
+        self.stopped = True
         self._watch.stop()
 
 
@@ -114,7 +121,7 @@ def burst(plane: Any, nodes: int, limit: int) -> dict[str, Any]:
             "refused": len(decided) - granted, "unanswered": len(unanswered), "limit": limit,
             "refused_by": sorted({reason.split(":")[0] for g, reason, _, _ in decided.values() if not g}),
             "violations": watch.over + judged_full, "most_claims_seen": watch.most,
-            "budget_versions_seen": watch.versions,
+            "budget_versions_seen": watch.versions, "watch_error": watch.error,
             "attempts": summary([float(a) for _, _, _, a in decided.values()], 1)}
 
 
