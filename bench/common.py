@@ -62,6 +62,11 @@ TARGETS: dict[str, tuple[str, float, str]] = {
     "p10_webhook_flood_delta_ms": ("<=", 100.0, "ms"),
     "p10_healthz_upload_ms": ("<=", 100.0, "ms"),
     "p8_runbook_webhook_ms": ("<=", 100.0, "ms"),
+    # issue 32: a burst of 200 failing nodes against one cluster-wide budget (bench/p10_burst.py), and
+    # the run store at 10,000 runs (bench/p11_runs_list.py)
+    "p10_burst_200_decided_s": ("<=", 2.0, "s"),
+    "p10_budget_violations": ("<=", 0.0, "count"),
+    "p11_runs_list_10k_s": ("<=", 1.0, "s"),
 }
 METRICS = tuple(TARGETS)
 
