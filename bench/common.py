@@ -194,10 +194,10 @@ def tool(name: str, *, path: str | None = None, scripts: Sequence[Path] | None =
 
 
 def runbook_cmd(*args: str) -> list[str]:
-    """The installed console script of this Python (not a shim); ``python -m engine.cli`` when there is
+    """The installed console script of this Python (not a shim); ``python -m engine`` when there is
     none (never a ``runbook`` of another install found on ``PATH``: it would be another engine)."""
     script = next((d / "runbook" for d in scripts_dirs() if (d / "runbook").is_file()), None)
-    return [str(script), *args] if script is not None else [sys.executable, "-m", "engine.cli", *args]
+    return [str(script), *args] if script is not None else [sys.executable, "-m", "engine", *args]
 
 
 # ---------------------------------------------------------------------------------------------- the lab

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
 import sys
 from pathlib import Path
 
@@ -60,9 +61,16 @@ def test_runbook_is_this_pythons_console_script_or_this_python(tmp_path: Path,
     _executable(tmp_path / "other-install", "runbook")
     monkeypatch.setenv("PATH", str(tmp_path / "other-install"))
     monkeypatch.setattr(common, "scripts_dirs", lambda: [tmp_path / "venv-bin"])
-    assert common.runbook_cmd("plan") == [sys.executable, "-m", "engine.cli", "plan"]
+    assert common.runbook_cmd("plan") == [sys.executable, "-m", "engine", "plan"]
     script = _executable(tmp_path / "venv-bin", "runbook")
     assert common.runbook_cmd("plan") == [str(script), "plan"]
+
+
+def test_the_fallback_without_a_console_script_runs_the_cli(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # `python -m engine.cli` imported the module and exited 0 without running anything
+    monkeypatch.setattr(common, "scripts_dirs", lambda: [tmp_path])
+    r = subprocess.run([*common.runbook_cmd("--version")], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip(), (r.returncode, r.stdout, r.stderr)
 
 
 def test_p8_reads_nodes_with_the_kubectl_on_path_in_a_venv_without_the_extra(
