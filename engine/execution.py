@@ -221,6 +221,9 @@ class Executor:
         self._params: dict[str, Any] = {}
         self._node = ""
         self._baseline: dict[str, Any] = {}  # the plan's baseline: plan-time facts for ``baseline.*`` templates
+        # secrets a kube step hands to the run's later playbooks (a bootstrap token: KubeContext.handoff);
+        # memory only: passed as extra vars ``runbook_secret_<key>``, never in an event or the command line
+        self._handoff: dict[str, str] = {}
         self._kill_points = fault_injection_points()
 
     def _test_kill(self, step_id: str, phase: str) -> None:
@@ -256,6 +259,7 @@ class Executor:
                             "not the plan that was reviewed, nothing done")
         self._plan, self._params, self._node = plan, dict(params), plan.node
         self._baseline = dict(plan.baseline)
+        self._handoff = {}
         self._runbook_steps = {s.id: s for s in runbook.steps}
         emit = self.events.emit
         emit("run.start", runbook=runbook.name, version=runbook.version, node=plan.node,
@@ -553,7 +557,7 @@ class Executor:
             return r.holds, r.observed, r.evidence
 
         return kv.KubeContext(self.kube, self._node, self.clock, self.sleep, self.cancel, wait_until,
-                              run_id=self.run_id)
+                              run_id=self.run_id, handoff=self._handoff)
 
     def _act_kube(self, step_id: str, action: KubeAction, facts: Facts, *, rollback: bool) -> _ActResult:
         emit = self.events.emit
@@ -626,6 +630,8 @@ class Executor:
             extravars.setdefault("runbook_files", files)
         command = ansible_command(spec, host, inventory=self.inventory_cmd_hint, extravars=extravars)
         summary = f"run playbook {spec.playbook} on {host}" + (" as root" if spec.become else "")
+        # after the command line is made (it is journaled): the secrets a kube step handed over
+        extravars.update({f"runbook_secret_{k}": v for k, v in self._handoff.items()})
         self._intent(step_id, action="ansible", verb="playbook", command=command, summary=summary,
                      rollback=rollback)
         if not rollback:

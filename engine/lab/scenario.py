@@ -176,6 +176,9 @@ class Kubelet(_Model):
     restart_counter: int = 0
     stopped: bool = False  # someone ran systemctl stop kubelet
     fault: KubeletFault | None = None
+    # its client certificate (in kubelet.conf) expired: it exits at start unless a bootstrap kubeconfig
+    # lets it request a new one (engine.lab.kubelet_certs)
+    client_cert_expired: bool = False
 
 
 class CudaJob(_Model):
