@@ -3,7 +3,9 @@
 Started by ``lab up`` as ``python -m engine.lab.simulator LAB_JSON`` (a background process with its
 PID in the lab folder, logging to ``simulator.log``). Each tick (and on every watch event) it:
 
-1. advances each host's kubelet unit (``sim_kubelet.step`` under the host state's lock);
+1. advances each host's kubelet unit (``sim_kubelet.step`` under the host state's lock); a kubelet
+   whose client certificate expired and that found a bootstrap kubeconfig requests a new certificate
+   from the API server with that token, and comes up once it is issued (``kubelet_certs``);
 2. for each node whose kubelet runs: renews its Lease, posts its status (with the device plugins'
    resources), force-deletes its terminating pods and starts its pending ones (``sim_pods``);
 3. reconciles NFD/GFD labels, the operator's deploy labels and operand pods, and vfio-manager's
@@ -37,6 +39,7 @@ from engine.lab.sim_kube import LEASES, NODES, PODS, VMIS, VMS, Informer, Kube, 
 
 log = logging.getLogger("runbook.lab.simulator")
 CREATE_GRACE = 5.0  # seconds an object we created may take to show up in the watch cache
+BOOTSTRAP_POLL_SECONDS = 1.0  # a bootstrapping kubelet looks at its certificate request this often
 
 
 @dataclass
@@ -53,6 +56,7 @@ class NodeRuntime:
     status_key: str = ""
     layers_dir: str | None = None  # the SSH host's overlay layers (its kubelet's files: kubelet_certs)
     bootstrap_key: str = ""  # the private key of the kubelet's pending certificate request
+    bootstrap_polled: float = 0.0  # when the pending request was last looked at
 
 
 class Simulator:
@@ -192,7 +196,10 @@ class Simulator:
                 rt.host.update(lambda s: s["kubelet"].update(bootstrap={"generation": generation, "csr": name}))
                 rt.state, rt.mtime = rt.host.read(), rt.host.mtime_ns()
                 return
+            elif now - rt.bootstrap_polled < BOOTSTRAP_POLL_SECONDS:
+                return
             else:
+                rt.bootstrap_polled = now
                 issued = kubelet_certs.issued_certificate(*creds, str(pending["csr"]))
         except kubelet_certs.BootstrapRefused as e:
             error = "Unauthorized" if e.status == 401 else str(e)

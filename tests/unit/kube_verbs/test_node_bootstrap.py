@@ -9,6 +9,7 @@ import base64
 import copy
 import ipaddress
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -166,12 +167,10 @@ def test_a_token_is_created_expiring_for_bootstrap_authentication_only_and_prove
 
 def test_the_token_expires_within_its_ttl() -> None:
     kube = BootstrapKube()
-    import time
-
     before = time.time()
     kv.apply(effect({"bootstrap_token": {"ttl": "10m"}}), ctx(kube))
-    expires = nb.rfc3339(before + 600)
-    assert nb.rfc3339(before) <= kube.tokens()[0]["stringData"]["expiration"] <= expires
+    after = time.time()
+    assert nb.rfc3339(before + 600) <= kube.tokens()[0]["stringData"]["expiration"] <= nb.rfc3339(after + 600)
 
 
 def test_a_cluster_without_the_bootstrap_authenticator_is_refused_with_the_manual_steps_and_the_token_deleted() -> None:
@@ -275,3 +274,56 @@ def test_an_approved_request_the_signer_never_issues_fails_the_step() -> None:
     with pytest.raises(EffectFailed, match="no certificate was issued"):
         kv.apply(effect({"approve_node_csr": {"timeout": "20s"}}), c)
     assert kube.approvals == ["csr-kubelet"]
+
+
+# -- the shipped runbook, end to end over the fakes ------------------------------------------------------
+
+CERT = ("E bootstrap.go:266] part of the existing bootstrap client certificate in /etc/kubernetes/kubelet.conf "
+        "is expired: 2025-03-20 08:12:44 +0000 UTC")
+
+
+def test_the_runbook_hands_the_token_to_its_playbook_only_and_the_kubelets_csr_brings_the_node_back() -> None:
+    from datetime import UTC, datetime
+
+    from engine import probes
+    from engine.execution import Executor
+    from engine.facts import ServiceFacts
+    from engine.loader import default_runbooks_dir, load_runbook
+    from engine.planning import plan_run
+    from tests.fakes import FakeNodes, RecordingSink, make_host
+
+    playbooks = default_runbooks_dir().parent / "playbooks"
+    rb = load_runbook(default_runbooks_dir() / "kubelet-client-cert-expired.yaml", playbooks_dir=playbooks)
+    kube = BootstrapKube()
+    nodes = FakeNodes({NODE: make_host(NODE, kubelet="activating", journal=CERT)}, clock=kube.clock)
+    approvals = kube.approvals
+
+    def kubelet_bootstraps(fake: FakeNodes, node: str, evars: dict[str, Any]) -> None:
+        token_id = evars["runbook_secret_bootstrap_token"].split(".")[0]  # what kubelet reads from the file
+        kube.add_csr(csr(name="csr-kubelet", token_id=token_id))
+        fake.update(node, services={"kubelet": ServiceFacts("kubelet", "active")})
+
+    nodes.effects["kubelet-bootstrap.yml"] = kubelet_bootstraps
+    original = kube.replace_object
+
+    def approve_then_ready(*args: Any, **kw: Any) -> dict[str, Any]:
+        out = original(*args, **kw)
+        if kw.get("subresource") == "approval":
+            kube.set_ready(NODE, True)  # the issued certificate: kubelet posts status again
+        return out
+
+    kube.replace_object = approve_then_ready  # type: ignore[method-assign]
+    params = {"node": NODE, "ready_timeout": 60}
+    facts = probes.gather(rb, params, NODE, kube, nodes, clock=kube.clock.wall)
+    plan = plan_run(rb, params, facts, runbook_digest="d" * 64, now=datetime(2026, 12, 3, tzinfo=UTC))
+    sink = RecordingSink()
+    result = Executor(kube, nodes, events=sink, playbooks_dir=playbooks, clock=kube.clock, sleep=kube.clock.sleep,
+                      wall=kube.clock.wall).execute(plan, rb, params)
+    assert [(o.step, o.status.value) for o in result.outcomes] == [
+        ("create-bootstrap-token", "succeeded"), ("write-bootstrap-kubeconfig", "succeeded"),
+        ("approve-node-csr", "succeeded"), ("delete-bootstrap-token", "succeeded")], result.outcomes
+    (run,) = [r for r in nodes.runs if not r["check"]]
+    token = run["extravars"]["runbook_secret_bootstrap_token"]
+    assert token == kube.reviews[0] and approvals == ["csr-kubelet"]
+    assert kube.tokens() == []  # deleted at the end
+    assert token.split(".")[1] not in repr(sink.events)  # never journaled, not even in the command line
