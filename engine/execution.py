@@ -162,6 +162,7 @@ class _ActResult:
     evidence: dict[str, Any] = field(default_factory=dict)
     host_facts: HostFacts | None = None
     outage: bool = False  # the API server or the host could not be reached: the effect is unknown
+    refused: bool = False  # the effect refused and left nothing behind (EffectFailed.refused): blocked
 
 
 @dataclass
@@ -470,6 +471,9 @@ class Executor:
                 # Nobody knows what the action did: no blind rollback; a resume re-evaluates the step.
                 evidence["outage"] = act.error or act.summary
                 return StepStatus.FAILED, f"action failed: {act.error or act.summary}", evidence, 0
+            if not act.ok and act.refused:
+                # it undid what it had begun (nothing to roll back): the run is refused, as a plan would be
+                return StepStatus.BLOCKED, f"refused: {act.error or act.summary}", evidence, 0
             if not act.ok:
                 self._on_failure(step, StepStatus.FAILED, f"action failed: {act.error or act.summary}", evidence)
             if not act.noop:
@@ -569,7 +573,7 @@ class Executor:
             node = NodeFacts(name=self._node)  # a wait reads no node facts to decide
         intent_sent = False
         last_error = ""
-        outage = False
+        outage = refused = False
         evidence: dict[str, Any] = {}
         for attempt in range(1, 4):
             if node is None or not node.exists:
@@ -592,7 +596,7 @@ class Executor:
             try:
                 evidence = kv.apply(effect, self._kube_context(step_id))
             except kv.EffectFailed as e:
-                last_error, evidence, outage = str(e), e.evidence, e.outage
+                last_error, evidence, outage, refused = str(e), e.evidence, e.outage, e.refused
                 break
             except RunbookError as e:
                 last_error = str(e)
@@ -618,7 +622,8 @@ class Executor:
             evidence = {**evidence, "outage": True}
         emit("action.result", step=step_id, ok=False, changed=False, summary="kube action failed", error=last_error,
              rollback=rollback, evidence=evidence)
-        return _ActResult(ok=False, summary="kube action failed", error=last_error, evidence=evidence, outage=outage)
+        return _ActResult(ok=False, summary="kube action failed", error=last_error, evidence=evidence, outage=outage,
+                          refused=refused)
 
     def _act_ansible(self, step_id: str, action: AnsibleAction, *, rollback: bool) -> _ActResult:
         emit = self.events.emit

@@ -40,10 +40,14 @@ class EffectFailed(ActionFailed):
     """An effect that could not finish (refused pods, a budget refusing until the timeout, pods that
     did not go, a condition that did not come): the evidence gathered so far goes with it."""
 
-    def __init__(self, message: str, evidence: Mapping[str, Any] | None = None, *, outage: bool = False) -> None:
+    def __init__(self, message: str, evidence: Mapping[str, Any] | None = None, *, outage: bool = False,
+                 refused: bool = False) -> None:
         super().__init__(message)
         self.evidence = dict(evidence or {})
         self.outage = outage
+        # refused: the effect found the cluster unfit and undid what it had begun (a bootstrap token
+        # the API server does not authenticate, deleted again): the step is blocked, not failed
+        self.refused = refused
 
 
 @dataclass(frozen=True)

@@ -281,7 +281,8 @@ def _create_token(effect: BootstrapOperation, ctx: KubeContext) -> dict[str, Any
             f"the cluster does not authenticate bootstrap tokens (TokenReview of a fresh token: authenticated="
             f"{bool(status.get('authenticated'))}, user {user.get('username', '')!r}; kube-apiserver needs "
             f"--enable-bootstrap-token-auth): the token was deleted and nothing on {ctx.node} was changed; "
-            + manual_steps(ctx.node), {**evidence, "deleted": True, "refused": "no bootstrap-token authenticator"})
+            + manual_steps(ctx.node), {**evidence, "deleted": True, "refused": "no bootstrap-token authenticator"},
+            refused=True)
     ctx.handoff[HANDOFF_KEY] = token
     return evidence
 

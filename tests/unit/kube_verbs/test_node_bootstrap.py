@@ -11,6 +11,7 @@ import ipaddress
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -20,11 +21,15 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from engine import kube_verbs as kv
-from engine import secrecy
+from engine import probes, secrecy
+from engine.execution import Executor
+from engine.facts import ServiceFacts
 from engine.kube_verbs import node_bootstrap as nb
 from engine.kube_verbs.effects import EffectFailed
-from engine.model import KubeAction
-from tests.fakes import FakeKube, make_node
+from engine.loader import default_runbooks_dir, load_runbook
+from engine.model import KubeAction, RunResult, RunState
+from engine.planning import plan_run
+from tests.fakes import FakeKube, FakeNodes, RecordingSink, make_host, make_node
 
 NODE = "gpu-3090-3"
 CSR_KEY = ("certificates.k8s.io/v1", "certificatesigningrequests")
@@ -183,7 +188,7 @@ def test_a_cluster_without_the_bootstrap_authenticator_is_refused_with_the_manua
     assert f"kubeadm kubeconfig user --org system:nodes --client-name system:node:{NODE}" in text
     assert "kubectl certificate approve" in text and f"nothing on {NODE} was changed" in text
     assert kube.tokens() == [] and c.handoff == {}  # no credential left behind
-    assert e.value.evidence["refused"] == "no bootstrap-token authenticator"
+    assert e.value.evidence["refused"] == "no bootstrap-token authenticator" and e.value.refused  # blocked, not failed
 
 
 def test_an_earlier_runs_token_of_the_node_is_replaced_and_other_nodes_tokens_are_left() -> None:
@@ -282,18 +287,29 @@ CERT = ("E bootstrap.go:266] part of the existing bootstrap client certificate i
         "is expired: 2025-03-20 08:12:44 +0000 UTC")
 
 
+PLAYBOOKS = default_runbooks_dir().parent / "playbooks"
+RUNBOOK = load_runbook(default_runbooks_dir() / "kubelet-client-cert-expired.yaml", playbooks_dir=PLAYBOOKS)
+PARAMS = {"node": NODE, "ready_timeout": 60}
+
+
+def run(kube: BootstrapKube, nodes: FakeNodes, sink: RecordingSink) -> RunResult:
+    facts = probes.gather(RUNBOOK, PARAMS, NODE, kube, nodes, clock=kube.clock.wall)
+    plan = plan_run(RUNBOOK, PARAMS, facts, runbook_digest="d" * 64, now=datetime(2026, 12, 3, tzinfo=UTC))
+    return Executor(kube, nodes, events=sink, playbooks_dir=PLAYBOOKS, clock=kube.clock, sleep=kube.clock.sleep,
+                    wall=kube.clock.wall).execute(plan, RUNBOOK, PARAMS)
+
+
+def test_the_runbook_on_a_cluster_without_the_authenticator_is_refused_before_the_host_is_touched() -> None:
+    kube = BootstrapKube(authenticator=False)
+    nodes = FakeNodes({NODE: make_host(NODE, kubelet="activating", journal=CERT)}, clock=kube.clock)
+    result = run(kube, nodes, RecordingSink())
+    assert result.state is RunState.BLOCKED and result.exit_code == 3, result
+    assert [(o.step, o.status.value) for o in result.outcomes] == [("create-bootstrap-token", "blocked")]
+    assert "kubeadm kubeconfig user --org system:nodes" in result.reason
+    assert [r for r in nodes.runs if not r["check"]] == [] and kube.tokens() == []
+
+
 def test_the_runbook_hands_the_token_to_its_playbook_only_and_the_kubelets_csr_brings_the_node_back() -> None:
-    from datetime import UTC, datetime
-
-    from engine import probes
-    from engine.execution import Executor
-    from engine.facts import ServiceFacts
-    from engine.loader import default_runbooks_dir, load_runbook
-    from engine.planning import plan_run
-    from tests.fakes import FakeNodes, RecordingSink, make_host
-
-    playbooks = default_runbooks_dir().parent / "playbooks"
-    rb = load_runbook(default_runbooks_dir() / "kubelet-client-cert-expired.yaml", playbooks_dir=playbooks)
     kube = BootstrapKube()
     nodes = FakeNodes({NODE: make_host(NODE, kubelet="activating", journal=CERT)}, clock=kube.clock)
     approvals = kube.approvals
@@ -313,12 +329,8 @@ def test_the_runbook_hands_the_token_to_its_playbook_only_and_the_kubelets_csr_b
         return out
 
     kube.replace_object = approve_then_ready  # type: ignore[method-assign]
-    params = {"node": NODE, "ready_timeout": 60}
-    facts = probes.gather(rb, params, NODE, kube, nodes, clock=kube.clock.wall)
-    plan = plan_run(rb, params, facts, runbook_digest="d" * 64, now=datetime(2026, 12, 3, tzinfo=UTC))
     sink = RecordingSink()
-    result = Executor(kube, nodes, events=sink, playbooks_dir=playbooks, clock=kube.clock, sleep=kube.clock.sleep,
-                      wall=kube.clock.wall).execute(plan, rb, params)
+    result = run(kube, nodes, sink)
     assert [(o.step, o.status.value) for o in result.outcomes] == [
         ("create-bootstrap-token", "succeeded"), ("write-bootstrap-kubeconfig", "succeeded"),
         ("approve-node-csr", "succeeded"), ("delete-bootstrap-token", "succeeded")], result.outcomes
