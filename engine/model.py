@@ -133,6 +133,9 @@ class PodSelectorSpec(_Model):
     resource: str | None = None  # only pods whose containers request or limit this resource (nvidia.com/gpu)
     grace_seconds: int | None = Field(default=None, ge=0)  # the pods' termination grace period
     timeout: Duration = "300s"  # retrying budget refusals (429) and waiting for the pods to be gone
+    # Take DaemonSet-managed pods too (skipped otherwise): restarting an operand such as the device
+    # plugin, whose DaemonSet recreates the pod on the node.
+    daemonset_pods: bool = False
 
 
 class DrainSpec(_Model):
@@ -736,6 +739,27 @@ class DiagnosisSpec(_Model):
     notes: tuple[DiagnosisNote, ...] = ()
 
 
+class Fleet(_Model):
+    """What ``runbook diagnose`` knows about the fleet beyond the runbooks' diagnoses, as data
+    (``runbooks/catalogue/fleet.yaml``): the labels and resources that say what a GPU node is and
+    serves, and what to tell an operator about them. The causes themselves are the runbooks'."""
+
+    workload_label: str = Field(min_length=1)  # the GPU Operator's workload label
+    container_workload: str = "container"  # its value for "serves GPUs to containers"
+    passthrough_workload: str = "vm-passthrough"  # its value for "serves GPUs to VMs"
+    gpu_resource: str = "nvidia.com/gpu"  # what the device plugin advertises under container
+    gpu_resource_prefix: str = "nvidia.com/"  # every GPU resource (sandbox plugins: the PCI names)
+    gpu_labels: tuple[str, ...] = ()  # labels GPU Feature Discovery keeps while it runs
+    gpu_labels_gone: str = ""  # what their absence means (said in the chain)
+    gpu_label_prefixes: tuple[str, ...] = ()  # labels shown in the evidence
+    # ``diagnose --all`` also examines Ready nodes with one of these labels: a GPU fault (an Xid, a
+    # pending remap, the fabric manager) does not make a node NotReady.
+    gpu_node_labels: tuple[str, ...] = ()
+    # Said about a healthy node whose GPU VMs wait for it while it serves containers; {vms},
+    # {resources} and {node} are filled in.
+    waiting_vms_note: str = ""
+
+
 class RunbookOnFailure(_Model):
     """``on_failure: {escalate: [RUNBOOK, ...]}``: when a run of this runbook fails (an action or a
     verification, never a blocked step), the named runbooks (each with the same node param) are
@@ -766,6 +790,9 @@ class Runbook(_Model):
     report: str | None = None
     triggers: tuple[Trigger, ...] = ()
     diagnosis: DiagnosisSpec | None = None
+    # More causes this runbook fixes, each declared like ``diagnosis`` (gpu-reset: Xid 48, Xid 95, a
+    # pending row remap): ``runbook diagnose`` names each by its own cause id.
+    diagnoses: tuple[DiagnosisSpec, ...] = ()
     # Maintenance windows (engine.windows): outside them an automatic run is deferred until the
     # next opening (or refused, ``outside_windows: refuse``); a person's run needs
     # ``--override-guard window --reason``.
@@ -787,6 +814,11 @@ class Runbook(_Model):
         if "node" in self.params and self.params["node"].type == "node":
             return "node"
         return next((k for k, p in self.params.items() if p.type == "node"), None)
+
+    @property
+    def all_diagnoses(self) -> tuple[DiagnosisSpec, ...]:
+        """``diagnosis`` then ``diagnoses``: every cause this runbook declares it fixes."""
+        return ((self.diagnosis,) if self.diagnosis is not None else ()) + self.diagnoses
 
     def step(self, step_id: str) -> Step:
         for s in self.steps:

@@ -88,6 +88,7 @@ class PodRules:
     grace_seconds: int | None = None
     timeout: float = 300.0
     delete_after: float | None = None  # drain: delete the pods a budget still refuses after this long
+    daemonset_pods: bool = False  # evict/delete_pods: take DaemonSet pods too (restart an operand)
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from engine.lab import cluster_mode, kubelet_certs, podspec, procs, sim_gpu, sim_seed
+from engine.lab import cluster_mode, kubelet_certs, podspec, procs, sim_faults, sim_gpu, sim_seed
 from engine.lab.controlplane import ControlPlane, ControlPlaneSettings
 from engine.lab.errors import LabError
 from engine.lab.hoststate import HostState
@@ -550,6 +550,9 @@ class Lab:
                 state["cuda_jobs"] = [j for j in state.get("cuda_jobs", [])
                                       if gpu is not None and sim_gpu.job_gpu(state, j) != gpu]
                 return
+            problem = sim_faults.cuda_start_problem(state)  # an injected fault (`runbook lab inject`)
+            if problem:
+                raise LabError(f"{node}: a CUDA job cannot start: {problem}")
             nvidia = [d for d in displays if d.get("driver") == "nvidia" and gpu in (None, d["slot"])]
             if not nvidia:
                 drivers = [f"{d['slot']} {d.get('driver')}" for d in displays if gpu in (None, d["slot"])]

@@ -32,7 +32,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.lab import kubelet_certs, sim_gpu, sim_kubelet, sim_kubevirt, sim_metrics, sim_nodes, sim_pods
+from engine.lab import (
+    kubelet_certs,
+    sim_faults,
+    sim_gpu,
+    sim_kubelet,
+    sim_kubevirt,
+    sim_metrics,
+    sim_nodes,
+    sim_pods,
+)
 from engine.lab.hoststate import HostState
 from engine.lab.scenario import Node, Scenario, load_scenario
 from engine.lab.sim_kube import LEASES, NODES, PODS, VMIS, VMS, Informer, Kube, Obj, rfc3339
@@ -130,7 +139,7 @@ class Simulator:
             if healthy:
                 if api_node is None:
                     api_node = self._register(rt, now)
-                self._heartbeat(rt, api_node, running, now)
+                self._heartbeat(rt, api_node, running, now, pods)
                 if up_for >= timing.operand_start_seconds or not self.scenario.gpu_operator.operand_pods:
                     self._kubelet_pods(rt, pods, now)
                 else:
@@ -228,7 +237,8 @@ class Simulator:
         log.info("%s: registered the node", rt.spec.name)
         return created
 
-    def _heartbeat(self, rt: NodeRuntime, api_node: Obj, running: set[str], now: float) -> None:
+    def _heartbeat(self, rt: NodeRuntime, api_node: Obj, running: set[str], now: float,
+                   pods: list[Obj] | None = None) -> None:
         timing = self.scenario.timing
         name = rt.spec.name
         if now - rt.last_lease >= timing.heartbeat_seconds:
@@ -239,7 +249,9 @@ class Simulator:
         extended = self._advertised(rt, api_node, running)
         previous = api_node.get("status", {})
         status = sim_nodes.ready_status(rt.spec, rt.address, extended, previous, now)
-        key = json.dumps([status["capacity"], [c["status"] for c in status["conditions"]]], sort_keys=True)
+        sim_faults.withhold(status, rt.state, pods or [])  # GPUs the device plugin reports Unhealthy
+        key = json.dumps([status["capacity"], status["allocatable"], [c["status"] for c in status["conditions"]]],
+                         sort_keys=True)
         ready: Obj = next((c for c in previous.get("conditions", []) if c["type"] == "Ready"), {})
         if key != rt.status_key or ready.get("status") != "True" or now - rt.last_status >= timing.status_seconds:
             self.kube.patch(NODES, name, {"status": status}, sub="status")
@@ -250,6 +262,12 @@ class Simulator:
 
     def _kubelet_pods(self, rt: NodeRuntime, pods: list[Obj], now: float) -> None:
         for pod in pods:
+            if sim_faults.crashlooping(rt.state, pod) and not pod["metadata"].get("deletionTimestamp"):
+                body = sim_faults.crashloop_status(pod, now)  # `runbook lab inject device-plugin`
+                if body is not None:
+                    self.kube.patch(PODS, pod["metadata"]["name"], {"status": body}, pod["metadata"]["namespace"],
+                                    sub="status")
+                continue
             action = sim_pods.kubelet_action(pod)
             if action is None:
                 continue
