@@ -41,7 +41,8 @@ from engine.kube_verbs.effects import (
     Wait,
 )
 
-__all__ = ["BootstrapOperation", "EffectFailed", "KubeContext", "KubeEffect", "NoOp", "NodePatch", "PodOperation", "PodRules", "Wait",
+__all__ = ["BootstrapOperation", "EffectFailed", "KubeContext", "KubeEffect", "NoOp", "NodePatch", "PodOperation",
+           "PodRules", "Wait",
            "apply", "apply_to_node", "kube_effect", "preview", "select_pods"]
 
 

@@ -103,7 +103,8 @@ def manual_steps(node: str) -> str:
         f"do it by hand, then run this runbook again to verify: (kubeadm clusters, on a control-plane node) "
         f"1. `kubeadm kubeconfig user --org system:nodes --client-name system:node:{node} > kubelet-{node}.conf` "
         f"(kubeadm >= 1.29; older: `kubeadm alpha kubeconfig user ...`); "
-        f"2. copy it to {node}:/etc/kubernetes/kubelet.conf (keep the old one: `cp -a kubelet.conf kubelet.conf.expired`) "
+        f"2. copy it to {node}:/etc/kubernetes/kubelet.conf "
+        f"(keep the old one: `cp -a kubelet.conf kubelet.conf.expired`) "
         f"and remove the stale /var/lib/kubelet/pki/kubelet-client-current.pem symlink; "
         f"3. on {node}: `systemctl restart kubelet`; with rotateCertificates: true kubelet then renews by itself; "
         f"4. `kubectl get csr` and `kubectl certificate approve <csr>` for a pending CSR of system:node:{node}. "
@@ -165,7 +166,7 @@ def csr_content(csr: Mapping[str, Any]) -> dict[str, Any]:
         return out
     out["subject"] = request.subject.rfc4514_string()
     try:
-        sans = request.extensions.get_extension_for_oid(ExtensionOID.SUBJECT_ALTERNATIVE_NAME).value
+        sans = request.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
         out["sans"] = [str(getattr(n, "value", n)) for n in sans]
     except x509.ExtensionNotFound:
         out["sans"] = []
@@ -312,7 +313,8 @@ def _approve(effect: BootstrapOperation, ctx: KubeContext) -> dict[str, Any]:
                            f"{effect.timeout:g}s (kubelet not running with /etc/kubernetes/bootstrap-kubelet.conf?)",
                            {"token_ids": token_ids})
     contents = [csr_content(c) for c in pending]
-    checked = [(content, csr_problems(raw, ctx.node, token_ids)) for content, raw in zip(contents, pending, strict=True)]
+    checked = [(content, csr_problems(raw, ctx.node, token_ids))
+               for content, raw in zip(contents, pending, strict=True)]
     refused = [(content, problems) for content, problems in checked if problems]
     if refused:
         raise EffectFailed(

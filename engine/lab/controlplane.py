@@ -1,5 +1,6 @@
 """A real Kubernetes control plane on loopback: etcd + kube-apiserver + kube-controller-manager
-(nodelifecycle, podgc, disruption, replicaset, csrsigning) + kube-scheduler, v1.20.2, from the assets folder (see ``assets``).
+(nodelifecycle, podgc, disruption, replicaset, csrsigning) + kube-scheduler, v1.20.2, from the assets
+folder (see ``assets``).
 
 No kubelet runs: nodes, leases and pod statuses are whatever the lab's simulator or a test writes.
 Every port is chosen at run time (``ports``), so a test run and a running lab never collide. TLS uses
@@ -485,12 +486,13 @@ class ControlPlane:
         body = json.dumps({
             "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
             "metadata": {"name": "kubeadm:kubelet-bootstrap"},
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "system:node-bootstrapper"},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                        "name": "system:node-bootstrapper"},
             "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "Group", "name": NODE_BOOTSTRAP_GROUP}],
         }).encode()
+        headers = {"Authorization": f"Bearer {self.token}", "Content-Type": "application/json"}
         request = urllib.request.Request(f"{self.url}/apis/rbac.authorization.k8s.io/v1/clusterrolebindings",
-                                         data=body, method="POST", headers={
-                                             "Authorization": f"Bearer {self.token}", "Content-Type": "application/json"})
+                                         data=body, method="POST", headers=headers)
         try:
             with urllib.request.urlopen(request, context=ssl.create_default_context(cafile=str(self.ca_file)),
                                         timeout=10):
@@ -573,6 +575,7 @@ def _audit_policy(audit_reads: bool) -> str:
         f"    users: [{SIMULATOR_USER}, '{CONTROLLER_MANAGER_USER}', '{SCHEDULER_USER}', 'system:apiserver']\n"
         "  - level: Metadata\n    verbs: [get, list, watch]\n"
         "  - level: Metadata\n"  # a bootstrap token's secret in a Secret or a TokenReview stays out of the log
-        "    resources: [{group: '', resources: [secrets]}, {group: authentication.k8s.io, resources: [tokenreviews]}]\n"
+        "    resources: [{group: '', resources: [secrets]},\n"
+        "                {group: authentication.k8s.io, resources: [tokenreviews]}]\n"
         "  - level: RequestResponse\n"
     )

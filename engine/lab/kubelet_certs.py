@@ -63,7 +63,7 @@ def client_pem(ca_crt: Path, ca_key: Path, node: str, *, expired: bool) -> str:
     ca = x509.load_pem_x509_certificate(ca_crt.read_bytes())
     signer = serialization.load_pem_private_key(ca_key.read_bytes(), password=None)
     key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     start, end = (now - datetime.timedelta(days=400), now - datetime.timedelta(days=35)) if expired else (
         now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=365))
     cert = (x509.CertificateBuilder()
@@ -94,7 +94,8 @@ def seed_host(pid: int, server: str, ca_crt: Path, ca_key: Path, node: str, *, e
     root; a bootstrap kubeconfig or certificates moved aside by an earlier run are removed (a lab reset)."""
     pem = client_pem(ca_crt, ca_key, node, expired=expired)
     script = (f"set -e; umask 077; mkdir -p /etc/kubernetes /var/lib/kubelet/pki; "
-              f"rm -f {BOOTSTRAP_CONF} {CLIENT_PEM}.* {STATE_MOUNT}/{ISSUED_FILE}; cat > {KUBELET_CONF}; printf '%s' \"$PEM\" > {CLIENT_PEM}")
+              f"rm -f {BOOTSTRAP_CONF} {CLIENT_PEM}.* {STATE_MOUNT}/{ISSUED_FILE}; "
+              f"cat > {KUBELET_CONF}; printf '%s' \"$PEM\" > {CLIENT_PEM}")
     result = subprocess.run(["nsenter", f"--target={pid}", "--mount", "--", "env", f"PEM={pem}", "/bin/sh", "-c",
                              script], input=kubelet_conf(server, ca_crt.read_bytes()), capture_output=True,
                             text=True, check=False)

@@ -12,7 +12,6 @@ from typing import Any
 import pytest
 from flagship_cli import kube_node, node_status, ready, runbook
 
-
 from engine.lab.hoststate import HostState
 
 pytestmark = [pytest.mark.integration, pytest.mark.lab]

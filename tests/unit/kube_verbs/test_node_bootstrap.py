@@ -334,8 +334,8 @@ def test_the_runbook_hands_the_token_to_its_playbook_only_and_the_kubelets_csr_b
     assert [(o.step, o.status.value) for o in result.outcomes] == [
         ("create-bootstrap-token", "succeeded"), ("write-bootstrap-kubeconfig", "succeeded"),
         ("approve-node-csr", "succeeded"), ("delete-bootstrap-token", "succeeded")], result.outcomes
-    (run,) = [r for r in nodes.runs if not r["check"]]
-    token = run["extravars"]["runbook_secret_bootstrap_token"]
+    (playbook_run,) = [r for r in nodes.runs if not r["check"]]
+    token = playbook_run["extravars"]["runbook_secret_bootstrap_token"]
     assert token == kube.reviews[0] and approvals == ["csr-kubelet"]
     assert kube.tokens() == []  # deleted at the end
     assert token.split(".")[1] not in repr(sink.events)  # never journaled, not even in the command line

@@ -59,7 +59,7 @@ def test_a_refused_bootstrap_token_ends_the_start_like_kubelet() -> None:
 def ca(tmp_path: Path) -> tuple[Path, Path]:
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "runbook-lab-ca")])
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
             .serial_number(1).not_valid_before(now - datetime.timedelta(days=1))
             .not_valid_after(now + datetime.timedelta(days=10))
@@ -77,7 +77,7 @@ def test_the_hosts_client_certificate_is_the_nodes_signed_by_the_lab_ca(ca: tupl
     cert = x509.load_pem_x509_certificate(pem.encode())
     assert cert.subject.rfc4514_string() == "CN=system:node:gpu-3090-3,O=system:nodes"
     assert cert.issuer.rfc4514_string() == "CN=runbook-lab-ca"
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     assert (cert.not_valid_after_utc < now) is expired
     assert "PRIVATE KEY" in pem  # kubelet keeps certificate and key in one file
 
