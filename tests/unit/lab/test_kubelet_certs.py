@@ -18,7 +18,7 @@ from cryptography.x509.oid import NameOID
 
 from engine.lab import kubelet_certs, sim_kubelet
 from engine.lab.controlplane import ControlPlane
-from engine.lab.scenario import load_scenario
+from engine.lab.scenario import load_scenario, starts_ready
 from engine.lab.sim_seed import host_state
 
 NOW = 1_780_000_000.0
@@ -36,6 +36,7 @@ def test_the_incident_node_crash_loops_with_kubelets_expired_certificate_lines()
     assert "part of the existing bootstrap client certificate in /etc/kubernetes/kubelet.conf is expired" in text
     assert "unable to load bootstrap kubeconfig" in text
     assert state["units"]["kubelet"]["active"] == "activating" and state["kubelet"]["client_cert_expired"] is True
+    assert not starts_ready(load_scenario().node("gpu-3090-3"))  # `lab up` waits for it NotReady
 
 
 def test_with_a_bootstrap_kubeconfig_kubelet_runs_silent_while_it_requests_its_certificate() -> None:
