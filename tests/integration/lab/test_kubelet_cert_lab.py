@@ -59,17 +59,20 @@ def test_the_expired_certificate_is_renewed_through_a_bootstrap_token_for_exactl
     assert server == record["api_url"]
     assert kubelet_certs.host_file(layers, kubelet_certs.CLIENT_PEM) is None
     restarts = [c["argv"] for c in state.calls("systemctl")[restarts_before:] if "kubelet" in c["argv"]]
-    assert restarts == [["restart", "kubelet"]]
+    assert restarts == [["stop", "kubelet"], ["start", "kubelet"]]  # stopped while its files changed
 
-    # exactly one CSR was approved: the kubelet's, made with that token, for exactly gpu-3090-3, issued
+    # every approved kubelet CSR is the kubelet's, made with that token, for exactly gpu-3090-3, and issued
+    # (a crash-looping kubelet may pick up the bootstrap kubeconfig on its own restart before the
+    # playbook's: two requests of the node, each checked and approved)
     csrs = [c for c in kubectl_json(sh, "get csr")["items"]
             if c["spec"]["signerName"] == "kubernetes.io/kube-apiserver-client-kubelet"]
     approved = [c for c in csrs if any(x["type"] == "Approved" for x in c["status"].get("conditions", []))]
-    (csr,) = approved
-    assert csr["spec"]["username"] == f"system:bootstrap:{token.split('.')[0]}"
-    cert = x509.load_pem_x509_certificate(base64.b64decode(csr["status"]["certificate"]))
-    assert cert.subject.rfc4514_string() == "CN=system:node:gpu-3090-3,O=system:nodes"
-    assert cert.issuer.rfc4514_string() == "CN=runbook-lab-ca"
+    assert approved and len(approved) == len(csrs), [c["metadata"]["name"] for c in csrs]
+    for csr in approved:
+        assert csr["spec"]["username"] == f"system:bootstrap:{token.split('.')[0]}"
+        cert = x509.load_pem_x509_certificate(base64.b64decode(csr["status"]["certificate"]))
+        assert cert.subject.rfc4514_string() == "CN=system:node:gpu-3090-3,O=system:nodes"
+        assert cert.issuer.rfc4514_string() == "CN=runbook-lab-ca"
 
     # the token is gone, and was never written where the run leaves its traces
     secrets = kubectl_json(sh, "-n kube-system get secrets -l runbook.io/bootstrap-for=gpu-3090-3")["items"]
@@ -85,5 +88,6 @@ def test_the_expired_certificate_is_renewed_through_a_bootstrap_token_for_exactl
     assert again.returncode == 0, again.stdout + again.stderr
     assert all(o["status"] == "skipped" for o in json.loads(again.stdout)["outcomes"]), again.stdout
     assert state.calls() == calls_before
-    assert [e["requestURI"] for e in plane.mutations(mark) if "/leases/" not in e["requestURI"]
+    # (the run's node Lease and its Events are the run's own bookkeeping, not changes to the node)
+    assert [e["requestURI"] for e in plane.mutations(mark) if "/leases" not in e["requestURI"]
             and "/events" not in e["requestURI"]] == []
