@@ -19,11 +19,13 @@ command itself (options, connectors, printing, exit code) is ``engine.app.diagno
 
 from __future__ import annotations
 
+import functools
 import json
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from decimal import Decimal
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -132,10 +134,17 @@ def _devices(vm: Mapping[str, Any]) -> list[str]:
 
 
 def default_fleet() -> Fleet:
-    """The packaged fleet knowledge (``runbooks/catalogue/fleet.yaml``)."""
-    from engine.loader import default_runbooks_dir, fleet_path, load_fleet
+    """The fleet knowledge of the default runbooks folder (``runbooks/catalogue/fleet.yaml``)."""
+    from engine.loader import default_runbooks_dir, fleet_path
 
-    return load_fleet(fleet_path(default_runbooks_dir()))
+    return _fleet_at(str(fleet_path(default_runbooks_dir()).resolve()))
+
+
+@functools.lru_cache(maxsize=4)
+def _fleet_at(path: str) -> Fleet:
+    from engine.loader import load_fleet
+
+    return load_fleet(Path(path))
 
 
 def node_gpu_resources(node: NodeFacts, host: HostFacts | None,
@@ -203,18 +212,18 @@ def last_error(journal_tail: str) -> str:
 
 def node_state(node: NodeFacts, fleet: Fleet) -> str:
     """``kubectl get nodes``' STATUS, plus ``GPU-less`` for a container GPU node advertising no GPU and
-    ``GPUs A/C`` when allocatable GPUs are fewer than capacity (the device plugin withholds some)."""
+    ``GPUs:A/C`` when allocatable GPUs are fewer than capacity (the device plugin withholds some)."""
     parts = ["Ready" if node.ready else "NotReady"]
     if node.unschedulable:
         parts.append("SchedulingDisabled")
     if gpu_less(node, fleet):
         parts.append("GPU-less")
     elif gpus_withheld(node, fleet):
-        parts.append(f"GPUs {node.allocatable.get(fleet.gpu_resource, '0')}/{node.capacity.get(fleet.gpu_resource)}")
+        parts.append(f"GPUs:{node.allocatable.get(fleet.gpu_resource, '0')}/{node.capacity.get(fleet.gpu_resource)}")
     return ",".join(parts)
 
 
-def _quantity(value: str) -> float:
+def _quantity(value: str) -> Decimal | int:
     try:
         return parse_quantity(value)
     except ValueError:
@@ -230,7 +239,8 @@ def gpu_less(node: NodeFacts, fleet: Fleet) -> bool:
 
 def gpus_withheld(node: NodeFacts, fleet: Fleet) -> bool:
     """Fewer GPUs allocatable than the node's capacity: the device plugin reports some Unhealthy, or is down."""
-    return _quantity(node.allocatable.get(fleet.gpu_resource, "0")) < _quantity(node.capacity.get(fleet.gpu_resource, "0"))
+    resource = fleet.gpu_resource
+    return _quantity(node.allocatable.get(resource, "0")) < _quantity(node.capacity.get(resource, "0"))
 
 
 def is_sick(node: NodeFacts, fleet: Fleet | None = None) -> bool:

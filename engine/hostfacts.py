@@ -455,7 +455,8 @@ class GpuHealthFact(HostFact):
     NAME = "gpu_health"
     SCRIPT = r"""emit kernel_log journalctl -k -o cat --no-pager -q -n 400
 emit smi_gpus nvidia-smi --query-gpu=pci.bus_id,driver_version,persistence_mode --format=csv,noheader
-emit remapped_rows nvidia-smi --query-remapped-rows=gpu_bus_id,remapped_rows.pending,remapped_rows.failure,remapped_rows.uncorrectable --format=csv,noheader
+remap_fields=gpu_bus_id,remapped_rows.pending,remapped_rows.failure,remapped_rows.uncorrectable
+emit remapped_rows nvidia-smi --query-remapped-rows=$remap_fields --format=csv,noheader
 emit fm_version nv-fabricmanager --version
 emit fm_state systemctl is-active nvidia-fabricmanager
 """

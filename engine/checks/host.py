@@ -392,9 +392,10 @@ class GpuXidCheck(HostCheck):
         per_gpu: dict[str, list[int]] = {}
         for x in hits:
             per_gpu.setdefault(x.slot, []).append(x.code)
+        codes_text = "|".join(str(c) for c in s.codes)
         observed = "; ".join(f"GPU {slot}: Xid {', '.join(str(c) for c in sorted(set(codes)))}"
                              for slot, codes in sorted(per_gpu.items())) if hits else \
-            f"no Xid {'|'.join(str(c) for c in s.codes)} in this boot's kernel log" + (f" for GPU {s.gpu}" if s.gpu else "")
+            f"no Xid {codes_text} in this boot's kernel log" + (f" for GPU {s.gpu}" if s.gpu else "")
         return result(bool(hits), observed, None, gpus=sorted(per_gpu), lines=[x.line for x in hits][:10])
 
 

@@ -93,3 +93,25 @@ def test_a_repeat_cordons_only_and_leaves_the_node_cordoned() -> None:
     assert {s.id: s.kind for s in p.steps} == {"cordon": "change", "evict-gpu-pods": "change",
                                                "record-lost-gpu": "no-op", "gpus-back": "no-op",
                                                "uncordon": "no-op"}
+
+
+def test_the_dcgm_alerts_start_their_runbooks_with_the_gpu_and_only_if_the_diagnosis_matches() -> None:
+    import json
+
+    from engine.loader import list_runbooks
+    from engine.serve.alertmanager import parse_webhook
+    from engine.serve.starter import TriggerSpec
+    from engine.serve.triggers import TriggerIndex
+    from tests.fakes import alert, webhook
+
+    loaded, problems = list_runbooks(default_runbooks_dir())
+    assert problems == []
+    idx = TriggerIndex([TriggerSpec(runbook=lr.name, trigger=t, node_param=lr.runbook.node_param)
+                        for lr in loaded for t in lr.runbook.triggers])
+    for name, labels, want in [
+            ("GPUXidReset", {"gpu_slot": "C1:00.0"}, ("gpu-reset", {"node": "gpu-quad", "gpu": "c1:00.0"})),
+            ("GPURowRemapPending", {"gpu_slot": "02:00.0"}, ("gpu-reset", {"node": "gpu-quad", "gpu": "02:00.0"})),
+            ("GPUFallenOffBus", {"gpu_slot": "41:00.0"}, ("gpu-fallen-off-bus", {"node": "gpu-quad"}))]:
+        a = parse_webhook(json.dumps(webhook(alert("gpu-quad", alertname=name, **labels))).encode()).alerts[0]
+        (c,) = idx.for_alert(a).candidates
+        assert ((c.runbook, dict(c.params)), c.require_diagnosis, c.mode) == (want, True, "approve")

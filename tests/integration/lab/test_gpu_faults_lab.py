@@ -128,7 +128,8 @@ def test_xid48_resets_only_its_gpu_and_every_other_gpus_job_lives(flab: Lab, fsh
     assert "GPU 02:00.0: Xid 48" in inject(fsh, "xid48", "02:00.0")
     wait_allocatable(fsh, "3")  # the device plugin marked it Unhealthy
     d = diagnose(fsh)
-    assert (d["cause"], d["runbook"], d["fix"]) == ("xid48", "gpu-reset", "runbook run gpu-reset --node gpu-quad -p gpu=02:00.0")
+    assert (d["cause"], d["runbook"]) == ("xid48", "gpu-reset")
+    assert d["fix"] == "runbook run gpu-reset --node gpu-quad -p gpu=02:00.0"
     assert d["evidence"]["per_gpu"]["02:00.0"]["xids"] == [48] and d["evidence"]["per_gpu"]["01:00.0"]["xids"] == []
     calls = len(host(flab).calls())
 
@@ -221,13 +222,16 @@ def test_the_fabric_manager_restarts_only_when_its_version_is_the_drivers(
     assert (d["cause"], d["runbook"], d["confidence"]) == ("fabric-manager", "fabric-manager-restart", "high")
     journal = tmp_path / "j.sqlite"
 
+    driver = host(flab).read()["nvidia"]["fabric_manager"]  # the loaded driver's (570.158.01 after a reload)
     host(flab).update(lambda s: s["nvidia"].__setitem__("fabric_manager", "570.86.15"))
     calls = len(host(flab).calls())
     refused = runbook(fsh, f"run fabric-manager-restart --node {NODE} --yes" + BUDGET, journal=journal)
     assert refused.returncode == 3, refused.stdout + refused.stderr
-    assert "570.86.15" in refused.stdout and "570.133.07" in refused.stdout and mutating_calls(flab, calls) == []
+    said = " ".join(refused.stdout.split())
+    assert f"nvidia-fabricmanager 570.86.15 does not match the loaded driver {driver}" in said
+    assert mutating_calls(flab, calls) == []
 
-    host(flab).update(lambda s: s["nvidia"].__setitem__("fabric_manager", "570.133.07"))
+    host(flab).update(lambda s: s["nvidia"].__setitem__("fabric_manager", driver))
     result = run_json(fsh, "fabric-manager-restart", journal)
     assert outcome(result, "restart-fabric-manager") == "succeeded"
     assert host(flab).read()["units"]["nvidia-fabricmanager"]["active"] == "active" and jobs(flab) == before
@@ -252,7 +256,7 @@ def test_xid79_cordons_evicts_records_and_escalates_to_an_approved_reboot(
     journal = tmp_path / "j.sqlite"
     result = run_json(fsh, "gpu-fallen-off-bus", journal, want_rc=1)
     assert [outcome(result, s) for s in ("cordon", "record-lost-gpu", "gpus-back")] == \
-        ["succeeded", "succeeded", "failed"]
+        ["succeeded", "succeeded", "timed-out"]  # the lost GPU does not come back: the run fails
     node = kube_node(fsh, NODE)
     assert node["spec"].get("unschedulable") is True
     assert node["metadata"]["annotations"]["runbook.io/gpu-fallen-off-bus"] == "02:00.0 Xid 79"
@@ -287,6 +291,8 @@ def test_a_gpu_fault_plus_swap_gets_both_causes(flab: Lab, fsh: Any) -> None:
 @pytest.mark.timeout(2400)
 def test_xid79_full_cycle_reboot_uncordon_and_a_repeat_says_contact_support(
         flab: Lab, fsh: Any, tmp_path: Path) -> None:
+    # Needs the operands as DaemonSet pods (issue 29, branch dsctl): until then node-reboot's drain of the
+    # Ready gpu-quad refuses them as unmanaged pods and the approved reboot fails at its drain.
     flab.reset(timeout=240)
     journal = tmp_path / "j.sqlite"
     inject(fsh, "xid79", "02:00.0")
@@ -294,7 +300,8 @@ def test_xid79_full_cycle_reboot_uncordon_and_a_repeat_says_contact_support(
     shown = json.loads(runbook(fsh, f"runs show {first['run_id']} -o json", journal=journal).stdout)
     (child,) = [c for c in shown["children"] if c["why"] == "escalated to"]
     waiting = json.loads(runbook(fsh, f"runs show {child['run']} -o json", journal=journal).stdout)
-    assert runbook(fsh, f"approve {child['run']} --plan-digest {waiting['plan_digest']}", journal=journal).returncode == 0
+    approve = f"approve {child['run']} --plan-digest {waiting['plan_digest']}"
+    assert runbook(fsh, approve, journal=journal).returncode == 0
     resumed = runbook(fsh, f"resume {child['run']} --yes -o json" + BUDGET, journal=journal, timeout=1200)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     wait_allocatable(fsh, "4")
