@@ -1,4 +1,4 @@
-"""Small helpers shared by the lab's integration tests (imported as ``lab_helpers``: this folder is on sys.path)."""
+"""Small helpers shared by the lab's integration tests (``from tests.integration.lab.lab_helpers import ...``)."""
 
 from __future__ import annotations
 

@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from flagship_cli import kube_node, node_status, ready, runbook
-from lab_helpers import ansible, wait_for
 
 from engine.lab.hoststate import HostState
+from tests.integration.lab.flagship_cli import kube_node, node_status, ready, runbook
+from tests.integration.lab.lab_helpers import ansible, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.lab]
 

@@ -18,7 +18,7 @@ import pytest
 from engine.serve.notify import Notification, Notifier, sign_webhook, verify_webhook
 from engine.serve.pagerduty_events import events_for
 from tests.fakes import FakeRunStarter, alert, served, trigger_spec, webhook
-from tests.notify_receiver import ROUTING_KEY, SECRET, Receiver, pd_errors, running
+from tests.fakes.notify import ROUTING_KEY, SECRET, Receiver, pd_errors, running
 
 GROUP_KEY = webhook()["groupKey"]
 

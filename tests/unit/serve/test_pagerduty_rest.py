@@ -1,6 +1,6 @@
 """A run paged by a PagerDuty incident reports on that incident through the REST API, and opens no other.
 
-Against ``tests/oncall_fakes.py``: PagerDuty's REST API v2 (notes, acknowledge, resolve; 429 with
+Against ``tests/fakes/oncall.py``: PagerDuty's REST API v2 (notes, acknowledge, resolve; 429 with
 Retry-After) and Events API v2 on 127.0.0.1, both checking the documented request formats.
 """
 
@@ -16,7 +16,7 @@ import pytest
 
 from engine.serve.pagerduty import sign
 from tests.fakes import FakeRunStarter, Served, served, trigger_spec
-from tests.oncall_fakes import PD_FROM, PD_TOKEN, OnCallFakes, running, wait_for
+from tests.fakes.oncall import PD_FROM, PD_TOKEN, OnCallFakes, running, wait_for
 
 SECRET = "pd-subscription-secret"
 INCIDENT = "Q2R3S4"

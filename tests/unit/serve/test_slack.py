@@ -1,6 +1,6 @@
 """Approve and reject from Slack: the interactive message, and signed clicks through the console's rules.
 
-Against ``tests/oncall_fakes.py``: Slack's Web API (``chat.postMessage``, ``chat.update``) on
+Against ``tests/fakes/oncall.py``: Slack's Web API (``chat.postMessage``, ``chat.update``) on
 127.0.0.1, and ``block_actions`` interactions form-encoded and signed as Slack signs them.
 """
 
@@ -15,7 +15,7 @@ import pytest
 
 from engine.serve.slack import SlackSignatureError, sign, verify
 from tests.fakes import Served, alert, served
-from tests.oncall_fakes import (
+from tests.fakes.oncall import (
     SLACK_BOT_TOKEN,
     SLACK_CHANNEL,
     SLACK_SIGNING_SECRET,
