@@ -2,8 +2,8 @@
 
 One module a thing faked, each with the behaviours all its users need:
 
-* ``clock``: ``FakeClock`` (fake time; unit tests never really sleep) and ``raise_scripted`` (the
-  ``fail`` mappings every fake connector scripts its failures with).
+* ``clock``: ``FakeClock`` (fake time; unit tests never really sleep), ``wait_for`` (the one poll in
+  real time) and ``raise_scripted`` (the ``fail`` mappings every fake connector scripts its failures with).
 * ``kube``: ``FakeKube``, the one fake ``KubeAPI`` (nodes, pods, objects, Leases, Node Events; the
   server's cluster view reads it too), and ``make_node``, the one node builder.
 * ``hosts``: ``FakeNodes`` (``NodeAutomation`` over scripted host facts) and ``make_host``.
@@ -19,7 +19,7 @@ The names of the in-process fakes are re-exported here: ``from tests.fakes impor
 The run store's contract suite is not a fake: it is ``tests/store_contract.py``.
 """
 
-from tests.fakes.clock import FakeClock, raise_scripted
+from tests.fakes.clock import FakeClock, raise_scripted, wait_for
 from tests.fakes.hosts import FakeNodes, PlaybookEffect, make_host, quad_gpus
 from tests.fakes.incident import (
     GPU_LABEL,
@@ -52,6 +52,7 @@ from tests.fakes.serve import (
     saved_plan,
     served,
     trigger_spec,
+    two_steps_then,
     webhook,
 )
 from tests.fakes.sink import RecordingSink
@@ -62,5 +63,5 @@ __all__ = [
     "FakeRunStarter", "GpuHostLog", "KubeletComeback", "PlaybookEffect", "RecordingSink", "Served",
     "StaticClusterView", "alert", "healthy_host", "healthy_node", "incident_host", "incident_node",
     "install_gpu_host", "install_recovery_effects", "make_host", "make_node", "quad_gpus", "raise_scripted",
-    "saved_plan", "served", "trigger_spec", "webhook",
+    "saved_plan", "served", "trigger_spec", "two_steps_then", "wait_for", "webhook",
 ]

@@ -46,6 +46,12 @@ def make_node(name: str = "omen2", *, ready: bool = True, labels: Mapping[str, s
     )
 
 
+def _selected(labels: Mapping[str, str], selector: str | None) -> bool:
+    """Whether ``labels`` match an equality label selector (``a=b,c=d``); no selector matches all."""
+    wanted = dict(part.split("=", 1) for part in (selector or "").split(",") if "=" in part)
+    return all(labels.get(k) == v for k, v in wanted.items())
+
+
 class FakeKube:
     """``KubeAPI`` in memory (see the module docstring). ``objects``: the objects the API server
     holds at the start, by (api_version, plural), e.g. ``{("apps/v1", "daemonsets"): [kured]}``."""
@@ -124,11 +130,7 @@ class FakeKube:
 
     def list_nodes(self, label_selector: str | None = None) -> list[NodeFacts]:
         self._request("list_nodes", label_selector)
-        nodes = list(self.nodes.values())
-        if label_selector:
-            wanted = dict(part.split("=", 1) for part in label_selector.split(",") if "=" in part)
-            nodes = [n for n in nodes if all(n.labels.get(k) == v for k, v in wanted.items())]
-        return nodes
+        return [n for n in self.nodes.values() if _selected(n.labels, label_selector)]
 
     def patch_node(self, name: str, patch: Any, *, patch_type: str = "merge", dry_run: bool = False) -> NodeFacts:
         self._request("patch_node", (name, copy.deepcopy(patch), patch_type, dry_run))
@@ -181,21 +183,22 @@ class FakeKube:
     def list_pods(self, *, node: str | None = None, label_selector: str | None = None,
                   namespace: str | None = None) -> list[PodRef]:
         self._request("list_pods", (node, label_selector, namespace))
-        pods = [p for p in self.pods
-                if (node is None or p.node == node) and (namespace is None or p.namespace == namespace)]
-        if label_selector:
-            wanted = dict(part.split("=", 1) for part in label_selector.split(",") if "=" in part)
-            pods = [p for p in pods if all(p.labels.get(k) == v for k, v in wanted.items())]
-        return pods
+        return [p for p in self.pods
+                if (node is None or p.node == node) and (namespace is None or p.namespace == namespace)
+                and _selected(p.labels, label_selector)]
 
     def evict_pod(self, pod: PodRef, *, dry_run: bool = False, grace_seconds: int | None = None) -> None:
         self._request("evict_pod", pod)
         if not dry_run:
-            self.evicted.append(pod)
-            if self.pods_linger:
-                self.clock.after(self.pods_linger, lambda: self._remove_pod(pod))
-            else:
-                self._remove_pod(pod)
+            self._pod_goes(pod, self.evicted)
+
+    def _pod_goes(self, pod: PodRef, record: list[PodRef]) -> None:
+        """An evicted or deleted pod: recorded, and gone at once or ``pods_linger`` s later."""
+        record.append(pod)
+        if self.pods_linger:
+            self.clock.after(self.pods_linger, lambda: self._remove_pod(pod))
+        else:
+            self._remove_pod(pod)
 
     def _remove_pod(self, pod: PodRef) -> None:
         if pod in self.pods:
@@ -208,25 +211,17 @@ class FakeKube:
     def wait_for_pods_gone(self, pods: Sequence[PodRef], timeout: float) -> list[PodRef]:
         """A watch on fake time: scheduled changes fire until none of ``pods`` is left or the deadline."""
         self._request("wait_for_pods_gone", ([p.key for p in pods], timeout))
-        deadline = self.clock.now() + timeout
-        while True:
-            left = [p for p in pods if any(q.key == p.key and q.uid == p.uid for q in self.pods)]
-            if not left:
-                return []
-            nxt = self.clock.next_event()
-            if nxt is None or nxt > deadline:
-                self.clock.advance_to(deadline)
-                return left
-            self.clock.advance_to(nxt)
+
+        def left() -> list[PodRef]:
+            return [p for p in pods if any(q.key == p.key and q.uid == p.uid for q in self.pods)]
+
+        self.clock.until(lambda: not left(), timeout)
+        return left()
 
     def delete_pod(self, pod: PodRef, *, dry_run: bool = False, grace_seconds: int | None = None) -> None:
         self._request("delete_pod", pod)
         if not dry_run:
-            self.deleted.append(pod)
-            if self.pods_linger:
-                self.clock.after(self.pods_linger, lambda: self._remove_pod(pod))
-            else:
-                self._remove_pod(pod)
+            self._pod_goes(pod, self.deleted)
 
     def list_objects(self, api_version: str, kind_plural: str, *, namespace: str | None = None,
                      label_selector: str | None = None) -> list[Mapping[str, Any]]:
@@ -248,16 +243,8 @@ class FakeKube:
     def wait_for_node(self, name: str, predicate: Callable[[NodeFacts | None], bool],
                       timeout: float) -> tuple[bool, NodeFacts | None]:
         self._request("wait_for_node", (name, timeout))
-        deadline = self.clock.now() + timeout
-        while True:
-            node = self.nodes.get(name)
-            if predicate(node):
-                return True, node
-            nxt = self.clock.next_event()
-            if nxt is None or nxt > deadline:
-                self.clock.advance_to(deadline)
-                return False, self.nodes.get(name)
-            self.clock.advance_to(nxt)
+        held = self.clock.until(lambda: predicate(self.nodes.get(name)), timeout)
+        return held, self.nodes.get(name)
 
     # -- objects (the run store's RemediationRuns): an API server's semantics, in memory --
     def _find(self, api_version: str, kind_plural: str, namespace: str, name: str) -> tuple[int, Any]:

@@ -242,13 +242,3 @@ def click(message: SlackMessage, *, user: str, action: str = "runbook-approve", 
 def running() -> AbstractContextManager[OnCallFakes]:
     """Started ``OnCallFakes``, closed after the ``with`` block."""
     return serving(OnCallFakes())
-
-
-def wait_for(predicate: Any, timeout: float = 10.0, what: str = "a condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)

@@ -78,6 +78,23 @@ def trigger_spec(runbook: str = "gpu-node-recovery", *, mode: str = "approve",
     return TriggerSpec(runbook=runbook, trigger=trig, node_param="node")
 
 
+def two_steps_then(state: str, first_step: str = "swap-off") -> Callable[[dict[str, Any]], str]:
+    """A ``FakeRunStarter`` outcome: the run records two step outcomes (``first_step`` succeeded,
+    then ``restart-kubelet``, failed unless ``state`` is succeeded) and ends ``state``."""
+
+    def outcome(run: dict[str, Any]) -> str:
+        now = time.time()
+        run.setdefault("events", []).extend([
+            {"kind": "step.outcome", "step": first_step, "status": "succeeded", "reason": "",
+             "started_at": now - 3, "finished_at": now - 2},
+            {"kind": "step.outcome", "step": "restart-kubelet", "status": "succeeded" if state == "succeeded"
+             else "failed", "reason": "" if state == "succeeded" else "Ready stayed Unknown for 300s",
+             "started_at": now - 2, "finished_at": now}])
+        return state
+
+    return outcome
+
+
 class FakeRunStarter:
     """In-memory runs. ``outcome(run)`` decides how an executed run ends (default: succeeded)."""
 

@@ -6,22 +6,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
 
 import pytest
 
 from engine.serve.background import BackgroundLoop
+from tests.fakes import wait_for
 
 log = logging.getLogger("tests.background")
-
-
-def _until(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.005)
-    return predicate()
 
 
 def _threads(name: str) -> list[threading.Thread]:
@@ -47,7 +38,7 @@ def test_a_loop_passes_at_start_then_every_interval_and_not_after_stop() -> None
     loop = BackgroundLoop("test-bg-every", step, lambda: 0.01, at_start=True, log=log, what="test loop")
     loop.start()
     try:
-        assert _until(lambda: step.passes >= 3), "the loop did not keep passing"
+        wait_for(lambda: step.passes >= 3, 10, "three passes")
     finally:
         loop.stop()
     stopped_at = step.passes
@@ -70,7 +61,7 @@ def test_a_pass_that_raises_is_logged_and_the_loop_goes_on(caplog: pytest.LogCap
     with caplog.at_level(logging.ERROR, logger="tests.background"):
         loop.start()
         try:
-            assert _until(lambda: step.passes >= 4), "a failed pass ended the loop"
+            wait_for(lambda: step.passes >= 4, 10, "passes after the failed ones")
         finally:
             loop.stop()
     failures = [r for r in caplog.records if r.getMessage() == "test loop: pass failed"]
@@ -82,7 +73,8 @@ def test_an_interval_of_zero_ends_the_loop_after_its_first_pass() -> None:
     loop = BackgroundLoop("test-bg-once", step, lambda: 0.0, at_start=True, log=log, what="test loop")
     loop.start()
     try:
-        assert _until(lambda: step.passes == 1 and not _threads("test-bg-once")), "the thread did not end by itself"
+        wait_for(lambda: step.passes == 1 and not _threads("test-bg-once"), 10,
+                 "the thread to end by itself after one pass")
         assert step.passes == 1
     finally:
         loop.stop()
@@ -94,9 +86,9 @@ def test_the_interval_is_read_before_every_wait() -> None:
     loop = BackgroundLoop("test-bg-reread", step, lambda: interval[0], at_start=True, log=log, what="test loop")
     loop.start()
     try:
-        assert _until(lambda: step.passes >= 2)
+        wait_for(lambda: step.passes >= 2, 10, "two passes")
         interval[0] = 0.0  # the owner's setting changed: the loop ends at its next wait
-        assert _until(lambda: not _threads("test-bg-reread")), "the loop did not see the new interval"
+        wait_for(lambda: not _threads("test-bg-reread"), 10, "the loop to end at the new interval of 0")
     finally:
         loop.stop()
 
@@ -107,13 +99,13 @@ def test_start_twice_is_one_thread_and_a_stopped_loop_starts_again() -> None:
     loop.start()
     loop.start()
     try:
-        assert _until(lambda: step.passes == 1)
+        wait_for(lambda: step.passes == 1, 10, "the pass at start")
         assert len(_threads("test-bg-restart")) == 1 and loop.running
     finally:
         loop.stop()
     loop.start()
     try:
-        assert _until(lambda: step.passes == 2), "a stopped loop did not start again"
+        wait_for(lambda: step.passes == 2, 10, "the restarted loop's pass")
     finally:
         loop.stop()
     assert not _threads("test-bg-restart")

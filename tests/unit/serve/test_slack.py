@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from engine.serve.slack import SlackSignatureError, sign, verify
-from tests.fakes import Served, alert, served
+from tests.fakes import Served, alert, served, wait_for
 from tests.fakes.oncall import (
     SLACK_BOT_TOKEN,
     SLACK_CHANNEL,
@@ -23,7 +23,6 @@ from tests.fakes.oncall import (
     SlackMessage,
     click,
     running,
-    wait_for,
 )
 
 ALICE, BOB, MALLORY, SENDER = "U0ALICE01", "U0BOB0001", "U0MALLORY", "U0SENDER1"
