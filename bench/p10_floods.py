@@ -16,6 +16,7 @@ cores: run it on an idle machine.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import socket
@@ -106,7 +107,6 @@ def _server(ctx: Context) -> Iterator[str]:
 
 
 def _webhook_latencies(base: str, count: int, stop: threading.Event | None = None) -> list[float]:
-    import json
 
     import httpx
 
@@ -128,16 +128,24 @@ def _webhook_latencies(base: str, count: int, stop: threading.Event | None = Non
 
 
 def _flood(base: str, n: int) -> dict[int, int]:
-    import httpx
+    """``n`` requests with made-up bearer tokens over 32 concurrent raw connections; status counts.
 
+    Why raw sockets: an HTTP client library per request (``httpx.request``) costs ~50 ms of the
+    load generator's CPU (its TLS context), which would be measured as the server's latency."""
+    host, port = base.removeprefix("http://").split(":")
     paths = [("POST", "/breaker/reset"), ("POST", "/runs/r-bench/approve"), ("GET", "/runs"),
              ("POST", "/hooks/alertmanager")]
 
     def one(i: int) -> int:
         method, path = paths[i % len(paths)]
-        headers = {"Authorization": f"Bearer {secrets.token_urlsafe(32)}", "Content-Type": "application/json"}
-        with contextlib.suppress(httpx.HTTPError):
-            return httpx.request(method, base + path, headers=headers, content=b"{}", timeout=30).status_code
+        head = (f"{method} {path} HTTP/1.1\r\nHost: {host}:{port}\r\nAuthorization: Bearer "
+                f"{secrets.token_urlsafe(32)}\r\nContent-Type: application/json\r\nContent-Length: 2\r\n"
+                "Connection: close\r\n\r\n{}").encode()
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            with socket.create_connection((host, int(port)), timeout=30) as s:
+                s.sendall(head)
+                answer = s.recv(64)
+            return int(answer.split(b" ", 2)[1])
         return 0
 
     codes: dict[int, int] = {}
@@ -147,10 +155,15 @@ def _flood(base: str, n: int) -> dict[int, int]:
     return codes
 
 
+def _flood_process(base: str, n: int) -> None:
+    """``--flood BASE N``: say ``ready``, flood, print the status counts as JSON (one line)."""
+
+    print("ready", flush=True)
+    print(json.dumps(_flood(base, n)), flush=True)
+
 def _p95(values: Sequence[float]) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]
-
 
 def webhook_under_flood(base: str, *, rounds: int, quick: bool) -> Metric:
     count = 20 if quick else 100
@@ -159,27 +172,34 @@ def webhook_under_flood(base: str, *, rounds: int, quick: bool) -> Metric:
     during: list[float] = []
     codes: dict[int, int] = {}
     for _ in range(rounds):
+        # Why a separate process: the flood's client work must not hold the measurer's interpreter
+        flooder = subprocess.Popen([sys.executable, "-m", "bench.p10_floods", "--flood", base, str(FLOOD)],
+                                   cwd=ENGINE_ROOT, env=base_env({"PYTHONPATH": str(ENGINE_ROOT)}),
+                                   stdout=subprocess.PIPE, text=True)
+        assert flooder.stdout is not None
+        if flooder.stdout.readline().strip() != "ready":
+            raise RuntimeError("the P10 flooder did not start")
         stop = threading.Event()
         result: list[float] = []
         measurer = threading.Thread(target=lambda r=result, s=stop: r.extend(_webhook_latencies(base, count, s)))
         measurer.start()
-        for code, n in _flood(base, FLOOD).items():
-            codes[code] = codes.get(code, 0) + n
+        out, _ = flooder.communicate(timeout=300)
         stop.set()
         measurer.join()
+        for code, n in json.loads(out.strip().splitlines()[-1]).items():
+            codes[int(code)] = codes.get(int(code), 0) + n
         during.extend(result)
     delta = _p95(during) - _p95(at_rest)
     return Metric("p10_webhook_flood_delta_ms", delta, rounds, {
         "at_rest_p95_ms": round(_p95(at_rest), 2), "flood_p95_ms": round(_p95(during), 2),
-        "at_rest": summary(at_rest, 2)["median"], "flood_answers": codes, "flood_requests_per_round": FLOOD,
-        "token_review_ms": REVIEW_SECONDS * 1000})
+        "at_rest": summary(at_rest, 2)["median"], "flood_samples": len(during), "flood_answers": codes,
+        "flood_requests_per_round": FLOOD, "token_review_ms": REVIEW_SECONDS * 1000})
 
 
 def _upload_body(parts: int = 20000) -> bytes:
     filler = f"--{BOUNDARY}\r\nX: \r\n\r\nv\r\n".encode()
     filler = filler.replace(b"X: ", b"X: " + b"p" * (52 - len(filler)))
     return filler * parts + f"--{BOUNDARY}--\r\n".encode()
-
 
 def _post_raw(base: str, body: bytes) -> None:
     host, port = base.removeprefix("http://").split(":")
@@ -192,7 +212,6 @@ def _post_raw(base: str, body: bytes) -> None:
                 s.sendall(body[i:i + 16384])
         with contextlib.suppress(OSError):
             s.recv(65536)
-
 
 def healthz_during_uploads(base: str, *, rounds: int) -> Metric:
     import httpx
@@ -215,7 +234,6 @@ def healthz_during_uploads(base: str, *, rounds: int) -> Metric:
     return Metric("p10_healthz_upload_ms", max(worst), rounds, {
         "worst_per_round": summary(worst, 2), "upload_bytes": len(body), "upload_parts": 20000})
 
-
 def run(ctx: Context) -> list[Metric]:
     rounds = 1 if ctx.quick else ctx.runs
     with _server(ctx) as base:
@@ -225,8 +243,9 @@ def run(ctx: Context) -> list[Metric]:
         upload = healthz_during_uploads(base, rounds=rounds)
     return [flood, upload]
 
-
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--serve"]:
+    if sys.argv[1:2] == ["--flood"]:
+        _flood_process(sys.argv[2], int(sys.argv[3]))
+    elif sys.argv[1:2] == ["--serve"]:
         os.environ.setdefault("RUNBOOK_LOG_FORMAT", "text")
         serve(sys.argv[2])

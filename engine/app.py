@@ -431,8 +431,8 @@ def resume(settings: Settings, run_id: str, *, yes: bool, output: str,
 def diagnose(settings: Settings, node: str | None, output: str, *, all_nodes: bool = False,
              selector: str | None = None) -> int:
     """``runbook diagnose``: ``--node N`` one node; ``--all`` / ``-l SELECTOR`` every sick node."""
-    from engine.diagnose import gather, is_sick, load_catalogue, render_table, render_text
-    from engine.loader import default_runbooks_dir, playbooks_dir_for
+    from engine.diagnose import gather, load_catalogue, render_table, render_text, to_examine
+    from engine.loader import default_runbooks_dir, fleet_path, load_fleet, playbooks_dir_for
     from engine.params import validate_node_name
 
     if sum(bool(x) for x in (node, all_nodes or selector)) != 1:
@@ -441,11 +441,12 @@ def diagnose(settings: Settings, node: str | None, output: str, *, all_nodes: bo
         validate_node_name(node)
     runbooks_dir = settings.runbooks_dir or default_runbooks_dir()
     catalogue, problems = load_catalogue(Path(runbooks_dir))
+    fleet = load_fleet(fleet_path(Path(runbooks_dir)))
     nodes = settings.nodes(playbooks_dir_for(runbooks_dir)) if settings.inventory else None
     try:
         kube = settings.kube()
-        names = [node] if node else [n.name for n in kube.list_nodes(selector) if is_sick(n)]
-        ds = gather(names, kube, nodes, catalogue)
+        names = [node] if node else [n.name for n in kube.list_nodes(selector) if to_examine(n, fleet)]
+        ds = gather(names, kube, nodes, catalogue, fleet)
     finally:
         settings.close()
     if node:
@@ -459,12 +460,13 @@ def diagnose(settings: Settings, node: str | None, output: str, *, all_nodes: bo
             for p in problems:
                 print(f"warning: runbook not in the catalogue: {p}")
         return d.exit_code
+    ds = [d for d in ds if d.cause != "healthy"]  # GPU nodes are examined; only the sick ones are listed
     code = ExitCode.OK if all(d.known for d in ds) else ExitCode.FAILED
     if output == "json":
         print(json.dumps({"nodes": [d.as_json() for d in ds], "catalogue_problems": problems},
                          indent=2, default=str))
     elif not ds:
-        print("nothing is wrong: no node is NotReady, unschedulable or GPU-less"
+        print("nothing is wrong: no node is NotReady, unschedulable or GPU-less, and no GPU node has a fault"
               + (f" among {selector}" if selector else ""))
     else:
         print(render_table(ds))

@@ -6,7 +6,11 @@ it out. ``diagnose`` gathers the facts of one node or of every sick node once (o
 facts run for all hosts), evaluates every runbook's diagnosis over them, and ranks the matches:
 cause, matched and unmatched evidence, confidence and the exact command with its params. When no
 runbook matches it says so plainly, with the evidence it gathered (exit 1); a match or a healthy
-node is exit 0. No cause is known to the code: the catalogue is the runbooks directory.
+node is exit 0. No cause is known to the code: the catalogue is the runbooks directory (each runbook's
+``diagnosis`` and ``diagnoses``), and what it knows about the fleet (the workload label, the GPU labels
+and resources, what to say about a healthy node) is data, ``runbooks/catalogue/fleet.yaml``
+(model.Fleet). A Ready node is examined like a sick one: a GPU fault (an Xid, a pending row remap, a
+stopped fabric manager) leaves it Ready.
 
 It never changes anything. ``explain`` and ``evaluate_diagnosis`` are pure (facts in, value out);
 ``gather`` reads, in parallel; ``render_text``/``render_table`` turn the values into text. The
@@ -15,29 +19,25 @@ command itself (options, connectors, printing, exit code) is ``engine.app.diagno
 
 from __future__ import annotations
 
+import functools
 import json
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from decimal import Decimal
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine import checks as chk
 from engine.errors import ExitCode, LoadError, RunbookError
-from engine.facts import Facts, HostFacts, NodeFacts
+from engine.facts import Facts, HostFacts, NodeFacts, same_pci_slot
 from engine.resources import object_resources, parse_quantity
 
 if TYPE_CHECKING:
     from engine.connectors.base import KubeAPI, NodeAutomation
-    from engine.model import Evidence, Runbook
+    from engine.model import DiagnosisSpec, Evidence, Fleet, Runbook
 
-SWAP_REFUSAL = "running with swap on is not supported"
-OLD_SWAP_REFUSAL = "please disable swap"
-WORKLOAD_LABEL = "nvidia.com/gpu.workload.config"
-GFD_LABELS = ("nvidia.com/gpu.product", "nvidia.com/gpu.count")
-GPU_LABEL_PREFIXES = ("nvidia.com/gpu.", "feature.node.kubernetes.io/pci-10de")
-SWITCH = "gpu-workload-switch"
 CONFIDENCE_RANK = {"high": 0, "medium": 1, "low": 2}
 
 
@@ -133,11 +133,26 @@ def _devices(vm: Mapping[str, Any]) -> list[str]:
     return [name for name, qty in object_resources(vm).items() if qty > 0]
 
 
+def default_fleet() -> Fleet:
+    """The fleet knowledge of the default runbooks folder (``runbooks/catalogue/fleet.yaml``)."""
+    from engine.loader import default_runbooks_dir, fleet_path
+
+    return _fleet_at(str(fleet_path(default_runbooks_dir()).resolve()))
+
+
+@functools.lru_cache(maxsize=4)
+def _fleet_at(path: str) -> Fleet:
+    from engine.loader import load_fleet
+
+    return load_fleet(Path(path))
+
+
 def node_gpu_resources(node: NodeFacts, host: HostFacts | None,
-                       kubevirts: Sequence[Mapping[str, Any]]) -> list[str]:
-    """Resources a VM could get from this node: the node's ``nvidia.com/*`` capacity, and the KubeVirt
-    ``permittedHostDevices`` entries whose PCI vendor:device matches one of the host's GPUs."""
-    out = {k for k in node.capacity if k.startswith("nvidia.com/")}
+                       kubevirts: Sequence[Mapping[str, Any]], fleet: Fleet | None = None) -> list[str]:
+    """Resources a VM could get from this node: the node's GPU resources (``nvidia.com/*``), and the
+    KubeVirt ``permittedHostDevices`` entries whose PCI vendor:device matches one of the host's GPUs."""
+    fleet = fleet or default_fleet()
+    out = {k for k in node.capacity if k.startswith(fleet.gpu_resource_prefix)}
     ids = {g.vendor_device.lower() for g in (host.gpus if host is not None else ())}
     for kv in kubevirts:
         permitted = (((kv.get("spec") or {}).get("configuration") or {}).get("permittedHostDevices") or {})
@@ -195,29 +210,50 @@ def last_error(journal_tail: str) -> str:
     return lines[-1] if lines else ""
 
 
-def node_state(node: NodeFacts) -> str:
-    """``kubectl get nodes``' STATUS, plus ``GPU-less`` for a container GPU node advertising no GPU."""
+def node_state(node: NodeFacts, fleet: Fleet) -> str:
+    """``kubectl get nodes``' STATUS, plus ``GPU-less`` for a container GPU node advertising no GPU and
+    ``GPUs:A/C`` when allocatable GPUs are fewer than capacity (the device plugin withholds some)."""
     parts = ["Ready" if node.ready else "NotReady"]
     if node.unschedulable:
         parts.append("SchedulingDisabled")
-    if gpu_less(node):
+    if gpu_less(node, fleet):
         parts.append("GPU-less")
+    elif gpus_withheld(node, fleet):
+        parts.append(f"GPUs:{node.allocatable.get(fleet.gpu_resource, '0')}/{node.capacity.get(fleet.gpu_resource)}")
     return ",".join(parts)
 
 
-def gpu_less(node: NodeFacts) -> bool:
-    """A node set to serve its GPU to containers that advertises none (``nvidia.com/gpu`` 0 or absent)."""
-    if node.labels.get(WORKLOAD_LABEL) != "container":
-        return False
+def _quantity(value: str) -> Decimal | int:
     try:
-        return parse_quantity(node.allocatable.get("nvidia.com/gpu", "0")) < 1
+        return parse_quantity(value)
     except ValueError:
-        return True
+        return 0
 
 
-def is_sick(node: NodeFacts) -> bool:
-    """What ``diagnose --all`` looks at: NotReady, unschedulable or GPU-less nodes."""
-    return not node.ready or node.unschedulable or gpu_less(node)
+def gpu_less(node: NodeFacts, fleet: Fleet) -> bool:
+    """A node set to serve its GPU to containers that advertises none (``nvidia.com/gpu`` 0 or absent)."""
+    if node.labels.get(fleet.workload_label) != fleet.container_workload:
+        return False
+    return _quantity(node.allocatable.get(fleet.gpu_resource, "0")) < 1
+
+
+def gpus_withheld(node: NodeFacts, fleet: Fleet) -> bool:
+    """Fewer GPUs allocatable than the node's capacity: the device plugin reports some Unhealthy, or is down."""
+    resource = fleet.gpu_resource
+    return _quantity(node.allocatable.get(resource, "0")) < _quantity(node.capacity.get(resource, "0"))
+
+
+def is_sick(node: NodeFacts, fleet: Fleet | None = None) -> bool:
+    """NotReady, unschedulable, GPU-less nodes, or nodes with GPUs withheld."""
+    fleet = fleet or default_fleet()
+    return not node.ready or node.unschedulable or gpu_less(node, fleet) or gpus_withheld(node, fleet)
+
+
+def to_examine(node: NodeFacts, fleet: Fleet | None = None) -> bool:
+    """What ``diagnose --all`` looks at: the sick nodes and every GPU node (a GPU fault can leave a node
+    Ready: its facts say, not its conditions)."""
+    fleet = fleet or default_fleet()
+    return is_sick(node, fleet) or any(node.labels.get(k) == "true" for k in fleet.gpu_node_labels)
 
 
 def _params_for(runbook: Runbook, node: str) -> dict[str, Any]:
@@ -232,15 +268,22 @@ def _evaluate_evidence(ev: Evidence, facts: Facts, params: Mapping[str, Any]) ->
     return EvidenceResult(ev.id, chk.describe(ev.check), ev.weight, r.holds, r.observed, ev.says)
 
 
-def evaluate_diagnosis(runbook: Runbook, facts: Facts) -> Match | None:
-    """Pure: one runbook's declared diagnosis over one node's facts (None: it declares none).
+def evaluate_diagnoses(runbook: Runbook, facts: Facts) -> list[Match]:
+    """Pure: every diagnosis the runbook declares (``diagnosis``, then ``diagnoses``) over one node's facts."""
+    out = [evaluate_diagnosis(runbook, facts, d) for d in runbook.all_diagnoses]
+    return [m for m in out if m is not None]
+
+
+def evaluate_diagnosis(runbook: Runbook, facts: Facts, diagnosis: DiagnosisSpec | None = None) -> Match | None:
+    """Pure: one runbook's declared diagnosis (``diagnosis``: one of its ``diagnoses``) over one node's
+    facts (None: it declares none).
 
     Matches when every required piece of evidence holds (unknown does not hold: fail closed) and no
     exclusion holds. Confidence: high when every supporting piece holds too, medium when some do,
     low when none do."""
     from engine.templating import context, render
 
-    diag = runbook.diagnosis
+    diag = diagnosis or runbook.diagnosis
     if diag is None:
         return None
     params = _params_for(runbook, facts.node_name)
@@ -263,10 +306,28 @@ def evaluate_diagnosis(runbook: Runbook, facts: Facts) -> Match | None:
     return Match(runbook.name, diag.cause.id, diag.cause.title, matched, confidence, results, excluded, command)
 
 
+def gpu_evidence(host: HostFacts) -> dict[str, Any]:
+    """Per GPU (by PCI slot): its driver, its CUDA processes and what the NVIDIA stack says about it
+    (Xids since its last reset, a pending or failed row remap, lost, persistence mode)."""
+    h = host.gpu_health
+    out: dict[str, Any] = {}
+    for g in host.gpus:
+        remap = next((r for r in h.remaps if same_pci_slot(r.slot, g.slot)), None)
+        out[g.slot] = {"name": g.name, "driver": g.driver,
+                       "cuda_processes": [p.pid for p in host.processes_on(g)],
+                       "xids": [x.code for x in h.xids_on(g.slot)],
+                       "remap_pending": remap.pending if remap else None,
+                       "remap_failure": remap.failure if remap else None,
+                       "lost": any(same_pci_slot(s, g.slot) for s in h.lost),
+                       "persistence": h.persistence.get(g.slot)}
+    return out
+
+
 def explain(facts: Facts, catalogue: Sequence[Runbook], *, vms: Sequence[Mapping[str, Any]] | Exception = (),
             kubevirts: Sequence[Mapping[str, Any]] = (),
-            pods: Sequence[Mapping[str, Any]] | Exception = ()) -> Diagnosis:
-    """Pure: one node's facts and the runbooks' diagnoses in, the diagnosis out."""
+            pods: Sequence[Mapping[str, Any]] | Exception = (), fleet: Fleet | None = None) -> Diagnosis:
+    """Pure: one node's facts, the runbooks' diagnoses and the fleet knowledge in, the diagnosis out."""
+    fleet = fleet or default_fleet()
     node_name, node = facts.node_name, facts.node
     evidence: dict[str, Any] = {}
     if node is None or not node.exists:
@@ -275,15 +336,18 @@ def explain(facts: Facts, catalogue: Sequence[Runbook], *, vms: Sequence[Mapping
                                                       + (f" ({'; '.join(errors)})" if errors else ""),),
                          None, {"node": None, "errors": errors}, state="missing")
     host = facts.host
-    state = node_state(node)
+    state = node_state(node, fleet)
     ready = node.condition("Ready")
+    workload = node.labels.get(fleet.workload_label)
     evidence["state"] = state
     evidence["ready"] = asdict(ready) if ready else None
     evidence["conditions"] = [asdict(c) for c in node.conditions]
     evidence["taints"] = [asdict(t) for t in node.taints]
-    evidence["workload_label"] = node.labels.get(WORKLOAD_LABEL)
-    evidence["gpu_labels"] = {k: v for k, v in sorted(node.labels.items()) if k.startswith(GPU_LABEL_PREFIXES)}
-    evidence["allocatable_gpu"] = {k: v for k, v in node.allocatable.items() if k.startswith("nvidia.com/")}
+    evidence["workload_label"] = workload
+    evidence["gpu_labels"] = {k: v for k, v in sorted(node.labels.items())
+                              if k.startswith(fleet.gpu_label_prefixes)}
+    evidence["allocatable_gpu"] = {k: v for k, v in node.allocatable.items() if k.startswith(fleet.gpu_resource_prefix)}
+    evidence["capacity_gpu"] = {k: v for k, v in node.capacity.items() if k.startswith(fleet.gpu_resource_prefix)}
     host_errors = [e.message for e in facts.errors if e.probe == chk.HOST]
     if host_errors:
         evidence["host_error"] = "; ".join(host_errors)
@@ -298,7 +362,9 @@ def explain(facts: Facts, catalogue: Sequence[Runbook], *, vms: Sequence[Mapping
         evidence["gpu_driver"] = host.gpu_driver
         evidence["gpus"] = [asdict(g) for g in host.gpus]
         evidence["cuda_processes"] = [asdict(p) for p in host.cuda_processes]
-    resources = node_gpu_resources(node, host, kubevirts)
+        evidence["per_gpu"] = gpu_evidence(host)
+        evidence["nvidia_smi"] = {"exit_code": host.gpu_health.smi_rc, "error": host.gpu_health.smi_error}
+    resources = node_gpu_resources(node, host, kubevirts, fleet)
     evidence["gpu_resources"] = resources
     if isinstance(vms, Exception):
         evidence["vms_error"] = str(vms)
@@ -314,28 +380,26 @@ def explain(facts: Facts, catalogue: Sequence[Runbook], *, vms: Sequence[Mapping
         evidence["pods"] = dict(sorted(statuses.items()))
         evidence["pod_statuses"] = dict(Counter(statuses.values()).most_common())
 
-    workload = node.labels.get(WORKLOAD_LABEL)
     notes: list[str] = []
     vm_names = ", ".join(v["vm"].split("/")[-1] for v in waiting)
     vm_link = (f"{len(waiting)} VM{'s' if len(waiting) != 1 else ''} {waiting[0]['status']} ({vm_names})"
                if waiting else "")
 
+    evaluated = [m for rb in catalogue for m in evaluate_diagnoses(rb, facts) if m is not None]
+    matches = tuple(sorted((m for m in evaluated if m.matched), key=lambda m: m.score))
+    considered = tuple(sorted((m for m in evaluated if not m.matched), key=lambda m: (m.runbook, m.cause)))
     kubelet_state = host.service("kubelet").state if host is not None else "unknown"
-    if node.ready and kubelet_state in ("active", "unknown") and not node.unschedulable and not gpu_less(node):
+    looks_healthy = node.ready and kubelet_state in ("active", "unknown") and not is_sick(node, fleet)
+    if looks_healthy and not matches:
         seen = f"kubelet {kubelet_state}" if host is not None else "no host facts"
         chain = [f"nothing is wrong: node {node_name} is Ready ({seen}, workload {workload or 'unset'})"]
-        if waiting and workload != "vm-passthrough":
-            notes.append(f"{vm_link} wait for this node's GPU while it serves containers "
-                         f"({', '.join(resources)}); switch it with: runbook run {SWITCH} --node {node_name} "
-                         "-p workload=vm-passthrough (stop the host's CUDA jobs first)")
+        if waiting and workload != fleet.passthrough_workload and fleet.waiting_vms_note:
+            notes.append(fleet.waiting_vms_note.replace("{vms}", vm_link).replace("{resources}", ", ".join(resources))
+                         .replace("{node}", node_name))
         return Diagnosis(node_name, "healthy", tuple(chain), None, evidence, tuple(notes), ("Ready",),
-                         state=state)
+                         considered=considered, state=state)
 
-    evaluated = [m for m in (evaluate_diagnosis(rb, facts) for rb in catalogue) if m is not None]
-    matches = tuple(sorted((m for m in evaluated if m.matched), key=lambda m: m.score))
-    considered = tuple(sorted((m for m in evaluated if not m.matched), key=lambda m: m.runbook))
     tail = host.service("kubelet").journal_tail if host is not None else ""
-
     # The node's side of the chain: what the cause did to it, common to every cause.
     status = ready.status if ready else "missing"
     reason = f", {ready.reason}" if ready and ready.reason else ""
@@ -349,10 +413,14 @@ def explain(facts: Facts, catalogue: Sequence[Runbook], *, vms: Sequence[Mapping
                            f"{', '.join(sorted({t.key + ':' + t.effect for t in node.taints})) or 'none'})"))
     if node.unschedulable:
         node_links.append(("cordoned", "node cordoned (unschedulable)"))
-    gone = [k for k in GFD_LABELS if k not in node.labels]
+    gone = [k for k in fleet.gpu_labels if k not in node.labels]
     if gone and (host is None or host.gpus or workload):
-        node_links.append(("GPU labels gone", f"GPU labels gone ({', '.join(gone)} absent: GPU Feature Discovery "
-                                              "and the device plugin are down with kubelet)"))
+        node_links.append(("GPU labels gone", f"GPU labels gone ({', '.join(gone)} absent"
+                           + (f": {fleet.gpu_labels_gone}" if fleet.gpu_labels_gone else "") + ")"))
+    if gpus_withheld(node, fleet):
+        node_links.append(("GPUs withheld", f"allocatable {fleet.gpu_resource} "
+                           f"{node.allocatable.get(fleet.gpu_resource, '0')} of capacity "
+                           f"{node.capacity.get(fleet.gpu_resource)}"))
     if waiting:
         node_links.append((vm_link.split(" (")[0], f"{vm_link.split(' (')[0]} ("
                            + "; ".join(f"{v['vm']} asks for {', '.join(v['asks_for'])}" for v in waiting) + ")"))
@@ -401,7 +469,7 @@ def load_catalogue(runbooks_dir: Path) -> tuple[list[Runbook], list[str]]:
         except LoadError as e:
             problems.append(str(e).splitlines()[0])
             continue
-        if rb.diagnosis is not None:
+        if rb.all_diagnoses:
             out.append(rb)
     return out, problems
 
@@ -410,10 +478,10 @@ def catalogue_probes(catalogue: Sequence[Runbook], node: str) -> set[Any]:
     """The probes every diagnosis needs (the node and its host always: the evidence shows both)."""
     probes: set[Any] = {chk.NODE, chk.HOST}
     for rb in catalogue:
-        assert rb.diagnosis is not None
         params = _params_for(rb, node)
-        probes |= chk.required_probes([ev.check for ev in (*rb.diagnosis.evidence, *rb.diagnosis.excludes)]
-                                      + [n.when for n in rb.diagnosis.notes], params)
+        for diag in rb.all_diagnoses:
+            probes |= chk.required_probes([ev.check for ev in (*diag.evidence, *diag.excludes)]
+                                          + [n.when for n in diag.notes], params)
     return probes
 
 
@@ -424,10 +492,8 @@ def declared_notes(catalogue: Sequence[Runbook], facts: Facts) -> list[str]:
 
     out: list[str] = []
     for rb in catalogue:
-        if rb.diagnosis is None:
-            continue
         params = _params_for(rb, facts.node_name)
-        for note in rb.diagnosis.notes:
+        for note in (n for diag in rb.all_diagnoses for n in diag.notes):
             if chk.evaluate(note.when, facts, params).holds is not True:
                 continue
             try:
@@ -438,17 +504,18 @@ def declared_notes(catalogue: Sequence[Runbook], facts: Facts) -> list[str]:
 
 
 def check_runbook(runbook: Runbook, node: str, kube: KubeAPI, nodes: NodeAutomation | None) -> Match:
-    """One runbook's declared diagnosis on one node, from facts read now (read-only): what a
-    ``require_diagnosis`` trigger asks before its run plans. Facts that cannot be read make the
-    evidence unknown, which does not hold: the diagnosis does not match (fail closed)."""
+    """One runbook's declared diagnoses on one node, from facts read now (read-only): what a
+    ``require_diagnosis`` trigger asks before its run plans. The best match of its causes, else the
+    first cause's non-match. Facts that cannot be read make the evidence unknown, which does not
+    hold: the diagnosis does not match (fail closed)."""
     from engine import probes as prb
 
-    if runbook.diagnosis is None:
+    if not runbook.all_diagnoses:
         raise RunbookError(f"runbook {runbook.name} declares no diagnosis")
     facts = prb.gather_probes_many(catalogue_probes([runbook], node), [node], kube, nodes)[node]
-    match = evaluate_diagnosis(runbook, facts)
-    assert match is not None
-    return match
+    evaluated = [m for m in evaluate_diagnoses(runbook, facts) if m is not None]
+    matched = sorted((m for m in evaluated if m.matched), key=lambda m: m.score)
+    return matched[0] if matched else evaluated[0]
 
 
 def match_reason(m: Match, node: str) -> str:
@@ -465,7 +532,7 @@ def match_reason(m: Match, node: str) -> str:
 
 
 def gather(node_names: Sequence[str], kube: KubeAPI, nodes: NodeAutomation | None,
-           catalogue: Sequence[Runbook]) -> list[Diagnosis]:
+           catalogue: Sequence[Runbook], fleet: Fleet | None = None) -> list[Diagnosis]:
     """Read everything (read-only): node objects, one host-facts run for all ``node_names``, object
     lists once; then explain each node."""
     from engine import probes as prb
@@ -498,7 +565,7 @@ def gather(node_names: Sequence[str], kube: KubeAPI, nodes: NodeAutomation | Non
         on_node = pods if isinstance(pods, Exception) else [
             p for p in pods if (p.get("spec") or {}).get("nodeName") == n]
         out.append(explain(f, catalogue, vms=vms, kubevirts=kubevirts if not isinstance(kubevirts, Exception) else (),
-                           pods=on_node))
+                           pods=on_node, fleet=fleet))
     return out
 
 
@@ -537,9 +604,12 @@ def render_text(d: Diagnosis) -> str:
 
 
 def render_table(ds: Sequence[Diagnosis]) -> str:
+    """One row per node and cause: a node with two faults (a GPU Xid and swap) has a row for each match."""
     rows = [("NODE", "STATE", "CAUSE", "RUNBOOK", "CONFIDENCE", "COMMAND")]
     for d in ds:
         cause = {"unknown": "no runbook addresses this"}.get(d.cause, d.cause)
         rows.append((d.node, d.state, cause, d.runbook or "-", d.confidence or "-", d.fix or "-"))
+        for m in d.matches[1:]:
+            rows.append((d.node, d.state, m.cause, m.runbook, m.confidence, m.command))
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     return "\n".join("  ".join(v.ljust(widths[i]) for i, v in enumerate(r[:5])) + "  " + r[5] for r in rows).rstrip()

@@ -104,6 +104,50 @@ def same_pci_slot(a: str, b: str) -> bool:
 
 
 @dataclass(frozen=True)
+class XidEvent:
+    """An Xid the kernel logged for one GPU since the host booted and since that GPU's last reset."""
+
+    slot: str  # lspci's form, "01:00.0"
+    code: int
+    line: str = ""
+
+
+@dataclass(frozen=True)
+class RowRemap:
+    """``nvidia-smi --query-remapped-rows`` of one GPU: a pending remap needs a reset of that GPU."""
+
+    slot: str
+    pending: bool = False
+    failure: bool = False
+    uncorrectable: int = 0
+
+
+@dataclass(frozen=True)
+class GpuHealth:
+    """What the NVIDIA driver and tools say about the GPUs (docs/catalogue.md reads these).
+
+    ``smi_rc``: nvidia-smi's exit code (None: no nvidia-smi); ``smi_error``: its first line that is
+    not a result when it failed (``Failed to initialize NVML: Driver/library version mismatch``, a
+    lost GPU). ``driver_version``: the loaded driver's (nvidia-smi); ``fabric_manager_version``: the
+    installed nv-fabricmanager's ("" when none); ``nvswitches``: NVSwitch devices on the PCI bus;
+    ``persistence``: slot -> persistence mode on."""
+
+    smi_rc: int | None = None
+    smi_error: str = ""
+    xids: tuple[XidEvent, ...] = ()
+    remaps: tuple[RowRemap, ...] = ()
+    lost: tuple[str, ...] = ()  # slots of GPUs nvidia-smi says are lost (fallen off the bus)
+    driver_version: str = ""
+    fabric_manager_version: str = ""
+    fabric_manager_state: str = ""  # systemctl is-active nvidia-fabricmanager ("" when not read)
+    nvswitches: int = 0
+    persistence: Mapping[str, bool] = field(default_factory=dict)
+
+    def xids_on(self, slot: str) -> tuple[XidEvent, ...]:
+        return tuple(x for x in self.xids if same_pci_slot(x.slot, slot))
+
+
+@dataclass(frozen=True)
 class FileFacts:
     """A file on the host that a runbook asked about (``runbook_files``), e.g. for ``file`` checks."""
 
@@ -125,6 +169,7 @@ class HostFacts:
     gpus: tuple[GpuDevice, ...] = ()
     cuda_processes: tuple[CudaProcess, ...] = ()
     files: Mapping[str, FileFacts] = field(default_factory=dict)  # path -> facts, for asked-for paths
+    gpu_health: GpuHealth = field(default_factory=GpuHealth)
 
     @property
     def swap_active(self) -> bool:

@@ -25,7 +25,18 @@ from types import MappingProxyType
 from typing import Any, ClassVar, TypeVar
 
 from engine.errors import HostError
-from engine.facts import CudaProcess, FileFacts, GpuDevice, HostFacts, ServiceFacts, SwapDevice
+from engine.facts import (
+    CudaProcess,
+    FileFacts,
+    GpuDevice,
+    GpuHealth,
+    HostFacts,
+    RowRemap,
+    ServiceFacts,
+    SwapDevice,
+    XidEvent,
+    same_pci_slot,
+)
 
 FACTS_FORMAT_VERSION = 1
 
@@ -373,11 +384,117 @@ class CudaProcessesFact(HostFact):
 """
 
     def parse(self, host: str, probes: Probes, stat: Mapping[str, Any]) -> dict[str, Any]:
-        return {"cuda_processes": parse_cuda_processes(out(probes, "nvidia_smi") or "")}
+        # 15: a GPU fell off the bus; the other GPUs' processes are still listed
+        return {"cuda_processes": parse_cuda_processes(out(probes, "nvidia_smi", (0, 15)) or "")}
 
     def data(self, facts: HostFacts) -> dict[str, Any]:
         return {"cuda_processes": [{"pid": p.pid, "name": p.name, "gpu": p.gpu} for p in facts.cuda_processes],
                 "cuda_process_count": len(facts.cuda_processes)}
+
+
+# ============================================================================ GPU health (docs/catalogue.md)
+
+
+_XID = re.compile(r"NVRM: Xid \(PCI:(?P<pci>[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2})(?:\.[0-7])?(?: [^)]*)?\): "
+                  r"(?P<code>\d+),")
+_RESET = re.compile(r"NVRM: GPU (?P<pci>[0-9a-fA-F:.]+): GPU reset occurred")
+_LOST = re.compile(r"device handle for GPU ?(?P<pci>[0-9a-fA-F:.]+): GPU is lost")
+
+
+def _slot_of_pci(pci: str) -> str:
+    """``0000:5a:00`` (an Xid line: no function) or ``0000:5a:00.0`` -> lspci's ``5a:00.0``."""
+    text = pci if "." in pci.rsplit(":", 1)[-1] else pci + ".0"
+    return pci_slot(text) or pci.lower()
+
+
+def parse_kernel_xids(text: str) -> tuple[XidEvent, ...]:
+    """The kernel log of this boot (``journalctl -k``) -> the Xids of each GPU since its last reset
+    (a reset logs ``GPU reset occurred``, which clears that GPU's earlier Xids, as NVSentinel reads it)."""
+    events: list[XidEvent] = []
+    for line in text.splitlines():
+        reset = _RESET.search(line)
+        if reset:
+            slot = _slot_of_pci(reset.group("pci"))
+            events = [e for e in events if not same_pci_slot(e.slot, slot)]
+            continue
+        m = _XID.search(line)
+        if m:
+            events.append(XidEvent(slot=_slot_of_pci(m.group("pci")), code=int(m.group("code")),
+                                   line=line.strip()[:300]))
+    return tuple(events)
+
+
+def parse_remapped_rows(text: str) -> tuple[RowRemap, ...]:
+    """``nvidia-smi --query-remapped-rows=gpu_bus_id,remapped_rows.pending,remapped_rows.failure,
+    remapped_rows.uncorrectable --format=csv,noheader`` -> one RowRemap per GPU."""
+    out = []
+    for line in text.splitlines():
+        fields = [f.strip() for f in line.split(",")]
+        if len(fields) < 4 or not pci_slot(fields[0]):
+            continue
+        out.append(RowRemap(slot=pci_slot(fields[0]), pending=fields[1].lower() in ("yes", "1", "true"),
+                            failure=fields[2].lower() in ("yes", "1", "true"),
+                            uncorrectable=int(fields[3]) if fields[3].isdigit() else 0))
+    return tuple(out)
+
+
+def _smi_error(text: str) -> str:
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.split(",")[0].strip().isdigit():
+            return line[:300]
+    return ""
+
+
+@register_host_fact
+class GpuHealthFact(HostFact):
+    """The NVIDIA stack's own word on the GPUs: nvidia-smi's exit code and error (lost GPU, NVML
+    mismatch), this boot's kernel Xids per GPU since its last reset, pending row remaps, persistence
+    mode, the loaded driver's and the fabric manager's versions, the NVSwitches on the PCI bus."""
+
+    NAME = "gpu_health"
+    SCRIPT = r"""emit kernel_log journalctl -k -o cat --no-pager -q -n 400
+emit smi_gpus nvidia-smi --query-gpu=pci.bus_id,driver_version,persistence_mode --format=csv,noheader
+remap_fields=gpu_bus_id,remapped_rows.pending,remapped_rows.failure,remapped_rows.uncorrectable
+emit remapped_rows nvidia-smi --query-remapped-rows=$remap_fields --format=csv,noheader
+emit fm_version nv-fabricmanager --version
+emit fm_state systemctl is-active nvidia-fabricmanager
+"""
+
+    def parse(self, host: str, probes: Probes, stat: Mapping[str, Any]) -> dict[str, Any]:
+        rc, smi_text = probes.get("nvidia_smi", (127, ""))
+        driver, persistence = "", {}
+        for line in (out(probes, "smi_gpus", (0, 15)) or "").splitlines():
+            fields = [f.strip() for f in line.split(",")]
+            if len(fields) >= 3 and pci_slot(fields[0]):
+                driver = driver or fields[1]
+                persistence[pci_slot(fields[0])] = fields[2].lower() == "enabled"
+        fm = out(probes, "fm_version") or ""
+        fm_version = fm.rsplit(":", 1)[-1].strip() if ":" in fm else fm.strip()
+        fm_rc, fm_state = probes.get("fm_state", (127, ""))
+        lspci = out(probes, "lspci") or ""
+        switches = sum(1 for ln in lspci.splitlines() if "[0680]" in ln and "NVSwitch" in ln)
+        health = GpuHealth(
+            smi_rc=None if rc == 127 else rc, smi_error=_smi_error(smi_text) if rc not in (0, 127) else "",
+            xids=parse_kernel_xids(out(probes, "kernel_log") or ""),
+            remaps=parse_remapped_rows(out(probes, "remapped_rows", (0, 15)) or ""),
+            lost=tuple(_slot_of_pci(m.group("pci")) for m in _LOST.finditer(smi_text)),
+            driver_version=driver, fabric_manager_version=fm_version.split()[0] if fm_version else "",
+            fabric_manager_state="" if fm_rc == 127 else (fm_state.strip().splitlines() or [""])[0],
+            nvswitches=switches, persistence=MappingProxyType(persistence))
+        return {"gpu_health": health}
+
+    def data(self, facts: HostFacts) -> dict[str, Any]:
+        h = facts.gpu_health
+        return {"gpu_health": {
+            "smi_rc": h.smi_rc, "smi_error": h.smi_error,
+            "xids": [{"slot": x.slot, "code": x.code, "line": x.line} for x in h.xids],
+            "remaps": [{"slot": r.slot, "pending": r.pending, "failure": r.failure,
+                        "uncorrectable": r.uncorrectable} for r in h.remaps],
+            "lost": list(h.lost), "driver_version": h.driver_version,
+            "fabric_manager_version": h.fabric_manager_version, "fabric_manager_state": h.fabric_manager_state,
+            "nvswitches": h.nvswitches,
+            "persistence": dict(h.persistence)}}
 
 
 # ============================================================================ the probe and the parser

@@ -124,6 +124,7 @@ CREATE TABLE IF NOT EXISTS events (
   PRIMARY KEY (run_id, seq)
 );
 CREATE INDEX IF NOT EXISTS runs_created ON runs(created);
+CREATE INDEX IF NOT EXISTS runs_state_created ON runs(state, created);
 """
 
 

@@ -30,7 +30,7 @@ from pydantic import ValidationError
 
 from engine import checks as chk
 from engine.errors import LoadError, Location
-from engine.model import ACTION_KEYS, KUBE_VERBS, Plan, Runbook
+from engine.model import ACTION_KEYS, KUBE_VERBS, DiagnosisSpec, Fleet, Plan, Runbook
 
 MAX_BYTES = 1 << 20  # 1 MiB: a runbook is a page or two
 MAX_NODES = 20_000  # values built, counting every alias expansion
@@ -434,7 +434,7 @@ def _walk_strings(value: Any, path: Path_) -> Iterable[tuple[Path_, str]]:
 def _semantic_problems(rb: Runbook, data: Mapping[str, Any], *, stem: str | None,
                        playbooks_dir: Path | None) -> list[tuple[Path_, str]]:
     from engine.model import AnsibleAction as _Ansible
-    from engine.model import KubeAction, KubeDrain
+    from engine.model import KubeAction
     from engine.templating import template_problems
 
     out: list[tuple[Path_, str]] = []
@@ -464,9 +464,10 @@ def _semantic_problems(rb: Runbook, data: Mapping[str, Any], *, stem: str | None
             elif index[req] > i:
                 out.append((where, f"step {step.id!r} requires {req!r}, which runs after it "
                                    "(steps run in order: a requirement must come earlier; cycle or order violation)"))
-        # drain verifies itself: no evictable pod is left on the node (engine/kube_verbs/drain.py)
+        # drain verifies itself: no evictable pod is left on the node (engine/kube_verbs/drain.py);
+        # so do the bootstrap token verbs (engine/kube_verbs/node_bootstrap.py): SELF_VERIFYING
         if step.mutating and not step.verify and not (isinstance(step.action, KubeAction)
-                                                      and isinstance(step.action.kube, KubeDrain)):
+                                                      and step.action.kube.SELF_VERIFYING):
             out.append((("steps", i), f"step {step.id!r} changes something but has no verify "
                                       "(every kube/ansible step must say how success is checked)"))
 
@@ -491,35 +492,43 @@ def _semantic_problems(rb: Runbook, data: Mapping[str, Any], *, stem: str | None
                     if not pb.is_file():
                         out.append((apath, f"playbook {action.ansible.playbook!r} not found in {playbooks_dir}"))
 
-    # The diagnosis: unique evidence ids, at least one required piece, declared params only.
-    if rb.diagnosis is not None:
-        diag = rb.diagnosis
+    # The diagnoses: unique evidence ids, at least one required piece, declared params only; one
+    # cause id once per runbook.
+    causes: dict[str, str] = {}
+    declared: list[tuple[Path_, DiagnosisSpec]] = [(("diagnosis",), rb.diagnosis)] if rb.diagnosis else []
+    declared += [(("diagnoses", n), d) for n, d in enumerate(rb.diagnoses)]
+    for where, diag in declared:
+        label = _where(where)
+        if diag.cause.id in causes:
+            out.append(((*where, "cause", "id"), f"cause {diag.cause.id!r} is declared twice (first in "
+                                                 f"{causes[diag.cause.id]})"))
+        causes.setdefault(diag.cause.id, label)
         seen: dict[str, str] = {}
         for section, items in (("evidence", diag.evidence), ("excludes", diag.excludes)):
             for i, ev in enumerate(items):
                 if ev.id in seen:
-                    out.append((("diagnosis", section, i, "id"),
-                                f"duplicate evidence id {ev.id!r} (first in diagnosis.{seen[ev.id]})"))
+                    out.append(((*where, section, i, "id"),
+                                f"duplicate evidence id {ev.id!r} (first in {label}.{seen[ev.id]})"))
                 else:
                     seen[ev.id] = section
         if not any(ev.weight == "required" for ev in diag.evidence):
-            out.append((("diagnosis", "evidence"), "a diagnosis needs at least one piece of required evidence "
-                                                   "(weight: required), or every sick node would match"))
+            out.append(((*where, "evidence"), "a diagnosis needs at least one piece of required evidence "
+                                              "(weight: required), or every sick node would match"))
         for i, ev in enumerate(diag.excludes):
             if ev.weight != "required":
-                out.append((("diagnosis", "excludes", i, "weight"),
+                out.append(((*where, "excludes", i, "weight"),
                             "excludes rule the cause out when they hold: weight does not apply (leave it out)"))
         for key in diag.params:
             if key not in rb.params:
-                out.append((("diagnosis", "params", key), f"param {key!r} is not declared in params"))
+                out.append(((*where, "params", key), f"param {key!r} is not declared in params"))
             elif key == rb.node_param:
-                out.append((("diagnosis", "params", key),
+                out.append(((*where, "params", key),
                             f"param {key!r} is the node param: diagnose fills it with the diagnosed node"))
         if rb.node_param is None:
-            out.append((("diagnosis",), "a diagnosis is about a node: declare a param of type node"))
+            out.append((where, "a diagnosis is about a node: declare a param of type node"))
 
     for i, trig in enumerate(rb.triggers):
-        if trig.require_diagnosis and rb.diagnosis is None:
+        if trig.require_diagnosis and not rb.all_diagnoses:
             out.append((("triggers", i, "require_diagnosis"),
                         "require_diagnosis needs the runbook's diagnosis section (the cause it fixes)"))
 
@@ -558,6 +567,31 @@ def parse_runbook(data: bytes, path: str, *, stem: str | None = None,
         located = [(Location(path, _line_of(p, marks, key_marks)[0], None, _where(p)), m) for p, m in problems]
         raise _error(located)
     return runbook
+
+
+FLEET_FILE = Path("catalogue") / "fleet.yaml"
+
+
+def fleet_path(runbooks_dir: Path) -> Path:
+    """The fleet knowledge of a runbooks folder: its ``catalogue/fleet.yaml``, else the packaged one."""
+    own = Path(runbooks_dir) / FLEET_FILE
+    return own if own.is_file() else packaged_data_dir() / "runbooks" / FLEET_FILE
+
+
+def load_fleet(path: Path) -> Fleet:
+    """Read ``catalogue/fleet.yaml`` (model.Fleet); LoadError with every problem, located."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise _error([(Location(str(path)), f"cannot read: {e.strerror or e}")]) from None
+    value, marks, key_marks = compose_yaml(data, str(path))
+    if not isinstance(value, dict):
+        raise _error([(Location(str(path)), f"the fleet file is a mapping (workload_label, gpu_labels, ...), "
+                                             f"got {type(value).__name__}")])
+    try:
+        return Fleet.model_validate(value)
+    except ValidationError as e:
+        raise _error(_pydantic_problems(e, value, str(path), marks, key_marks)) from None
 
 
 def file_digest(data: bytes) -> str:

@@ -133,6 +133,9 @@ class PodSelectorSpec(_Model):
     resource: str | None = None  # only pods whose containers request or limit this resource (nvidia.com/gpu)
     grace_seconds: int | None = Field(default=None, ge=0)  # the pods' termination grace period
     timeout: Duration = "300s"  # retrying budget refusals (429) and waiting for the pods to be gone
+    # Take DaemonSet-managed pods too (skipped otherwise): restarting an operand such as the device
+    # plugin, whose DaemonSet recreates the pod on the node.
+    daemonset_pods: bool = False
 
 
 class DrainSpec(_Model):
@@ -193,6 +196,9 @@ class KubeVerbSpec(_Model):
     """The base of a kube verb's spec: ``KEY`` is the runbook key (``kube: {KEY: spec}``)."""
 
     KEY: ClassVar[str]
+    # True: the verb's apply proves its own effect (drain: no evictable pod left; the bootstrap
+    # token verbs): a step with it needs no ``verify`` (loader)
+    SELF_VERIFYING: ClassVar[bool] = False
 
 
 _KUBE_VERBS: list[type[KubeVerbSpec]] = []
@@ -277,7 +283,57 @@ class KubeWait(KubeVerbSpec):
 @kube_verb
 class KubeDrain(KubeVerbSpec):
     KEY: ClassVar[str] = "drain"
+    SELF_VERIFYING: ClassVar[bool] = True  # no pod it would evict is left on the node
     drain: DrainSpec = Field(default_factory=DrainSpec)
+
+
+class BootstrapTokenSpec(_Model):
+    """``bootstrap_token: {ttl: 15m}``: a kubelet bootstrap token for the run's node (a Secret of type
+    ``bootstrap.kubernetes.io/token`` in kube-system, expiring after ``ttl``), proved to authenticate
+    (TokenReview) before anything else is done with it (``engine.kube_verbs.node_bootstrap``)."""
+
+    ttl: Duration = "15m"
+    # the group kubeadm binds to system:node-bootstrapper (ClusterRoleBinding kubeadm:kubelet-bootstrap)
+    group: str = Field(default="system:bootstrappers:kubeadm:default-node-token",
+                       pattern=r"^system:bootstrappers:[a-z0-9:-]+$")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _true_is_defaults(cls, v: Any) -> Any:
+        return {} if v is None or v is True else v
+
+
+class ApproveNodeCsrSpec(_Model):
+    """``approve_node_csr: {timeout: 2m}``: approve the kubelet client CSR the run's bootstrap token
+    made, only if it asks for exactly the run's node (requestor, signer, usages, subject, no SANs)."""
+
+    timeout: Duration = "120s"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _true_is_defaults(cls, v: Any) -> Any:
+        return {} if v is None or v is True else v
+
+
+@kube_verb
+class KubeBootstrapToken(KubeVerbSpec):
+    KEY: ClassVar[str] = "bootstrap_token"
+    SELF_VERIFYING: ClassVar[bool] = True  # the token exists and authenticates, or the step fails
+    bootstrap_token: BootstrapTokenSpec = Field(default_factory=BootstrapTokenSpec)
+
+
+@kube_verb
+class KubeApproveNodeCsr(KubeVerbSpec):
+    KEY: ClassVar[str] = "approve_node_csr"
+    SELF_VERIFYING: ClassVar[bool] = True  # approved (and issued) or the step fails
+    approve_node_csr: ApproveNodeCsrSpec = Field(default_factory=ApproveNodeCsrSpec)
+
+
+@kube_verb
+class KubeDeleteBootstrapTokens(KubeVerbSpec):
+    KEY: ClassVar[str] = "delete_bootstrap_tokens"
+    SELF_VERIFYING: ClassVar[bool] = True  # none of the node's tokens is left, or the step fails
+    delete_bootstrap_tokens: Literal[True]
 
 
 # The kube verbs of the format, in registration order (the schema's and the hints' order): every
@@ -683,6 +739,27 @@ class DiagnosisSpec(_Model):
     notes: tuple[DiagnosisNote, ...] = ()
 
 
+class Fleet(_Model):
+    """What ``runbook diagnose`` knows about the fleet beyond the runbooks' diagnoses, as data
+    (``runbooks/catalogue/fleet.yaml``): the labels and resources that say what a GPU node is and
+    serves, and what to tell an operator about them. The causes themselves are the runbooks'."""
+
+    workload_label: str = Field(min_length=1)  # the GPU Operator's workload label
+    container_workload: str = "container"  # its value for "serves GPUs to containers"
+    passthrough_workload: str = "vm-passthrough"  # its value for "serves GPUs to VMs"
+    gpu_resource: str = "nvidia.com/gpu"  # what the device plugin advertises under container
+    gpu_resource_prefix: str = "nvidia.com/"  # every GPU resource (sandbox plugins: the PCI names)
+    gpu_labels: tuple[str, ...] = ()  # labels GPU Feature Discovery keeps while it runs
+    gpu_labels_gone: str = ""  # what their absence means (said in the chain)
+    gpu_label_prefixes: tuple[str, ...] = ()  # labels shown in the evidence
+    # ``diagnose --all`` also examines Ready nodes with one of these labels: a GPU fault (an Xid, a
+    # pending remap, the fabric manager) does not make a node NotReady.
+    gpu_node_labels: tuple[str, ...] = ()
+    # Said about a healthy node whose GPU VMs wait for it while it serves containers; {vms},
+    # {resources} and {node} are filled in.
+    waiting_vms_note: str = ""
+
+
 class RunbookOnFailure(_Model):
     """``on_failure: {escalate: [RUNBOOK, ...]}``: when a run of this runbook fails (an action or a
     verification, never a blocked step), the named runbooks (each with the same node param) are
@@ -713,6 +790,9 @@ class Runbook(_Model):
     report: str | None = None
     triggers: tuple[Trigger, ...] = ()
     diagnosis: DiagnosisSpec | None = None
+    # More causes this runbook fixes, each declared like ``diagnosis`` (gpu-reset: Xid 48, Xid 95, a
+    # pending row remap): ``runbook diagnose`` names each by its own cause id.
+    diagnoses: tuple[DiagnosisSpec, ...] = ()
     # Maintenance windows (engine.windows): outside them an automatic run is deferred until the
     # next opening (or refused, ``outside_windows: refuse``); a person's run needs
     # ``--override-guard window --reason``.
@@ -734,6 +814,11 @@ class Runbook(_Model):
         if "node" in self.params and self.params["node"].type == "node":
             return "node"
         return next((k for k, p in self.params.items() if p.type == "node"), None)
+
+    @property
+    def all_diagnoses(self) -> tuple[DiagnosisSpec, ...]:
+        """``diagnosis`` then ``diagnoses``: every cause this runbook declares it fixes."""
+        return ((self.diagnosis,) if self.diagnosis is not None else ()) + self.diagnoses
 
     def step(self, step_id: str) -> Step:
         for s in self.steps:

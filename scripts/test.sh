@@ -3,10 +3,16 @@
 # runs it: the README's second command, and what .ci/run calls. Extra arguments go to pytest.
 # Needs what scripts/prepare.sh installs. Under CI=true a missing prerequisite fails instead of skipping.
 #
-# Two phases: the unit tests (tests/unit, no lab) over both cores with pytest-xdist (`-n 2`), then
-# everything else (the integration and lab tests, which share one control plane and one lab per
-# module) serially in one process. Each phase reports its 30 slowest tests. With arguments, one
-# serial pytest run over exactly what they name (e.g. `scripts/test.sh tests/unit/test_loader.py -x`).
+# Two phases, each over both cores with pytest-xdist: the unit tests (tests/unit, no lab; `-n 2`, test
+# by test), then everything else (the integration and lab tests) with `--dist loadfile`: a whole test
+# module runs on one worker, in file order, so a module's shared lab and module-scoped fixtures stay
+# its own. Each worker has its own session lab and test-bed control plane (own temp folders, ports
+# and loopback addresses chosen at run time: engine/lab/ports.py). `--no-loadscope-reorder` keeps
+# collection order (tests/integration/lab/ first, its longest module, test_bench_quick, at the head):
+# xdist would otherwise start the modules with most tests first and leave the long one-test modules
+# for the end. docs/reliability.md ("CI time budget") says what each phase costs. Each phase reports
+# its 30 slowest tests. With arguments, one serial pytest run over exactly what they name (e.g.
+# `scripts/test.sh tests/unit/test_loader.py -x`).
 # Exit code: pytest's; a phase that collects nothing (pytest's 5) is a failure.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -28,7 +34,9 @@ if [ "$#" -gt 0 ]; then
 fi
 phase "unit tests, 2 workers" -n 2 tests/unit
 unit=$?
-phase "integration and lab tests, serial" tests --ignore=tests/unit
+workers=${RUNBOOK_TEST_WORKERS:-2}  # the integration phase's workers (CI: 2, one per core; a measurement may try others)
+phase "integration and lab tests, $workers workers, one module per worker" -n "$workers" --dist loadfile \
+  --no-loadscope-reorder tests --ignore=tests/unit
 rest=$?
 [ "$unit" -eq 0 ] || { echo "test.sh: unit tests failed (rc=$unit)" >&2; exit "$unit"; }
 exit "$rest"

@@ -27,7 +27,7 @@ from engine.checkkind import (
     unknown,
 )
 from engine.checks.core import bind
-from engine.facts import Facts, FileFacts, GpuDevice, HostFacts, ServiceFacts, SwapDevice
+from engine.facts import Facts, FileFacts, GpuDevice, HostFacts, ServiceFacts, SwapDevice, same_pci_slot
 from engine.model import is_template
 
 
@@ -359,3 +359,134 @@ class FileCheck(HostCheck):
         if old_file == new:
             return host
         return replace(host, files={**host.files, f.path: new})
+
+
+# -- the NVIDIA stack's own word on the GPUs (facts.host.gpu_health; docs/catalogue.md) -------------
+
+
+def _on_gpu(slot: str, want: str | None) -> bool:
+    return want is None or same_pci_slot(slot, want)
+
+
+class GpuXidSpec(FormatModel):
+    codes: tuple[int, ...] = Field(min_length=1)
+    gpu: str | None = None  # one GPU by PCI slot (``02:00.0``); default: any GPU of the host
+
+
+@register_check
+class GpuXidCheck(HostCheck):
+    """``gpu_xid: {codes: [48, 95], gpu: SLOT}``: a GPU (that GPU) logged one of these Xids in the kernel
+    log of this boot, since its last reset. Volatile like a journal line: never predicted."""
+
+    KEY: ClassVar[str] = "gpu_xid"
+    gpu_xid: GpuXidSpec
+
+    def describe(self) -> str:
+        s = self.gpu_xid
+        where = f"GPU {s.gpu}" if s.gpu else "a GPU"
+        return f"{where} logged Xid {'|'.join(str(c) for c in s.codes)} since its last reset"
+
+    def evaluate_host(self, host: HostFacts, env: Env) -> CheckResult:
+        s = self.gpu_xid
+        hits = [x for x in host.gpu_health.xids if x.code in s.codes and _on_gpu(x.slot, s.gpu)]
+        per_gpu: dict[str, list[int]] = {}
+        for x in hits:
+            per_gpu.setdefault(x.slot, []).append(x.code)
+        codes_text = "|".join(str(c) for c in s.codes)
+        observed = "; ".join(f"GPU {slot}: Xid {', '.join(str(c) for c in sorted(set(codes)))}"
+                             for slot, codes in sorted(per_gpu.items())) if hits else \
+            f"no Xid {codes_text} in this boot's kernel log" + (f" for GPU {s.gpu}" if s.gpu else "")
+        return result(bool(hits), observed, None, gpus=sorted(per_gpu), lines=[x.line for x in hits][:10])
+
+
+class GpuRowRemapSpec(FormatModel):
+    pending: bool | None = None
+    failure: bool | None = None
+    gpu: str | None = None  # one GPU by PCI slot; default: any GPU (pending: true) / every GPU (pending: false)
+
+    @model_validator(mode="after")
+    def _one(self) -> GpuRowRemapSpec:
+        if (self.pending is None) == (self.failure is None):
+            raise ValueError("gpu_row_remap needs exactly one of 'pending' or 'failure'")
+        return self
+
+
+@register_check
+class GpuRowRemapCheck(HostCheck):
+    """``gpu_row_remap: {pending: true}``: a GPU (``gpu: SLOT``: that GPU) has a row remap waiting for a
+    reset; ``{pending: false}``: none has. ``failure`` likewise for a failed remap (nvidia-smi's
+    ``--query-remapped-rows``)."""
+
+    KEY: ClassVar[str] = "gpu_row_remap"
+    gpu_row_remap: GpuRowRemapSpec
+
+    def describe(self) -> str:
+        s = self.gpu_row_remap
+        what = "a row remap pending" if s.pending is not None else "a row remap failure"
+        where = f"GPU {s.gpu}" if s.gpu else "a GPU"
+        want = s.pending if s.pending is not None else s.failure
+        return f"{where} has {what}" if want else f"{'GPU ' + s.gpu if s.gpu else 'no GPU'} has no{what[1:]}"
+
+    def evaluate_host(self, host: HostFacts, env: Env) -> CheckResult:
+        s = self.gpu_row_remap
+        field = "pending" if s.pending is not None else "failure"
+        want = bool(s.pending if s.pending is not None else s.failure)
+        rows = [r for r in host.gpu_health.remaps if _on_gpu(r.slot, s.gpu)]
+        flagged = sorted(r.slot for r in rows if getattr(r, field))
+        if not rows:
+            return CheckResult(None, "nvidia-smi reported no row-remapper state"
+                               + (f" for GPU {s.gpu}" if s.gpu else ""), {"error": "no remapped rows read"})
+        observed = (f"row remap {field} on GPU {', '.join(flagged)}" if flagged
+                    else f"no row remap {field} on {len(rows)} GPU{'s' if len(rows) != 1 else ''}")
+        return result(bool(flagged) == want, observed, {f"host.gpu_health.remaps[].{field}": flagged}, gpus=flagged)
+
+    def establish_host(self, host: HostFacts) -> HostFacts:
+        s = self.gpu_row_remap
+        if s.pending is False:
+            remaps = tuple(replace(r, pending=False) if _on_gpu(r.slot, s.gpu) else r for r in host.gpu_health.remaps)
+            return replace(host, gpu_health=replace(host.gpu_health, remaps=remaps))
+        return host
+
+
+class NvidiaSmiSpec(FormatModel):
+    ok: bool | None = None  # nvidia-smi exits 0
+    exit_code: int | None = None
+    error_contains: str | None = Field(default=None, min_length=1)
+
+    @model_validator(mode="after")
+    def _some(self) -> NvidiaSmiSpec:
+        if self.ok is None and self.exit_code is None and self.error_contains is None:
+            raise ValueError("nvidia_smi needs 'ok', 'exit_code' or 'error_contains'")
+        return self
+
+
+@register_check
+class NvidiaSmiCheck(HostCheck):
+    """``nvidia_smi: {ok: true}``: nvidia-smi answers (exit 0); ``{exit_code: 15}`` (a GPU fell off the
+    bus); ``{error_contains: "Driver/library version mismatch"}``: what it printed when it failed."""
+
+    KEY: ClassVar[str] = "nvidia_smi"
+    nvidia_smi: NvidiaSmiSpec
+
+    def describe(self) -> str:
+        s = self.nvidia_smi
+        parts = ([f"nvidia-smi {'works' if s.ok else 'fails'}"] if s.ok is not None else []) + \
+            ([f"nvidia-smi exits {s.exit_code}"] if s.exit_code is not None else []) + \
+            ([f"nvidia-smi says {s.error_contains!r}"] if s.error_contains is not None else [])
+        return " and ".join(parts)
+
+    def evaluate_host(self, host: HostFacts, env: Env) -> CheckResult:
+        s, h = self.nvidia_smi, host.gpu_health
+        if h.smi_rc is None:
+            return result(s.ok is False and s.exit_code is None and s.error_contains is None,
+                          "no nvidia-smi on the host", {"host.gpu_health.smi_rc": None})
+        holds = (s.ok is None or (h.smi_rc == 0) == s.ok) and (s.exit_code is None or h.smi_rc == s.exit_code) \
+            and (s.error_contains is None or s.error_contains in h.smi_error)
+        observed = f"nvidia-smi exit {h.smi_rc}" + (f": {h.smi_error}" if h.smi_error else "")
+        return result(holds, observed, {"host.gpu_health.smi_rc": h.smi_rc}, error=h.smi_error)
+
+    def establish_host(self, host: HostFacts) -> HostFacts:
+        s = self.nvidia_smi
+        if s.ok is True and host.gpu_health.smi_rc not in (0, None):
+            return replace(host, gpu_health=replace(host.gpu_health, smi_rc=0, smi_error="", lost=()))
+        return host

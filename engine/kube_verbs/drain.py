@@ -84,7 +84,7 @@ class PodDecision:
 def classify(pod: PodRef, rules: PodRules) -> PodDecision:
     """What a drain does with ``pod``, and why (kubectl drain's filters, in its order)."""
     finished = pod.phase in ("Succeeded", "Failed")
-    if pod.controller_kind == "DaemonSet":
+    if pod.controller_kind == "DaemonSet" and not rules.daemonset_pods:
         if rules.ignore_daemonsets or not rules.strict:
             return PodDecision(pod, "skip", f"DaemonSet-managed ({pod.controller_name}): it would come back here")
         return PodDecision(pod, "refuse", f"DaemonSet-managed ({pod.controller_name}); "

@@ -1,7 +1,8 @@
 """Verbs ``evict`` and ``delete_pods``: the node's pods (by selector, namespace, resource) evicted
 through the Eviction API or deleted, with drain's machinery (``drain.apply``: 429 retried until
 ``timeout``, the pods waited for until gone) but without its cordon and refusals: mirror and
-DaemonSet-managed pods are skipped with their reason, every other selected pod is taken. Pure here.
+DaemonSet-managed pods are skipped with their reason (taken with ``daemonset_pods: true``: restarting an
+operand), every other selected pod is taken. Pure here.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ def decide(verb: KubeEvict | KubeDeletePods, node: NodeFacts) -> PodOperation:
         (f" matching {sel.selector}" if sel.selector else "") + \
         (f" in {sel.namespace}" if sel.namespace else "")
     rules = PodRules(selector=sel.selector, namespace=sel.namespace, resource=sel.resource, delete=not evict,
-                     grace_seconds=sel.grace_seconds, timeout=parse_duration(sel.timeout))
+                     grace_seconds=sel.grace_seconds, timeout=parse_duration(sel.timeout),
+                     daemonset_pods=sel.daemonset_pods)
     return PodOperation("evict" if evict else "delete_pods", f"{'evict' if evict else 'delete'} {what}", command,
                         rules)

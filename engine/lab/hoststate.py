@@ -37,6 +37,13 @@ namespace it is bind-mounted at ``/run/runbook-lab``). It holds:
                     "gpu": "01:00.0"}],                      # the slot of the GPU it runs on
      "cuda_jobs_killed": 0}
 
+The GPU faults of ``runbook lab inject`` (engine/lab/gpu_faults.py; absent on a healthy host) add
+``gpu_health`` (slot -> ``{"xid", "unhealthy", "fallen", "remap_pending", "rows_uncorrectable",
+"marked_at", "reset_at"}``), ``nvidia`` (``{"loaded", "installed", "fabric_manager", "nvswitch",
+"marked_at"}``: versions of the loaded module, the installed libraries and the fabric manager) and
+``device_plugin`` (``{"crashloop_pod": NAME}``); a GPU's ``persistence_mode`` ("Enabled") lives on its
+``pci_devices`` entry. nvidia-smi, rmmod/modprobe and the reboot shim change them like the real node.
+
 A CUDA job without ``gpu`` (a state written before GPUs were modelled one by one) runs on the first
 GPU bound to ``nvidia``. It dies (``cuda_jobs_killed`` grows) when its GPU leaves ``nvidia``; jobs on
 the node's other GPUs live on.

@@ -196,6 +196,33 @@ def job_stop(lab: Any, node: str, gpu: str | None) -> None:
     click.echo(f"{node}: no CUDA job" + (f" on {gpu}" if gpu and result["cuda_jobs"] else ""))
 
 
+@lab_group.command("inject")
+@click.argument("fault", required=False)
+@click.option("--node", metavar="NODE", help="The node to put the fault into.")
+@click.option("--gpu", "gpu", metavar="SLOT", default=None,
+              help="The GPU's PCI slot, e.g. 02:00.0, for a fault of one GPU (default: the node's first GPU).")
+@click.option("--list", "listing", is_flag=True, help="List the faults and what each does.")
+@_lab_dir_option
+def inject_command(lab: Any, fault: str | None, node: str | None, gpu: str | None, listing: bool) -> None:
+    """Put FAULT into NODE of the running lab, as a real node shows it (game days: rehearse the fix).
+
+    `runbook diagnose -o json` names each fault's cause after the same word."""
+    from engine.lab.inject import faults, inject
+
+    if listing:
+        if fault or node or gpu:
+            raise click.UsageError("--list takes no FAULT, --node or --gpu")
+        known = faults()
+        width = max((len(n) for n in known), default=0)
+        for name, f in known.items():
+            click.echo(f"{name:<{width}}  {'[--gpu SLOT] ' if f.gpu else ''}{f.summary}")
+        return
+    if not fault or not node:
+        raise click.UsageError("inject needs FAULT and --node NODE (or --list)")
+    result = inject(lab, fault, node, gpu)
+    click.echo(result["did"])
+
+
 @lab_group.command("reset")
 @click.option("--timeout", default=120.0, show_default=True)
 @_lab_dir_option

@@ -10,7 +10,9 @@ Prometheus scrapes them as three jobs the way a cluster's Prometheus does):
   ``kube_node_spec_taint{node,key,value,effect}``, ``kube_pod_status_phase{namespace,pod,uid,phase}``;
 * ``/kubevirt/metrics`` -- virt-controller's ``kubevirt_vmi_phase_count{node,phase,os,workload,flavor,
   instance_type,preference,guest_os_*}`` (phase lower-cased, ``<none>`` for unknown labels);
-* ``/dcgm/metrics`` -- dcgm-exporter's ``DCGM_FI_DEV_FB_USED`` and ``DCGM_FI_DEV_GPU_UTIL`` per GPU
+* ``/dcgm/metrics`` -- dcgm-exporter's ``DCGM_FI_DEV_FB_USED``, ``DCGM_FI_DEV_GPU_UTIL``, the last-Xid gauge
+  ``DCGM_FI_DEV_XID_ERRORS``, ``DCGM_FI_DEV_(UN)CORRECTABLE_REMAPPED_ROWS``, ``DCGM_FI_DEV_ROW_REMAP_FAILURE``
+  and ``DCGM_FI_DEV_ROW_REMAP_PENDING`` (from the host state's ``gpu_health``) per GPU
   (labels ``gpu,UUID,pci_bus_id,device,modelName,Hostname,DCGM_FI_DRIVER_VERSION``), only for GPUs
   bound to the nvidia driver (DCGM cannot see a GPU on vfio-pci), plus the lab's own
   ``runbook_lab_gpu_driver{Hostname,pci_bus_id,vendor_device,driver}`` (1 per GPU and bound driver;
@@ -166,6 +168,17 @@ def dcgm_metrics(state: LabState) -> list[Metric]:
     names = ["gpu", "UUID", "pci_bus_id", "device", "modelName", "Hostname", "DCGM_FI_DRIVER_VERSION"]
     fb_used = GaugeMetricFamily("DCGM_FI_DEV_FB_USED", "Framebuffer memory used (in MiB).", labels=names)
     util = GaugeMetricFamily("DCGM_FI_DEV_GPU_UTIL", "GPU utilization (in %).", labels=names)
+    # dcgm-exporter's health series (etc/default-counters.csv): the last Xid (a gauge, not a counter),
+    # the remapped rows and the remap failure; the pending remap is DCGM's field 394 (not a default counter)
+    xid = GaugeMetricFamily("DCGM_FI_DEV_XID_ERRORS", "Value of the last XID error encountered.", labels=names)
+    rows_corr = GaugeMetricFamily("DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS",
+                                  "Number of remapped rows for correctable errors.", labels=names)
+    rows_unc = GaugeMetricFamily("DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS",
+                                 "Number of remapped rows for uncorrectable errors.", labels=names)
+    remap_failure = GaugeMetricFamily("DCGM_FI_DEV_ROW_REMAP_FAILURE",
+                                      "Whether remapping of rows has failed.", labels=names)
+    remap_pending = GaugeMetricFamily("DCGM_FI_DEV_ROW_REMAP_PENDING",
+                                      "Whether remapping of rows is pending (a GPU reset applies it).", labels=names)
     driver = GaugeMetricFamily("runbook_lab_gpu_driver", "1 per GPU and the kernel driver it is bound to "
                                "(the lab's own series; vfio-pci GPUs are invisible to DCGM).",
                                labels=["Hostname", "pci_bus_id", "vendor_device", "driver"])
@@ -184,8 +197,14 @@ def dcgm_metrics(state: LabState) -> list[Metric]:
             used = sum(int(j.get("used_memory_mib", 0)) for j in jobs if job_slot(j, first) == device["slot"])
             fb_used.add_metric(labels, float(used))
             util.add_metric(labels, 100.0 if used else 0.0)
+            health = (host.get("gpu_health") or {}).get(device["slot"]) or {}
+            xid.add_metric(labels, float(health.get("xid", 0)))
+            rows_corr.add_metric(labels, float(health.get("rows_correctable", 0)))
+            rows_unc.add_metric(labels, float(health.get("rows_uncorrectable", 0)))
+            remap_failure.add_metric(labels, 1.0 if health.get("remap_failure") else 0.0)
+            remap_pending.add_metric(labels, 1.0 if health.get("remap_pending") else 0.0)
             index += 1
-    return [fb_used, util, driver]
+    return [fb_used, util, xid, rows_corr, rows_unc, remap_failure, remap_pending, driver]
 
 
 # -- serving -------------------------------------------------------------------------------------------

@@ -130,7 +130,7 @@ def uvicorn_options(config: ServeConfig) -> dict[str, Any]:
     lim = config.limits
     return {"limit_concurrency": lim.max_connections, "timeout_keep_alive": max(1, int(lim.keep_alive)),
             "h11_max_incomplete_event_size": 16 * 1024, "http": header_timeout_protocol(lim.header_timeout),
-            "timeout_graceful_shutdown": int(config.shutdown_grace) + 5}
+            "timeout_graceful_shutdown": int(config.shutdown_grace) + 5, "access_log": config.access_log}
 
 
 def start_banner(config: ServeConfig) -> str | None:

@@ -367,6 +367,10 @@ class ServeConfig(_Section):
     cluster_refresh: Seconds | None = None
     shutdown_grace: Seconds = 30.0
     deferred_poll: Seconds = 30.0  # how often a run deferred to its maintenance window asks again
+    # uvicorn's line per HTTP request. Off by default, as gunicorn's: a storm of duplicate pages would
+    # write thousands of lines a second (~17 % of the webhook's CPU); requests are counted per
+    # endpoint and outcome in /metrics, and every run's story is in the journal and run events.
+    access_log: bool = False
     dedup: DedupConfig = Field(default_factory=DedupConfig)
     breaker: BreakerConfig = Field(default_factory=BreakerConfig)
     exclusions: ExclusionConfig = Field(default_factory=ExclusionConfig)

@@ -16,6 +16,8 @@ module does not validate params (the starter does) and knows nothing of guards.
 from __future__ import annotations
 
 import re
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -121,8 +123,22 @@ def _check_node(params: Mapping[str, ParamValue], node_param: str | None) -> Non
             raise ValueError(f"param {name}: {value[:80]!r} is not a valid node name (RFC 1123)")
 
 
+MATCH_CACHE_SIZE = 1024  # distinct alerts whose matches are remembered (a storm re-sends the same ones)
+
+
+def _alert_key(alert: Alert) -> tuple[Any, ...]:
+    """Everything ``for_alert`` reads of an alert: equal keys give equal matches."""
+    return (alert.status, tuple(sorted(alert.labels.items())), tuple(sorted(alert.annotations.items())),
+            alert.fingerprint, alert.starts_at)
+
+
 class TriggerIndex:
-    """Compiled triggers; ``for_alert`` / ``for_incident`` are pure and thread-safe."""
+    """Compiled triggers; ``for_alert`` / ``for_incident`` are pure and thread-safe.
+
+    ``for_alert`` remembers its answers for the last ``MATCH_CACHE_SIZE`` distinct alerts: rendering
+    a trigger's params (a sandboxed Jinja template) is most of the cost of answering a duplicate
+    page, and a function of the alert alone. Answers holding a refusal are not remembered (a
+    template may have hit a time bound that a retry would not)."""
 
     def __init__(self, specs: Sequence[TriggerSpec], mappings: Sequence[PagerDutyMapping] = ()) -> None:
         problems: list[str] = []
@@ -130,6 +146,8 @@ class TriggerIndex:
         incident_triggers: list[_IncidentTrigger] = []
         self.node_params: dict[str, str | None] = {}
         self._conditions: list[TriggerSpec] = []
+        self._cache: OrderedDict[tuple[Any, ...], Matches] = OrderedDict()
+        self._cache_lock = threading.Lock()
         for i, spec in enumerate(specs):
             t = spec.trigger
             where = f"runbook {spec.runbook}: triggers[{i}]"
@@ -205,9 +223,24 @@ class TriggerIndex:
 
     def for_alert(self, alert: Alert) -> Matches:
         """Candidates for one firing alert (resolved alerts never produce any)."""
-        found = Matches()
         if not alert.firing:
-            return found
+            return Matches()
+        key = _alert_key(alert)
+        with self._cache_lock:
+            known = self._cache.get(key)
+            if known is not None:
+                self._cache.move_to_end(key)
+        if known is None:
+            known = self._match_alert(alert)
+            if not known.refusals:
+                with self._cache_lock:
+                    self._cache[key] = known
+                    while len(self._cache) > MATCH_CACHE_SIZE:
+                        self._cache.popitem(last=False)
+        return Matches(list(known.candidates), list(known.refusals))  # the caller's own lists
+
+    def _match_alert(self, alert: Alert) -> Matches:
+        found = Matches()
         ctx: Mapping[str, Any] | None = None
         for t in self._alerts:
             if t.names and alert.name not in t.names:

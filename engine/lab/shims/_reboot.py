@@ -119,6 +119,14 @@ def boot_state(state: dict[str, Any], fstab_entries: list[tuple[str, list[str]]]
                 if dev.get("display") else dev.get("driver", "none")
             dev["driver"] = dev.get("driver_override") or default
     state["cuda_jobs"] = []
+    # a boot resets every GPU and loads the installed driver: the faults a reboot clears are gone
+    # (the remap counts stay: they live in the GPU's memory); engine/lab/gpu_faults.py
+    for slot, health in list(state.get("gpu_health", {}).items()):
+        state["gpu_health"][slot] = {k: v for k, v in health.items() if k.startswith("rows_")}
+    nvidia = state.get("nvidia")
+    if nvidia:
+        nvidia["loaded"] = nvidia.get("installed", nvidia.get("loaded"))
+        nvidia.pop("marked_at", None)
     for name, unit in sorted(state.get("units", {}).items()):
         desc = f"{name}.service - {unit.get('description', name)}"
         if not unit.get("enabled", True):

@@ -7,6 +7,24 @@
   HOME (kubectl cache, Ansible temp) and return the CompletedProcess.
 
 A missing prerequisite skips (the root conftest turns skips into failures under CI=true).
+
+How a lab test module shares the lab (CI's time budget, docs/reliability.md "CI time budget"):
+
+* Starting a lab costs ~25 s, a reset ~13-15 s (the real node lifecycle controller must see the dead
+  nodes' heartbeats stop), looking costs nothing. A test that only reads takes ``incident``; a test
+  that changes the lab takes ``fresh_lab`` (or takes ``incident`` and sets ``incident.dirty = True``
+  before changing anything, so the next user resets). Never reset by hand what a fixture resets.
+* Something a whole module needs on top of the incident (monitoring, cluster mode, a server, RBAC
+  objects) is a module-scoped fixture on ``lab`` that starts it once and stops it in its teardown,
+  leaving the session's lab as it found it (test_monitoring_loop.py, test_cluster_mode_lab.py).
+* A lab of its own only for another scenario (test_multi_gpu.py) or for what ``lab up``/``down`` do
+  to a lab (test_lab_lifecycle.py); module-scoped, down in its teardown.
+* ``scripts/test.sh`` runs the integration tests on two pytest-xdist workers, a whole module per
+  worker (``--dist loadfile``): each worker has its own session lab, so two labs run at once. A module
+  must not depend on another module having run before it on the same lab, must choose its ports and
+  loopback addresses at run time (``engine.lab.ports``) and keep its files under its own tmp paths,
+  and whatever it looks for machine-wide (processes in /proc, files in /tmp) must be found by a marker
+  of its own (its lab's password, its tmp folder, a tag): the other worker's lab runs beside it.
 """
 
 from __future__ import annotations

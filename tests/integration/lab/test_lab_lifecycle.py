@@ -49,15 +49,18 @@ def test_up_is_idempotent_and_down_leaves_no_process_mount_or_folder(lab: object
         refs = [procs.ProcessRef.from_json(record["simulator"])]
         refs += [procs.ProcessRef.from_json(h["process"]) for h in record["hosts"].values()]
         refs += list(ControlPlane.from_state(record["controlplane_dir"]).process_refs().values())
-        namespaces = [h["mount_namespace"] for h in record["hosts"].values()]
+        # (mount, UTS) pairs: the kernel reuses a freed namespace's inode number at once, and another
+        # xdist worker's lab creates namespaces meanwhile; the pair does not come back by chance
+        namespaces = [(h["mount_namespace"], h["uts_namespace"]) for h in record["hosts"].values()]
         layers = [Path(h["layers_dir"]) for h in record["hosts"].values()]
         assert len(refs) == 6 and all(r.alive() for r in refs)
-        assert all(procs.pids_in_mount_namespace(ns) for ns in namespaces)
+        assert all(mnt and uts for mnt, uts in namespaces)
+        assert all(procs.pids_in_mount_namespace(mnt, uts) for mnt, uts in namespaces)
     finally:
         result = small.down()
     assert result["stopped"]
     assert not any(r.alive() for r in refs)
-    assert not any(procs.pids_in_mount_namespace(ns) for ns in namespaces)
+    assert not any(procs.pids_in_mount_namespace(mnt, uts) for mnt, uts in namespaces)
     assert not small.dir.exists() and not any(p.exists() for p in layers)
     assert str(tmp_path) not in Path("/proc/self/mountinfo").read_text()
     assert small.down()["stopped"] == []  # down again: nothing left to stop

@@ -199,3 +199,9 @@ def test_a_2_mb_delivery_does_not_delay_healthz_by_more_than_100_ms() -> None:
         sender.join(30)
         assert answers and all(code in (200, 202) for code in answers), answers
         assert worst < 0.1, f"/healthz took {worst * 1000:.0f} ms while a 2 MB delivery was handled"
+
+
+def test_the_per_request_access_log_is_off_unless_configured() -> None:
+    quiet = uvicorn.Config(lambda *a: None, **uvicorn_options(load_config(None)))
+    loud = uvicorn.Config(lambda *a: None, **uvicorn_options(load_config(None, overrides={"access_log": True})))
+    assert (quiet.access_log, loud.access_log) == (False, True)

@@ -54,6 +54,40 @@ def test_a_template_that_fails_is_a_refusal_not_a_crash() -> None:
     assert "instance" in m.refusals[0].reason
 
 
+def test_a_repeated_alert_gets_the_same_answer_from_memory_and_a_changed_one_is_matched_afresh(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.serve import triggers
+
+    idx = TriggerIndex([trigger_spec(params={"node": "{{ labels.node }}", "why": "{{ annotations.summary }}"})])
+    renders: list[str] = []
+    real = triggers._render
+    monkeypatch.setattr(triggers, "_render", lambda t, ctx: renders.append("r") or real(t, ctx))
+    first = idx.for_alert(_alert("omen2"))
+    again = idx.for_alert(_alert("omen2"))
+    assert len(renders) == 1 and again.candidates == first.candidates
+    again.candidates.clear()  # the caller's own list: the remembered answer is untouched
+    assert idx.for_alert(_alert("omen2")).candidates == first.candidates
+    (other,) = idx.for_alert(_alert("omen3")).candidates
+    assert other.node == "omen3" and len(renders) == 2
+    body = alert("omen2")
+    body["annotations"]["summary"] = "another summary"  # annotations are read too
+    changed = idx.for_alert(parse_webhook(json.dumps(webhook(body)).encode()).alerts[0])
+    assert dict(changed.candidates[0].params)["why"] == "another summary" and len(renders) == 3
+
+
+def test_refusals_are_not_remembered_and_memory_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.serve import triggers
+
+    monkeypatch.setattr(triggers, "MATCH_CACHE_SIZE", 3)
+    idx = TriggerIndex([trigger_spec(params={"node": "{{ labels.instance }}"})])
+    idx.for_alert(_alert("omen2"))
+    assert not idx._cache  # a refusal (the template failed): asked afresh next time
+    idx = TriggerIndex([trigger_spec()])
+    for n in range(10):
+        idx.for_alert(_alert(f"omen{n}"))
+    assert len(idx._cache) == 3
+
+
 @pytest.mark.parametrize(("kwargs", "needle"), [
     ({"matchers": ('node=~"("',)}, "matchers"),
     ({"params": {"node": "{{ labels.node.__class__ }}"}}, "private attribute"),
