@@ -38,7 +38,7 @@ from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 from engine.connectors.base import ObjectAPI
-from engine.errors import Conflict, JournalError, KubeError, StalePlan, UsageError
+from engine.errors import Conflict, JournalError, KubeError, UsageError
 from engine.model import RunState
 from engine.store import (
     ACTIVE_STATES,
@@ -47,8 +47,12 @@ from engine.store import (
     RunRecord,
     RunStore,
     StoreBase,
+    check_approvable,
+    check_retention,
     current_owner,
     new_run_id,
+    owned_by_another,
+    past_retention,
     process_alive,
     read_state,
     run_state,
@@ -299,8 +303,7 @@ class KubeRunStore(StoreBase):
 
         def take(status: dict[str, Any]) -> tuple[bool, bool]:
             owner = status.get("owner") or {}
-            theirs = (owner.get("host"), owner.get("pid"), owner.get("start"))
-            if theirs != me and process_alive(*theirs) is True:
+            if owned_by_another((owner.get("host"), owner.get("pid"), owner.get("start"))):
                 return False, False
             status["owner"] = {"host": me[0], "pid": me[1], "start": me[2]}
             status["claimedBy"] = f"{me[0]}/{me[1]}"
@@ -386,13 +389,7 @@ class KubeRunStore(StoreBase):
         now = self.clock()
 
         def approve(status: dict[str, Any]) -> tuple[bool, None]:
-            current = status.get("planDigest")
-            state = _phase_state(status)
-            if current is None or digest != current:
-                raise StalePlan(f"run {run_id}: approval names plan {digest!r}, but the run's plan is "
-                                f"{current!r}; re-read the plan and approve that digest")
-            if state is not RunState.WAITING_APPROVAL:
-                raise StalePlan(f"run {run_id} is {state}, not waiting for approval")
+            check_approvable(run_id, digest, status.get("planDigest"), _phase_state(status))
             status["approval"] = {"by": self._clean(approved_by), "at": format_time(now), "digest": digest}
             self._event(status, "approval.granted", None, {"approved_by": approved_by, "plan_digest": digest})
             return True, None
@@ -475,8 +472,7 @@ class KubeRunStore(StoreBase):
     def prune(self, *, keep: int, max_age: float | None = None, now: float | None = None) -> list[str]:
         """Delete finished RemediationRuns beyond the ``keep`` newest and those finished more than
         ``max_age`` seconds ago (each only at the version read: a run changed meanwhile stays)."""
-        if keep < 0 or (max_age is not None and max_age < 0):
-            raise UsageError(f"retention: keep ({keep}) and max_age ({max_age}) must not be negative")
+        check_retention(keep, max_age)
         now = self.clock() if now is None else now
         items = [o for o in self._selected(FINAL_STATES) if _stored_state(o) in FINAL_STATES]
         items.sort(key=lambda o: (_created(o), (o.get("metadata") or {}).get("name", "")), reverse=True)
@@ -484,7 +480,7 @@ class KubeRunStore(StoreBase):
         for i, obj in enumerate(items):
             status = obj.get("status") or {}
             end = parse_time(status.get("finishedAt")) or _created(obj)
-            if i < keep and (max_age is None or now - end <= max_age):
+            if not past_retention(i, end, keep=keep, max_age=max_age, now=now):
                 continue
             meta = obj.get("metadata") or {}
             try:

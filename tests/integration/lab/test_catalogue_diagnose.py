@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from flagship_cli import kube_node, node_status, ready, runbook
 
 from engine.lab.hoststate import HostState
+from tests.integration.lab.flagship_cli import kube_node, node_status, ready, runbook
 
 pytestmark = [pytest.mark.integration, pytest.mark.lab]
 

@@ -16,12 +16,12 @@ from typing import Any
 
 import pytest
 from cryptography import x509
-from flagship_cli import kube_node, ready, runbook
-from lab_helpers import kubectl_json
 
 from engine.lab import kubelet_certs
 from engine.lab.controlplane import ControlPlane
 from engine.lab.hoststate import HostState
+from tests.integration.lab.flagship_cli import kube_node, ready, runbook
+from tests.integration.lab.lab_helpers import kubectl_json
 
 pytestmark = [pytest.mark.integration, pytest.mark.lab]
 

@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from flagship_cli import LABEL, host_lines, kube_node, ready, runbook
 
 from engine.lab.hoststate import HostState
+from tests.integration.lab.flagship_cli import LABEL, host_lines, kube_node, ready, runbook
 
 pytestmark = [pytest.mark.integration, pytest.mark.lab]
 
