@@ -1,8 +1,11 @@
 """Shared pieces of the benchmarks: metric records, statistics, timed commands, the bench's own lab.
 
-Everything the benchmarks start runs with the real executables of this Python's scripts folder
-first on ``PATH`` (``runbook``, ``ansible``, ``ansible-playbook``, ``kubectl``): a version
-manager's shims (pyenv) add 0.1-0.3 s to every call and would distort both sides.
+Everything the benchmarks start finds its executables (``runbook``, ``ansible``,
+``ansible-playbook``, ``kubectl``) as the CLI does (``tool``): this Python's scripts folder first
+(where pip put the project, ansible-core and, with the ``kubectl`` extra, kubectl; the PATH
+``engine.connectors.ansible`` gives ``ansible-playbook``), then ``PATH``: a version manager's shims
+(pyenv) add 0.1-0.3 s to every call and would distort both sides, and a tool that is not beside the
+interpreter (kubectl from the system's ``kubernetes-client``) is found where it is.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -29,7 +33,7 @@ ENGINE_ROOT = Path(os.environ.get("BENCH_ENGINE_TREE") or ROOT).resolve()
 BENCH = ROOT / "bench"
 RESULTS = BENCH / "results"
 SCENARIOS = BENCH / "scenarios"
-BIN = Path(sys.executable).parent  # the interpreter's scripts folder: runbook, ansible, kubectl
+BIN = Path(sys.executable).parent  # the interpreter's scripts folder: runbook, ansible (kubectl only with the extra)
 DEFAULT_LAB_DIR = "/tmp/bench-lab"
 DEFAULT_FLEET_LAB_DIR = "/tmp/bench-lab-fleet"
 DEFAULT_JOURNAL = "/tmp/bench-journal.sqlite"
@@ -62,6 +66,11 @@ TARGETS: dict[str, tuple[str, float, str]] = {
     "p10_webhook_flood_delta_ms": ("<=", 100.0, "ms"),
     "p10_healthz_upload_ms": ("<=", 100.0, "ms"),
     "p8_runbook_webhook_ms": ("<=", 100.0, "ms"),
+    # issue 32: a burst of 200 failing nodes against one cluster-wide budget (bench/p10_burst.py), and
+    # the run store at 10,000 runs (bench/p11_runs_list.py)
+    "p10_burst_200_decided_s": ("<=", 2.0, "s"),
+    "p10_budget_violations": ("<=", 0.0, "count"),
+    "p11_runs_list_10k_s": ("<=", 1.0, "s"),
 }
 METRICS = tuple(TARGETS)
 
@@ -158,10 +167,42 @@ def base_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+class ToolNotFound(RuntimeError):
+    """An executable a benchmark needs is neither beside this Python nor on ``PATH``."""
+
+
+def scripts_dirs() -> list[Path]:
+    """Where this Python's installs put console scripts: beside the interpreter (a venv's ``bin``),
+    the install scheme's scripts folder, the user scheme's (``pip install --user``)."""
+    found: list[Path] = [BIN]
+    for scheme in (None, f"{os.name}_user"):
+        with contextlib.suppress(KeyError, ValueError):
+            folder = sysconfig.get_path("scripts", scheme) if scheme else sysconfig.get_path("scripts")
+            if folder and Path(folder) not in found:
+                found.append(Path(folder))
+    return found
+
+
+def tool(name: str, *, path: str | None = None, scripts: Sequence[Path] | None = None) -> str:
+    """The executable ``name`` as the CLI finds it: this Python's scripts folders first (``scripts``,
+    default ``scripts_dirs()``), then ``path`` (default: this process's ``PATH``). ``ToolNotFound``
+    saying where it looked when none is there."""
+    folders = scripts_dirs() if scripts is None else scripts
+    search = [str(d) for d in folders] + [p for p in (os.environ.get("PATH", "") if path is None
+                                                      else path).split(os.pathsep) if p]
+    found = shutil.which(name, path=os.pathsep.join(search))
+    if found is None:
+        hint = {"kubectl": " (pip install 'runbook[kubectl]', or apt-get install kubernetes-client)"}.get(name, "")
+        raise ToolNotFound(f"{name} not found beside {sys.executable} nor on PATH{hint}; looked in "
+                           f"{os.pathsep.join(search)}")
+    return found
+
+
 def runbook_cmd(*args: str) -> list[str]:
-    """The installed console script (not a shim); ``python -m engine.cli`` when there is none."""
-    script = BIN / "runbook"
-    return [str(script), *args] if script.exists() else [sys.executable, "-m", "engine.cli", *args]
+    """The installed console script of this Python (not a shim); ``python -m engine`` when there is
+    none (never a ``runbook`` of another install found on ``PATH``: it would be another engine)."""
+    script = next((d / "runbook" for d in scripts_dirs() if (d / "runbook").is_file()), None)
+    return [str(script), *args] if script is not None else [sys.executable, "-m", "engine", *args]
 
 
 # ---------------------------------------------------------------------------------------------- the lab

@@ -44,10 +44,12 @@ PRODUCES: dict[str, tuple[str, ...]] = {
     "p9": ("p9_run_page_kb", "p9_first_paint_ms", "p9_live_update_ms"),
     "p8": ("p8_alert_to_run_s", "p8_runbook_webhook_ms"),
     "p10": ("p10_webhook_flood_delta_ms", "p10_healthz_upload_ms"),
+    "p10b": ("p10_burst_200_decided_s", "p10_budget_violations"),
+    "p11": ("p11_runs_list_10k_s",),
 }
 # cheapest first, the fleet labs together; the real server last (p9: the server and a browser
 # on the lab), then the paging loop (p8: monitoring)
-ORDER = ("p3", "p2", "p4", "p7", "p1", "p5", "p10", "p9", "p8")
+ORDER = ("p3", "p2", "p4", "p7", "p1", "p5", "p10", "p10b", "p11", "p9", "p8")
 
 
 def _runner(name: str, args: argparse.Namespace) -> Callable[[Context], list[Metric]]:
@@ -79,6 +81,14 @@ def _runner(name: str, args: argparse.Namespace) -> Callable[[Context], list[Met
         from bench import p10_floods
 
         return p10_floods.run
+    if name == "p10b":
+        from bench import p10_burst
+
+        return p10_burst.run
+    if name == "p11":
+        from bench import p11_runs_list
+
+        return p11_runs_list.run
     if name == "p4":
         from bench import p4_plan
 
@@ -91,7 +101,8 @@ def _runner(name: str, args: argparse.Namespace) -> Callable[[Context], list[Met
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench/run", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="CI smoke: 1-2 runs each, 10- and 4-node fleets, short rounds")
-    p.add_argument("--only", default="", help="comma-separated benchmarks: p1,p2,p3,p4,p5,p6,p7,p8,p9,p10 (p6 runs p1)")
+    p.add_argument("--only", default="",
+                   help="comma-separated benchmarks: p1,p2,p3,p4,p5,p6,p7,p8,p9,p10,p10b,p11 (p6 runs p1)")
     p.add_argument("--runs", type=int, default=5, help="repetitions per variant (>= 5 unless --quick)")
     p.add_argument("--lab-dir", type=Path, default=Path(DEFAULT_LAB_DIR))
     p.add_argument("--fleet-lab-dir", type=Path, default=Path(DEFAULT_FLEET_LAB_DIR))

@@ -192,8 +192,9 @@ def webhook_under_flood(base: str, *, rounds: int, quick: bool) -> Metric:
     delta = _p95(during) - _p95(at_rest)
     return Metric("p10_webhook_flood_delta_ms", delta, rounds, {
         "at_rest_p95_ms": round(_p95(at_rest), 2), "flood_p95_ms": round(_p95(during), 2),
-        "at_rest": summary(at_rest, 2)["median"], "flood_samples": len(during), "flood_answers": codes, "flood_requests_per_round": FLOOD,
-        "token_review_ms": REVIEW_SECONDS * 1000})
+        "at_rest": summary(at_rest, 2)["median"], "flood_samples": len(during), "flood_answers": codes,
+        "flood_requests_per_round": FLOOD, "token_review_ms": REVIEW_SECONDS * 1000})
+
 
 def _upload_body(parts: int = 20000) -> bytes:
     filler = f"--{BOUNDARY}\r\nX: \r\n\r\nv\r\n".encode()

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import ENGINE_ROOT, ROOT, Context, Metric, log, median, summary
+from bench.common import ENGINE_ROOT, ROOT, Context, Metric, log, median, summary, tool
 
 RUNBOOK = ROOT / "bench" / "runbooks" / "bench-wait-ready.yaml"
 SETTLE_S = 1.5
@@ -74,7 +74,8 @@ def _one(i: int, kube_admin: Any, kube_engine: Any, journal: Any, env: dict[str,
     kube_admin.create(NODES, manifest)
     try:
         kube_admin.patch(NODES, name, _ready("False"), sub="status")
-        kubectl = subprocess.Popen(["kubectl", "wait", "--for=condition=Ready", f"node/{name}", "--timeout=30s"],
+        kubectl = subprocess.Popen([tool("kubectl", path=env.get("PATH")), "wait", "--for=condition=Ready",
+                                    f"node/{name}", "--timeout=30s"],
                                    env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         kubectl_done: dict[str, Any] = {}
 

@@ -31,6 +31,7 @@ from bench.common import (
     runbook_cmd,
     ssh_control_dir,
     summary,
+    tool,
 )
 
 SELECTOR = "bench.runbook.io/fleet=true"
@@ -86,7 +87,8 @@ def plan_fleet(ctx: Context) -> Metric:
         env = ctx.lab_env(lab)
         inventory = env["RUNBOOK_INVENTORY"]
         engine_cmd = runbook_cmd("plan", "gpu-node-recovery", "--selector", SELECTOR)
-        ansible_cmd = ["ansible", "-i", inventory, "all", "-f", str(FORKS), "-m", "command", "-a", SWAPON]
+        ansible_cmd = [tool("ansible", path=env.get("PATH")), "-i", inventory, "all", "-f", str(FORKS), "-m",
+                       "command", "-a", SWAPON]
         runs = 1 if ctx.quick else max(5, ctx.runs)
         times: dict[str, list[float]] = {"engine": [], "ansible": []}
         loads = []

@@ -44,7 +44,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from bench.common import BIN, ENGINE_ROOT, Context, Metric, loadavg, log, median, run_timed, runbook_cmd, summary
+from bench.common import ENGINE_ROOT, Context, Metric, loadavg, log, median, run_timed, runbook_cmd, summary, tool
 
 NODE = "omen2"
 TOKEN = "bench-p8-sender-token-0123456789"  # the Alertmanager sender (>= 16 bytes)
@@ -161,8 +161,8 @@ class Serve:
 
 
 def _kubectl_json(env: dict[str, str], *args: str) -> Any:
-    out = subprocess.run([str(BIN / "kubectl"), *args, "-o", "json"], env=env, capture_output=True, text=True,
-                         timeout=60, check=True).stdout
+    out = subprocess.run([tool("kubectl", path=env.get("PATH")), *args, "-o", "json"], env=env, capture_output=True,
+                         text=True, timeout=60, check=True).stdout
     return json.loads(out)
 
 
@@ -264,7 +264,7 @@ def _break_kubelet(env: dict[str, str], index: int, ctx: Context) -> float:
 
     record = Lab(ctx.lab_dir).record()
     devices = list(HostState(record["nodes"][NODE]["state_dir"]).read()["swap"]["devices"])
-    cmd = [str(BIN / "ansible"), "-i", env["RUNBOOK_INVENTORY"], NODE, "-b", "-m", "shell", "-a",
+    cmd = [tool("ansible", path=env.get("PATH")), "-i", env["RUNBOOK_INVENTORY"], NODE, "-b", "-m", "shell", "-a",
            f"swapon {devices[0]} && systemctl restart kubelet"]
     t = run_timed(cmd, env=env, log_path=ctx.log_path(f"p8-break-{index}.log"))
     if t.rc != 0:

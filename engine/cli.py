@@ -427,6 +427,7 @@ def plan(settings: Settings, name: str | None, node: str | None, selector: str |
          settle: float, params: tuple[str, ...], output: str, out_file: str | None, expires: str,
          rollback_of: str | None) -> int:
     """Show what a run would do to the node now (live facts, dry-run previews). Changes nothing."""
+    settings.start_inventory_read()  # its child runs while the engine loads
     from engine import app
     from engine.errors import UsageError
 
@@ -465,6 +466,7 @@ def run(settings: Settings, name: str, node: str | None, selector: str | None, m
     run in rolling batches; exit 0 all succeeded or had nothing to do, 1 any failed, 3 none failed
     but some were blocked, 4 cancelled.
     """
+    settings.start_inventory_read()  # its child runs while the engine loads
     from engine import app
 
     overrides = overrides_from(override_guards, override_reasons)
@@ -485,6 +487,7 @@ def run(settings: Settings, name: str, node: str | None, selector: str | None, m
 def apply(settings: Settings, plan_file: str, yes: bool, output: str, override_guards: tuple[str, ...],
           override_reasons: tuple[str, ...]) -> int:
     """Execute a saved plan, refusing (exit 5) if the runbook, the facts or the clock moved on."""
+    settings.start_inventory_read()  # its child runs while the engine loads
     from engine import app
 
     overrides = overrides_from(override_guards, override_reasons)
@@ -519,6 +522,7 @@ def approve(settings: Settings, run_id: str, plan_digest: str, approved_by: str 
 def resume(settings: Settings, run_id: str, yes: bool, output: str, override_guards: tuple[str, ...],
            override_reasons: tuple[str, ...]) -> int:
     """Continue an interrupted or approved run; completed steps are not redone."""
+    settings.start_inventory_read()  # its child runs while the engine loads
     from engine import app
 
     overrides = overrides_from(override_guards, override_reasons)

@@ -162,6 +162,7 @@ class _ActResult:
     evidence: dict[str, Any] = field(default_factory=dict)
     host_facts: HostFacts | None = None
     outage: bool = False  # the API server or the host could not be reached: the effect is unknown
+    refused: bool = False  # the effect refused and left nothing behind (EffectFailed.refused): blocked
 
 
 @dataclass
@@ -221,6 +222,9 @@ class Executor:
         self._params: dict[str, Any] = {}
         self._node = ""
         self._baseline: dict[str, Any] = {}  # the plan's baseline: plan-time facts for ``baseline.*`` templates
+        # secrets a kube step hands to the run's later playbooks (a bootstrap token: KubeContext.handoff);
+        # memory only: passed as extra vars ``runbook_secret_<key>``, never in an event or the command line
+        self._handoff: dict[str, str] = {}
         self._kill_points = fault_injection_points()
 
     def _test_kill(self, step_id: str, phase: str) -> None:
@@ -256,6 +260,7 @@ class Executor:
                             "not the plan that was reviewed, nothing done")
         self._plan, self._params, self._node = plan, dict(params), plan.node
         self._baseline = dict(plan.baseline)
+        self._handoff = {}
         self._runbook_steps = {s.id: s for s in runbook.steps}
         emit = self.events.emit
         emit("run.start", runbook=runbook.name, version=runbook.version, node=plan.node,
@@ -466,6 +471,9 @@ class Executor:
                 # Nobody knows what the action did: no blind rollback; a resume re-evaluates the step.
                 evidence["outage"] = act.error or act.summary
                 return StepStatus.FAILED, f"action failed: {act.error or act.summary}", evidence, 0
+            if not act.ok and act.refused:
+                # it undid what it had begun (nothing to roll back): the run is refused, as a plan would be
+                return StepStatus.BLOCKED, f"refused: {act.error or act.summary}", evidence, 0
             if not act.ok:
                 self._on_failure(step, StepStatus.FAILED, f"action failed: {act.error or act.summary}", evidence)
             if not act.noop:
@@ -553,7 +561,7 @@ class Executor:
             return r.holds, r.observed, r.evidence
 
         return kv.KubeContext(self.kube, self._node, self.clock, self.sleep, self.cancel, wait_until,
-                              run_id=self.run_id)
+                              run_id=self.run_id, handoff=self._handoff)
 
     def _act_kube(self, step_id: str, action: KubeAction, facts: Facts, *, rollback: bool) -> _ActResult:
         emit = self.events.emit
@@ -565,7 +573,7 @@ class Executor:
             node = NodeFacts(name=self._node)  # a wait reads no node facts to decide
         intent_sent = False
         last_error = ""
-        outage = False
+        outage = refused = False
         evidence: dict[str, Any] = {}
         for attempt in range(1, 4):
             if node is None or not node.exists:
@@ -588,7 +596,7 @@ class Executor:
             try:
                 evidence = kv.apply(effect, self._kube_context(step_id))
             except kv.EffectFailed as e:
-                last_error, evidence, outage = str(e), e.evidence, e.outage
+                last_error, evidence, outage, refused = str(e), e.evidence, e.outage, e.refused
                 break
             except RunbookError as e:
                 last_error = str(e)
@@ -614,7 +622,8 @@ class Executor:
             evidence = {**evidence, "outage": True}
         emit("action.result", step=step_id, ok=False, changed=False, summary="kube action failed", error=last_error,
              rollback=rollback, evidence=evidence)
-        return _ActResult(ok=False, summary="kube action failed", error=last_error, evidence=evidence, outage=outage)
+        return _ActResult(ok=False, summary="kube action failed", error=last_error, evidence=evidence, outage=outage,
+                          refused=refused)
 
     def _act_ansible(self, step_id: str, action: AnsibleAction, *, rollback: bool) -> _ActResult:
         emit = self.events.emit
@@ -626,6 +635,8 @@ class Executor:
             extravars.setdefault("runbook_files", files)
         command = ansible_command(spec, host, inventory=self.inventory_cmd_hint, extravars=extravars)
         summary = f"run playbook {spec.playbook} on {host}" + (" as root" if spec.become else "")
+        # after the command line is made (it is journaled): the secrets a kube step handed over
+        extravars.update({f"runbook_secret_{k}": v for k, v in self._handoff.items()})
         self._intent(step_id, action="ansible", verb="playbook", command=command, summary=summary,
                      rollback=rollback)
         if not rollback:

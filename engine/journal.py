@@ -38,7 +38,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from engine.errors import JournalError, StalePlan, UsageError
+from engine.errors import JournalError, UsageError
 from engine.model import RunState
 from engine.store import (  # the store's types; re-exported for callers that named them here
     ACTIVE_STATES,
@@ -53,8 +53,12 @@ from engine.store import (  # the store's types; re-exported for callers that na
     StepProgress,
     StoreBase,
     _process_start,
+    check_approvable,
+    check_retention,
     current_owner,
     new_run_id,
+    owned_by_another,
+    past_retention,
     process_alive,
     progress_from_events,
     read_state,
@@ -120,6 +124,7 @@ CREATE TABLE IF NOT EXISTS events (
   PRIMARY KEY (run_id, seq)
 );
 CREATE INDEX IF NOT EXISTS runs_created ON runs(created);
+CREATE INDEX IF NOT EXISTS runs_state_created ON runs(state, created);
 """
 
 
@@ -277,7 +282,7 @@ class Journal(StoreBase):
                              (run_id,)).fetchone()
             if row is None:
                 raise UsageError(f"unknown run id {run_id!r}")
-            if tuple(row) != me and process_alive(*row) is True:
+            if owned_by_another(tuple(row)):
                 return False
             db.execute("UPDATE runs SET owner_host=?, owner_pid=?, owner_start=? WHERE id=?", (*me, run_id))
         return True
@@ -316,11 +321,7 @@ class Journal(StoreBase):
             if row is None:
                 raise UsageError(f"unknown run id {run_id!r}")
             current, state = row
-            if current is None or digest != current:
-                raise StalePlan(f"run {run_id}: approval names plan {digest!r}, but the run's plan is "
-                                f"{current!r}; re-read the plan and approve that digest")
-            if state != RunState.WAITING_APPROVAL:
-                raise StalePlan(f"run {run_id} is {state}, not waiting for approval")
+            check_approvable(run_id, digest, current, state)
             db.execute("UPDATE runs SET approved_by=?, approved_at=?, approved_digest=? WHERE id=?",
                        (approved_by, time.time(), digest, run_id))
         self.append(run_id, "approval.granted", approved_by=approved_by, plan_digest=digest)
@@ -366,15 +367,14 @@ class Journal(StoreBase):
         """Delete finished runs (and their events) beyond the ``keep`` newest finished ones, and
         those finished more than ``max_age`` seconds ago; the deleted ids. Runs not in a final
         state are never deleted."""
-        if keep < 0 or (max_age is not None and max_age < 0):
-            raise UsageError(f"retention: keep ({keep}) and max_age ({max_age}) must not be negative")
+        check_retention(keep, max_age)
         now = time.time() if now is None else now
         with self._tx("prune old runs") as db:
             rows = db.execute(f"SELECT id, COALESCE(finished, created) FROM runs WHERE state IN "
                               f"({','.join('?' * len(FINAL_STATES))}) ORDER BY created DESC, id DESC",
                               FINAL_STATES).fetchall()
             doomed = [rid for i, (rid, end) in enumerate(rows)
-                      if i >= keep or (max_age is not None and now - float(end) > max_age)]
+                      if past_retention(i, float(end), keep=keep, max_age=max_age, now=now)]
             for rid in doomed:
                 db.execute("DELETE FROM events WHERE run_id=?", (rid,))
                 db.execute("DELETE FROM runs WHERE id=?", (rid,))

@@ -38,16 +38,21 @@ from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 from engine.connectors.base import ObjectAPI
-from engine.errors import Conflict, JournalError, KubeError, StalePlan, UsageError
+from engine.errors import Conflict, JournalError, KubeError, UsageError
 from engine.model import RunState
 from engine.store import (
+    ACTIVE_STATES,
     FINAL_STATES,
     EventRecord,
     RunRecord,
     RunStore,
     StoreBase,
+    check_approvable,
+    check_retention,
     current_owner,
     new_run_id,
+    owned_by_another,
+    past_retention,
     process_alive,
     read_state,
     run_state,
@@ -71,6 +76,13 @@ KEPT_KEYS = ("status", "ok", "rollback", "state", "exit_code", "reason", "error"
              "plan_digest", "started_at", "finished_at", "completed", "started_without_outcome")
 _OUTCOME_EVENTS = ("run.blocked", "run.failed", "run.cancelled", "run.error", "run.finish", "run.resumable",
                    "approval.waiting", "approval.granted", "approval.rejected")
+
+# Labels every RemediationRun carries, so that every list the server makes is label-selected:
+PHASE_LABEL = "runbook.io/phase"  # kept in step with status.phase (one write behind at most)
+TRIGGER_LABEL = "runbook.io/trigger"  # the run's source: cli, alertmanager, pagerduty, remediation, ...
+NODE_LABEL = "runbook.io/node"
+RUNBOOK_LABEL = "runbook.io/runbook"
+UNLABELLED = f"!{PHASE_LABEL}"  # runs recorded before the labels existed: read by a second list
 
 T = TypeVar("T")
 log = logging.getLogger("runbook.store")
@@ -261,8 +273,8 @@ class KubeRunStore(StoreBase):
         run_id = run_id or new_run_id()
         state = run_state(state)
         node = nodes[0] if nodes else ""
-        labels = {"app.kubernetes.io/managed-by": "runbook"}
-        for key, value in (("runbook.io/runbook", runbook), ("runbook.io/node", node)):
+        labels = {"app.kubernetes.io/managed-by": "runbook", PHASE_LABEL: state.phase}
+        for key, value in ((RUNBOOK_LABEL, runbook), (NODE_LABEL, node), (TRIGGER_LABEL, source)):
             if _label_value(value):
                 labels[key] = value
         body = {
@@ -291,8 +303,7 @@ class KubeRunStore(StoreBase):
 
         def take(status: dict[str, Any]) -> tuple[bool, bool]:
             owner = status.get("owner") or {}
-            theirs = (owner.get("host"), owner.get("pid"), owner.get("start"))
-            if theirs != me and process_alive(*theirs) is True:
+            if owned_by_another((owner.get("host"), owner.get("pid"), owner.get("start"))):
                 return False, False
             status["owner"] = {"host": me[0], "pid": me[1], "start": me[2]}
             status["claimedBy"] = f"{me[0]}/{me[1]}"
@@ -345,18 +356,40 @@ class KubeRunStore(StoreBase):
             return True, None
 
         self._update(run_id, put)
+        self._label_phase(run_id, state.phase)
+
+    def _label_phase(self, run_id: str, phase: str) -> None:
+        """Bring the ``runbook.io/phase`` label in step with the phase just written (a write of the
+        object itself: labels are not in the status). Lists select by it and add the phases it can
+        lag behind (``_phase_selector``). Best effort: a conflict is re-read and retried; an error
+        (an older Role without ``update`` on remediationruns) leaves the label one phase behind."""
+        with self._locked(run_id):
+            obj = self._cache.get(run_id)
+            try:
+                for _ in range(CONFLICT_RETRIES):
+                    if obj is None:
+                        obj = self._read(run_id)
+                    meta = dict(obj.get("metadata") or {})
+                    labels = dict(meta.get("labels") or {})
+                    if labels.get(PHASE_LABEL) == phase:
+                        return
+                    labels[PHASE_LABEL] = phase
+                    try:
+                        obj = self.api.replace_object(API_VERSION, PLURAL, self.namespace,
+                                                      {**obj, "metadata": {**meta, "labels": labels}})
+                    except Conflict:
+                        obj = None
+                        continue
+                    self._cache[run_id] = obj
+                    return
+            except KubeError as e:
+                log.warning("run %s: label %s=%s not written: %s", run_id, PHASE_LABEL, phase, e)
 
     def record_approval(self, run_id: str, digest: str, approved_by: str) -> RunRecord:
         now = self.clock()
 
         def approve(status: dict[str, Any]) -> tuple[bool, None]:
-            current = status.get("planDigest")
-            state = _phase_state(status)
-            if current is None or digest != current:
-                raise StalePlan(f"run {run_id}: approval names plan {digest!r}, but the run's plan is "
-                                f"{current!r}; re-read the plan and approve that digest")
-            if state is not RunState.WAITING_APPROVAL:
-                raise StalePlan(f"run {run_id} is {state}, not waiting for approval")
+            check_approvable(run_id, digest, status.get("planDigest"), _phase_state(status))
             status["approval"] = {"by": self._clean(approved_by), "at": format_time(now), "digest": digest}
             self._event(status, "approval.granted", None, {"approved_by": approved_by, "plan_digest": digest})
             return True, None
@@ -367,8 +400,23 @@ class KubeRunStore(StoreBase):
     def get_run(self, run_id: str) -> RunRecord:
         return self._record(self._read(run_id))
 
+    def _selected(self, states: tuple[str, ...] | None) -> list[dict[str, Any]]:
+        """The RemediationRuns that may be in ``states`` (all of them for None), read by label
+        (``runbook.io/phase``; the connector reads in pages): the phases asked for, plus those a
+        label can lag behind (active, interrupted: the label follows the status by one write), plus
+        the runs recorded before the labels existed. The status decides afterwards."""
+        if not states:
+            return [dict(o) for o in self.api.list_objects(API_VERSION, PLURAL, namespace=self.namespace)]
+        phases = sorted({PHASES[run_state(s).value] for s in states}
+                        | {PHASES[s] for s in ACTIVE_STATES} | {RunState.INTERRUPTED.phase})
+        out: dict[str, dict[str, Any]] = {}
+        for selector in (f"{PHASE_LABEL} in ({','.join(phases)})", UNLABELLED):
+            for o in self.api.list_objects(API_VERSION, PLURAL, namespace=self.namespace, label_selector=selector):
+                out[(o.get("metadata") or {}).get("name", "")] = dict(o)
+        return list(out.values())
+
     def list_runs(self, *, limit: int = 100, states: tuple[str, ...] | None = None) -> list[RunRecord]:
-        items = [dict(o) for o in self.api.list_objects(API_VERSION, PLURAL, namespace=self.namespace)]
+        items = self._selected(states)
         if states:
             items = [o for o in items if _stored_state(o) in states]
         items.sort(key=lambda o: (_created(o), (o.get("metadata") or {}).get("name", "")), reverse=True)
@@ -417,21 +465,22 @@ class KubeRunStore(StoreBase):
             self._update(run_id, mark)
         except KubeError as e:  # Why: a read-only identity or an outage must not fail a read
             log.warning("run %s: could not record phase Interrupted: %s", run_id, e)
+            return
+        if _stored_state(self._cache.get(run_id) or {}) is RunState.INTERRUPTED:
+            self._label_phase(run_id, RunState.INTERRUPTED.phase)
 
     def prune(self, *, keep: int, max_age: float | None = None, now: float | None = None) -> list[str]:
         """Delete finished RemediationRuns beyond the ``keep`` newest and those finished more than
         ``max_age`` seconds ago (each only at the version read: a run changed meanwhile stays)."""
-        if keep < 0 or (max_age is not None and max_age < 0):
-            raise UsageError(f"retention: keep ({keep}) and max_age ({max_age}) must not be negative")
+        check_retention(keep, max_age)
         now = self.clock() if now is None else now
-        items = [dict(o) for o in self.api.list_objects(API_VERSION, PLURAL, namespace=self.namespace)
-                 if _stored_state(o) in FINAL_STATES]
+        items = [o for o in self._selected(FINAL_STATES) if _stored_state(o) in FINAL_STATES]
         items.sort(key=lambda o: (_created(o), (o.get("metadata") or {}).get("name", "")), reverse=True)
         deleted = []
         for i, obj in enumerate(items):
             status = obj.get("status") or {}
             end = parse_time(status.get("finishedAt")) or _created(obj)
-            if i < keep and (max_age is None or now - end <= max_age):
+            if not past_retention(i, end, keep=keep, max_age=max_age, now=now):
                 continue
             meta = obj.get("metadata") or {}
             try:

@@ -434,7 +434,7 @@ def _walk_strings(value: Any, path: Path_) -> Iterable[tuple[Path_, str]]:
 def _semantic_problems(rb: Runbook, data: Mapping[str, Any], *, stem: str | None,
                        playbooks_dir: Path | None) -> list[tuple[Path_, str]]:
     from engine.model import AnsibleAction as _Ansible
-    from engine.model import KubeAction, KubeDrain
+    from engine.model import KubeAction
     from engine.templating import template_problems
 
     out: list[tuple[Path_, str]] = []
@@ -464,9 +464,10 @@ def _semantic_problems(rb: Runbook, data: Mapping[str, Any], *, stem: str | None
             elif index[req] > i:
                 out.append((where, f"step {step.id!r} requires {req!r}, which runs after it "
                                    "(steps run in order: a requirement must come earlier; cycle or order violation)"))
-        # drain verifies itself: no evictable pod is left on the node (engine/kube_verbs/drain.py)
+        # drain verifies itself: no evictable pod is left on the node (engine/kube_verbs/drain.py);
+        # so do the bootstrap token verbs (engine/kube_verbs/node_bootstrap.py): SELF_VERIFYING
         if step.mutating and not step.verify and not (isinstance(step.action, KubeAction)
-                                                      and isinstance(step.action.kube, KubeDrain)):
+                                                      and step.action.kube.SELF_VERIFYING):
             out.append((("steps", i), f"step {step.id!r} changes something but has no verify "
                                       "(every kube/ansible step must say how success is checked)"))
 

@@ -196,6 +196,9 @@ class KubeVerbSpec(_Model):
     """The base of a kube verb's spec: ``KEY`` is the runbook key (``kube: {KEY: spec}``)."""
 
     KEY: ClassVar[str]
+    # True: the verb's apply proves its own effect (drain: no evictable pod left; the bootstrap
+    # token verbs): a step with it needs no ``verify`` (loader)
+    SELF_VERIFYING: ClassVar[bool] = False
 
 
 _KUBE_VERBS: list[type[KubeVerbSpec]] = []
@@ -280,7 +283,57 @@ class KubeWait(KubeVerbSpec):
 @kube_verb
 class KubeDrain(KubeVerbSpec):
     KEY: ClassVar[str] = "drain"
+    SELF_VERIFYING: ClassVar[bool] = True  # no pod it would evict is left on the node
     drain: DrainSpec = Field(default_factory=DrainSpec)
+
+
+class BootstrapTokenSpec(_Model):
+    """``bootstrap_token: {ttl: 15m}``: a kubelet bootstrap token for the run's node (a Secret of type
+    ``bootstrap.kubernetes.io/token`` in kube-system, expiring after ``ttl``), proved to authenticate
+    (TokenReview) before anything else is done with it (``engine.kube_verbs.node_bootstrap``)."""
+
+    ttl: Duration = "15m"
+    # the group kubeadm binds to system:node-bootstrapper (ClusterRoleBinding kubeadm:kubelet-bootstrap)
+    group: str = Field(default="system:bootstrappers:kubeadm:default-node-token",
+                       pattern=r"^system:bootstrappers:[a-z0-9:-]+$")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _true_is_defaults(cls, v: Any) -> Any:
+        return {} if v is None or v is True else v
+
+
+class ApproveNodeCsrSpec(_Model):
+    """``approve_node_csr: {timeout: 2m}``: approve the kubelet client CSR the run's bootstrap token
+    made, only if it asks for exactly the run's node (requestor, signer, usages, subject, no SANs)."""
+
+    timeout: Duration = "120s"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _true_is_defaults(cls, v: Any) -> Any:
+        return {} if v is None or v is True else v
+
+
+@kube_verb
+class KubeBootstrapToken(KubeVerbSpec):
+    KEY: ClassVar[str] = "bootstrap_token"
+    SELF_VERIFYING: ClassVar[bool] = True  # the token exists and authenticates, or the step fails
+    bootstrap_token: BootstrapTokenSpec = Field(default_factory=BootstrapTokenSpec)
+
+
+@kube_verb
+class KubeApproveNodeCsr(KubeVerbSpec):
+    KEY: ClassVar[str] = "approve_node_csr"
+    SELF_VERIFYING: ClassVar[bool] = True  # approved (and issued) or the step fails
+    approve_node_csr: ApproveNodeCsrSpec = Field(default_factory=ApproveNodeCsrSpec)
+
+
+@kube_verb
+class KubeDeleteBootstrapTokens(KubeVerbSpec):
+    KEY: ClassVar[str] = "delete_bootstrap_tokens"
+    SELF_VERIFYING: ClassVar[bool] = True  # none of the node's tokens is left, or the step fails
+    delete_bootstrap_tokens: Literal[True]
 
 
 # The kube verbs of the format, in registration order (the schema's and the hints' order): every

@@ -55,11 +55,13 @@ from engine.errors import KubeError, UsageError
 from engine.facts import NodeFacts
 
 GuardName = Literal["exclusion", "kured-lock", "nhc-pause", "medik8s-lease", "nvsentinel", "gpu-budget",
-                    "unhealthy-capacity", "window"]
+                    "unhealthy-capacity", "window", "concurrency"]
 GUARD_NAMES: tuple[GuardName, ...] = ("exclusion", "kured-lock", "nhc-pause", "medik8s-lease", "nvsentinel",
                                       "gpu-budget", "unhealthy-capacity")
-# ``window``: the runbook's maintenance windows (engine.run_windows), judged by the run service
-OVERRIDABLE: tuple[GuardName, ...] = (*GUARD_NAMES, "window")
+# ``window``: the runbook's maintenance windows (engine.run_windows), judged by the run service;
+# ``concurrency``: runs in flight in the whole cluster, judged with the GPU budget when the run claims
+# its place in the cluster's budget (engine.budget)
+OVERRIDABLE: tuple[GuardName, ...] = (*GUARD_NAMES, "window", "concurrency")
 
 EXCLUDE_LABEL = "runbook.io/exclude"  # ours: `runbook.io/exclude=true` keeps every runbook run off a node
 MEDIK8S_EXCLUDE_LABEL = "remediation.medik8s.io/exclude-from-remediation"
@@ -121,6 +123,13 @@ class GpuBudget(_Section):
     max_percent: float | None = Field(default=50.0, ge=0, le=100)
 
 
+class Concurrency(_Section):
+    """At most ``max_runs`` runs in flight at once in the whole cluster (every replica of
+    ``runbook serve``, every CLI run), counted from the cluster's budget claims (``engine.budget``)."""
+
+    max_runs: int | None = Field(default=None, ge=1)
+
+
 class UnhealthyCapacity(_Section):
     """Refuse every run while more than this many nodes (or GPUs on such nodes) are not Ready."""
 
@@ -138,6 +147,7 @@ class GuardConfig(ExclusionConfig):
     medik8s_lease: Medik8sLeaseConfig = Field(default_factory=Medik8sLeaseConfig)
     nvsentinel: NvSentinelConfig = Field(default_factory=NvSentinelConfig)
     gpu_budget: GpuBudget = Field(default_factory=GpuBudget)
+    concurrency: Concurrency = Field(default_factory=Concurrency)
     unhealthy_capacity: UnhealthyCapacity = Field(default_factory=UnhealthyCapacity)
 
 
@@ -572,6 +582,13 @@ def _gpu_budget(node: NodeFacts, nodes: Sequence[NodeFacts], in_flight: Sequence
     if over:
         return GuardVerdict("gpu-budget", False, f"GPU budget exceeded: {detail}", transient=True)
     return GuardVerdict("gpu-budget", True, detail)
+
+
+def gpu_budget_verdict(node: NodeFacts, nodes: Sequence[NodeFacts], in_flight: Sequence[str],
+                       budget: GpuBudget) -> GuardVerdict:
+    """The ``gpu-budget`` verdict for ``node`` with ``in_flight`` (nodes remediated now, anywhere)
+    counted out of service: what a budget claim (``engine.budget``) decides with."""
+    return _gpu_budget(node, nodes, in_flight, budget)
 
 
 def unhealthy(nodes: Iterable[NodeFacts]) -> tuple[list[str], int]:

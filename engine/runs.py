@@ -45,10 +45,11 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from engine import loader, planning, previews, probes
 from engine.batch import SharedPlaybooks
+from engine.budget import Claim, ClusterBudget, budget_configured, budget_verdicts, gpu_count, read_nodes
 from engine.checks import HOST
 from engine.errors import ExitCode, LockHeld, RunbookError, StalePlan, UsageError
 from engine.escalation import escalate_after_failure
@@ -75,6 +76,7 @@ from engine.store import JournalSink, RunStore, StepProgress, new_run_id
 from engine.windows import Clock, clock_from_env
 
 if TYPE_CHECKING:
+    from engine.budget import BudgetAPI
     from engine.connectors.base import KubeAPI, NodeAutomation
     from engine.settings import Settings
 
@@ -272,6 +274,7 @@ class RunService:
         self.integrity = RunIntegrity(self.journal)  # seals what it records; checks before acting
         self._guard_lock = threading.Lock()
         self._in_flight: set[str] = set()  # nodes this service remediates now (the GPU budget counts them)
+        self._cluster_budget: ClusterBudget | None = None  # every run in flight in the cluster (engine.budget)
 
     # -- targets and plans ----------------------------------------------------------------------
 
@@ -485,8 +488,57 @@ class RunService:
         stops = _stops(verdicts, changes=changes)
         if stops:
             return "; ".join(f"guard {v.name}: {v.reason}" for v in stops)
+        refused = self._claim_budget(run_id, node, overrides, changes=changes)
+        if refused is not None:
+            return refused
         self._in_flight.add(node)
         return None
+
+    def _budget(self) -> ClusterBudget | None:
+        """The cluster's budget (``engine.budget``), or None when no budget is configured."""
+        if not budget_configured(self.guard_config()):
+            return None
+        if self._cluster_budget is None:
+            self._cluster_budget = ClusterBudget(cast("BudgetAPI", self.settings.kube()),
+                                                 self.settings.lease_namespace)
+        return self._cluster_budget
+
+    def _claim_budget(self, run_id: str, node: str, overrides: Mapping[str, str], *, changes: bool) -> str | None:
+        """Claim the run's place in the cluster's budget: the GPU budget and the concurrency limit
+        judged with every run in flight anywhere (``engine.budget``), journaled as ``budget``.
+        Refused: the reason. A run that takes no new capacity (nothing to do, a resume) is
+        recorded but never refused; an unreadable budget refuses every run (fail closed)."""
+        config = self.guard_config()
+        given = {} if self.automatic else dict(overrides)
+
+        try:
+            budget = self._budget()
+            if budget is None:
+                return None
+            nodes = read_nodes(budget.api)
+
+            def decide(others: Sequence[Claim]) -> str | None:
+                if not changes:
+                    return None
+                stops = [v for v in budget_verdicts(nodes, node, config, others, sorted(self._in_flight - {node}))
+                         if v.blocks and v.name not in given]
+                return "; ".join(f"guard {v.name}: {v.reason}" for v in stops) or None
+
+            target = None if isinstance(nodes, Exception) else next((n for n in nodes if n.name == node), None)
+            result = budget.claim(run_id, node, decide, gpus=gpu_count(target) if target is not None else 0)
+        except RunbookError as e:
+            reason = f"guard gpu-budget: the cluster's budget cannot be claimed, so it blocks: {e}"
+            self.journal.append(run_id, "budget", granted=False, reason=reason)
+            return reason
+        self.journal.append(run_id, "budget", **result.as_event())
+        return None if result.granted else result.reason
+
+    def _release_budget(self, run_id: str) -> None:
+        """Give the run's place in the cluster's budget back (best effort: a claim left behind is
+        pruned once its run holds no Lease)."""
+        budget = self._cluster_budget
+        if budget is not None and budget.release(run_id):
+            self.journal.append(run_id, "budget.released")
 
     # -- execution ------------------------------------------------------------------------------
 
@@ -561,6 +613,7 @@ class RunService:
         finally:
             with self._guard_lock:
                 self._in_flight.discard(prepared.node)
+            self._release_budget(run_id)
         roll_back_after_failure(self, run_id, prepared, result)  # on_failure: {rollback: all} (engine.rollback)
         escalate_after_failure(self, run_id, prepared, result)  # on_failure: {escalate: [...]} (engine.escalation)
         return result

@@ -114,6 +114,15 @@ class Settings:
             raise UsageError(f"kubeconfig {self.kubeconfig} not found (from --kubeconfig or env KUBECONFIG)\n"
                              f"  give --kubeconfig FILE or set KUBECONFIG to an existing file")
 
+    def start_inventory_read(self) -> None:
+        """Begin reading the inventory now, in the background, when it is plain files (its
+        ``ansible-inventory`` child then runs while the command imports and loads; ``nodes()``
+        collects it): for the commands that plan or run. Errors are ``nodes()``'s to report."""
+        if self.inventory is not None:
+            from engine.connectors.inventory import start_reading
+
+            start_reading(self.inventory)
+
     def nodes(self, playbooks_dir: Path) -> NodeAutomation:
         if "nodes" not in self._cache:
             if self.inventory is None:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from engine.errors import UsageError
+from engine.errors import StalePlan, UsageError
 from engine.model import RunState
 
 __all__ = [
@@ -54,9 +54,13 @@ __all__ = [
     "SecretMask",
     "StepProgress",
     "StoreBase",
+    "check_approvable",
+    "check_retention",
     "current_owner",
     "iso_time",
     "new_run_id",
+    "owned_by_another",
+    "past_retention",
     "process_alive",
     "progress_from_events",
     "redact",
@@ -190,6 +194,36 @@ def read_state(stored: str | RunState, owner_host: str | None, owner_pid: int | 
     if state.is_active and process_alive(owner_host, owner_pid, owner_start) is False:
         return RunState.INTERRUPTED
     return state
+
+
+def owned_by_another(owner: tuple[str | None, int | None, str | None]) -> bool:
+    """Whether ``owner`` (host, pid, start) is a live process other than this one: then ``claim``
+    changes nothing (two resumes of one run never both proceed)."""
+    return tuple(owner) != current_owner() and process_alive(*owner) is True
+
+
+# -- what every store decides the same way ------------------------------------------------------
+
+
+def check_approvable(run_id: str, digest: str, current: str | None, state: str | RunState) -> None:
+    """``StalePlan`` unless ``digest`` names the run's current plan and the run waits for approval."""
+    if current is None or digest != current:
+        raise StalePlan(f"run {run_id}: approval names plan {digest!r}, but the run's plan is "
+                        f"{current!r}; re-read the plan and approve that digest")
+    if str(state) != RunState.WAITING_APPROVAL.value:
+        raise StalePlan(f"run {run_id} is {state}, not waiting for approval")
+
+
+def check_retention(keep: int, max_age: float | None) -> None:
+    """``UsageError`` for a retention no store can apply (``prune``'s arguments)."""
+    if keep < 0 or (max_age is not None and max_age < 0):
+        raise UsageError(f"retention: keep ({keep}) and max_age ({max_age}) must not be negative")
+
+
+def past_retention(rank: int, finished: float, *, keep: int, max_age: float | None, now: float) -> bool:
+    """Whether ``prune`` deletes the finished run of ``rank`` (0: the newest finished run), which
+    finished at ``finished``: beyond the ``keep`` newest, or finished more than ``max_age`` s ago."""
+    return rank >= keep or (max_age is not None and now - finished > max_age)
 
 
 # -- records ----------------------------------------------------------------------------------

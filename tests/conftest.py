@@ -30,18 +30,18 @@ from typing import Any
 
 import pytest
 
-import tests.fakes
-import tests.notify_receiver
+import tests.fakes.notify
+import tests.fakes.oncall
 from engine.lab.assets import find_assets
 from engine.lab.controlplane import ControlPlane
 from engine.lab.kubectl import Kubectl
 from engine.lab.nodehosts import NodeHostSet, NodeHostSpec, node_host_prerequisite_problems, start_node_hosts
 
-# The unit tests are packages now (tests/unit mirrors engine/, basenames may repeat): helpers are
-# imported as ``tests.fakes`` / ``tests.notify_receiver``. Test modules still written with the bare
-# names (before the tree moved) get the very same module objects, never a second copy.
-sys.modules.setdefault("fakes", tests.fakes)
-sys.modules.setdefault("notify_receiver", tests.notify_receiver)
+# Every test double lives in the package tests/fakes/. A test module written against the doubles'
+# former homes (``tests.notify_receiver``, ``tests.oncall_fakes``: branches started before the move)
+# gets the very same module objects, never a second copy. Remove once nothing imports those names.
+sys.modules.setdefault("tests.notify_receiver", tests.fakes.notify)
+sys.modules.setdefault("tests.oncall_fakes", tests.fakes.oncall)
 
 IN_CI = os.environ.get("CI", "").strip().lower() in {"1", "true", "yes"}
 _started_planes: list[ControlPlane] = []

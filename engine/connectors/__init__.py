@@ -2,5 +2,5 @@
 
 ``kube`` is the only importer of ``kubernetes``; ``ansible`` the only importer of
 ``ansible_runner``. ``base`` holds the interfaces the rest of the engine depends on, so
-unit tests can supply fakes (``tests/fakes.py``).
+unit tests can supply fakes (``tests/fakes/``).
 """

@@ -173,6 +173,14 @@ def child_environment(runner_env: Mapping[str, str], ours: Mapping[str, str],
     return {k: str(v) for k, v in env.items()}
 
 
+def run_forks(hosts: int, forks: int, *, read_only: bool) -> int:
+    """Ansible forks for a run over ``hosts`` hosts. A changing run over several hosts is one rolling
+    batch (``engine.batch``: every node of it runs now, by the operator's ``--max-parallel``): all
+    of its hosts at once, whatever ``forks``. Read-only runs (facts, check mode) may cover a whole
+    fleet's plan: at most ``forks`` at a time."""
+    return max(1, hosts if not read_only else min(forks, hosts))
+
+
 # ============================================================================ the connector
 
 
@@ -441,10 +449,10 @@ class AnsibleConnector:
             playbook=str(path),
             inventory=str(self.inventory_path),
             limit=",".join(hosts),
-            forks=max(1, min(self.forks, len(hosts))),
+            forks=run_forks(len(hosts), self.forks, read_only=read_only or check),
             extravars=evars,
             cmdline=" ".join(cmdline) or None,
-            envvars=self._envvars(run_id, pipelining=read_only or check),
+            envvars=self._envvars(run_id, pipelining=read_only or check, hosts=len(hosts)),
             passwords={_BECOME_PROMPT: self._become_password} if use_password else None,
             event_handler=state.handle,
             cancel_callback=lambda: self._cancel.is_set(),
@@ -511,7 +519,7 @@ class AnsibleConnector:
 
     # ------------------------------------------------------------------ internals
 
-    def _envvars(self, run_id: str, *, pipelining: bool) -> dict[str, str]:
+    def _envvars(self, run_id: str, *, pipelining: bool, hosts: int = 1) -> dict[str, str]:
         """The child's environment additions. Pipelining (one SSH round trip per task, ~25 %
         faster) only for runs that change nothing (facts runs, ``--check`` previews): without it,
         a become task runs on a tty, so when a timeout or cancel kills the control master the
@@ -534,6 +542,12 @@ class AnsibleConnector:
             "ANSIBLE_NOCOLOR": "1",
             "ANSIBLE_GATHERING": "explicit",
             "ANSIBLE_PIPELINING": str(pipelining),
+            # Several hosts are several nodes, each with its own executor (engine.batch): under the
+            # default linear strategy every task waits for the slowest host, so one slow node held
+            # its whole batch back, task by task, and a timeout then ended the others' runs too.
+            # Free: each host goes through the play at its own pace (a playbook's own `strategy:`
+            # still wins). One host: linear and free are the same.
+            **({"ANSIBLE_STRATEGY": "free"} if hosts > 1 else {}),
             # the ansible-playbook installed with this Python, even outside an activated venv
             "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
             RUN_MARKER: run_id,

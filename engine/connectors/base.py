@@ -135,6 +135,20 @@ class KubeAPI(Protocol):
         """Any listable kind (core or custom), as plain mappings."""
         ...
 
+    # Any object by kind (Secrets, TokenReviews, CertificateSigningRequests: the kubelet bootstrap
+    # verbs, engine.kube_verbs.node_bootstrap); the same calls as ``ObjectAPI`` (namespace "": a
+    # cluster-scoped kind)
+    def read_object(self, api_version: str, kind_plural: str, namespace: str, name: str) -> dict[str, Any] | None: ...
+
+    def create_object(self, api_version: str, kind_plural: str, namespace: str,
+                      body: Mapping[str, Any]) -> dict[str, Any]: ...
+
+    def replace_object(self, api_version: str, kind_plural: str, namespace: str, body: Mapping[str, Any], *,
+                       subresource: str | None = None) -> dict[str, Any]: ...
+
+    def delete_object(self, api_version: str, kind_plural: str, namespace: str, name: str, *,
+                      resource_version: str | None = None) -> bool: ...
+
     def served_resources(self, api_version: str) -> frozenset[str] | None:
         """API discovery: the resource names (plurals) the server serves under ``api_version``
         (e.g. ``"remediation.medik8s.io/v1alpha1"``), or None when it serves no such group/version."""

@@ -28,6 +28,7 @@ playbooks, resolve templates, or read secrets.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -36,6 +37,8 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -143,22 +146,182 @@ def load_inventory(path: Path, *, timeout: float = READ_TIMEOUT) -> Inventory:
 
 def read_listing(path: Path, *, timeout: float = READ_TIMEOUT) -> tuple[Mapping[str, Any], list[str]]:
     """``ansible-inventory -i PATH --list`` as parsed JSON, with Ansible's warnings; ``LoadError``
-    when Ansible refuses the inventory."""
+    when Ansible refuses the inventory. Collects the read ``start_reading`` began for the same
+    path when its sources did not change since (else reads anew)."""
     if not path.exists():
+        _discard(path)
         raise LoadError([(Location(str(path)), "inventory not found")])
-    with tempfile.TemporaryDirectory(prefix="runbook-inventory-") as tmp:
-        d = Path(tmp)
+    started = _take_started(path)
+    child = started if started is not None else _spawn(path)
+    return _collect(path, child, timeout)
+
+
+@dataclass
+class _Child:
+    """One ``ansible-inventory`` process and the private folder it runs in."""
+
+    proc: subprocess.Popen[str]
+    folder: tempfile.TemporaryDirectory[str]
+    stamp: tuple[Any, ...]  # the sources' stat and the environment when it started (``_stamp``)
+    started: float = field(default_factory=time.monotonic)
+
+
+_started: dict[Path, _Child] = {}  # begun by start_reading, not yet collected (by resolved path)
+_started_lock = threading.Lock()
+
+
+def start_reading(path: Path | None) -> None:
+    """Begin reading ``path`` now, in the background, for this process's next ``load_inventory``
+    of the same path to collect: the CLI calls it first thing in the commands that plan or run, so
+    that the ``ansible-inventory`` child (~0.5 s) runs while the engine imports its modules and
+    loads the runbook. Never raises: what is wrong (no such file, Ansible missing) is for
+    ``load_inventory`` to say, as before. A read whose sources change before it is collected is
+    thrown away (the load reads anew); one nobody collects is ended at exit."""
+    if path is None:
+        return
+    with contextlib.suppress(Exception):  # the load reports it
+        key = Path(path).resolve()
+        if not key.exists() or not is_static(key):
+            return
+        with _started_lock:
+            if key in _started:
+                return
+            _started[key] = _spawn(key)
+            if len(_started) == 1:
+                _register_exit()
+
+
+def _take_started(path: Path) -> _Child | None:
+    key = path.resolve()
+    with _started_lock:
+        child = _started.pop(key, None)
+    if child is None:
+        return None
+    if child.stamp != _stamp(key):  # changed meanwhile: the read may have seen either version
+        _end(child)
+        return None
+    return child
+
+
+def _discard(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        with _started_lock:
+            child = _started.pop(path.resolve(), None)
+        if child is not None:
+            _end(child)
+
+
+_exit_registered = False
+
+
+def _register_exit() -> None:
+    global _exit_registered
+    if not _exit_registered:
+        _exit_registered = True
+        atexit.register(_end_uncollected)
+
+
+def _end_uncollected() -> None:
+    with _started_lock:
+        children = list(_started.values())
+        _started.clear()
+    for child in children:
+        _end(child)
+
+
+def _end(child: _Child) -> None:
+    if child.proc.poll() is None:
+        _kill_group(child.proc)
+    else:
+        with contextlib.suppress(Exception):
+            child.proc.communicate(timeout=5)
+    child.folder.cleanup()
+
+
+_PLUGIN_KEY = re.compile(r"^plugin\s*:", re.M)
+
+
+def is_static(path: Path) -> bool:
+    """Whether reading ``path`` only reads files: no source is an executable script or an inventory
+    plugin's config (a YAML ``plugin:`` key: a cloud API, a CMDB), whose reading may cost money, hit a
+    rate limit or change, so it is started only when a load needs it (``start_reading``)."""
+    sources = [p for p in sorted(path.rglob("*")) if p.is_file() and not _in_vars_dir(p, path)] \
+        if path.is_dir() else [path]
+    for f in sources:
+        try:
+            if f.stat().st_mode & 0o111 or f.stat().st_size > _MAX_SCAN:
+                return False
+            if _PLUGIN_KEY.search(f.read_text(encoding="utf-8", errors="replace")):
+                return False
+        except OSError:
+            return False
+    return True
+
+
+def sources_stamp(path: Path) -> tuple[Any, ...]:
+    """What tells whether the files Ansible reads for ``path`` changed: the stat (mtime and ctime in
+    ns, size, inode) of the source (every file of a folder source) and of ``group_vars/`` and
+    ``host_vars/`` beside it."""
+    base = path if path.is_dir() else path.parent
+    files = [path] if not path.is_dir() else []
+    for folder in (path, base / "group_vars", base / "host_vars") if path.is_dir() else \
+            (base / "group_vars", base / "host_vars"):
+        if folder.is_dir():
+            for root, dirs, names in os.walk(folder):
+                dirs.sort()
+                files.extend(Path(root) / n for n in sorted(names))
+    out: list[Any] = []
+    for f in dict.fromkeys(files):
+        try:
+            st = f.stat()
+            out.append((str(f), st.st_mtime_ns, st.st_ctime_ns, st.st_size, st.st_ino))
+        except OSError:
+            out.append((str(f), None))
+    return tuple(out)
+
+
+def _stamp(path: Path) -> tuple[Any, ...]:
+    """The sources' stamp and the environment the child gets (``RUNBOOK_ANSIBLE_ENV`` may name
+    settings of an inventory plugin): a read begun under others is not collected."""
+    env: tuple[Any, ...]
+    try:
+        env = tuple(sorted(allowed_environment(os.environ).items()))
+    except LoadError as e:  # a malformed RUNBOOK_ANSIBLE_ENV: the load says so
+        env = (str(e),)
+    return (sources_stamp(path), env)
+
+
+def _spawn(path: Path) -> _Child:
+    """Start ``ansible-inventory --list`` for ``path`` in a private folder; ``LoadError`` when it cannot."""
+    stamp = _stamp(path.resolve())
+    folder = tempfile.TemporaryDirectory(prefix="runbook-inventory-")
+    d = Path(folder.name)
+    try:
         (d / "ansible.cfg").write_text("# written by runbook: isolates the inventory read\n[defaults]\n")
         for sub in ("home", "tmp"):
             (d / sub).mkdir(mode=0o700)
         argv = [sys.executable, "-m", "ansible.cli.inventory", "-i", str(path.resolve()), "--list"]
-        try:  # its own session: a timeout or ^C ends it with the scripts it started
-            proc = subprocess.Popen(argv, env=_child_env(d), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True, start_new_session=True)
-        except OSError as e:
-            raise LoadError([(Location(str(path)), f"cannot run ansible-inventory: {e}")]) from e
+        # its own session: a timeout or ^C ends it with the scripts it started
+        proc = subprocess.Popen(argv, env=_child_env(d), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+    except OSError as e:
+        folder.cleanup()
+        raise LoadError([(Location(str(path)), f"cannot run ansible-inventory: {e}")]) from e
+    except BaseException:
+        folder.cleanup()
+        raise
+    return _Child(proc, folder, stamp)
+
+
+def _collect(path: Path, child: _Child, timeout: float) -> tuple[Mapping[str, Any], list[str]]:
+    """Wait for ``child`` (at most ``timeout`` seconds from its start) and parse what it printed."""
+    proc = child.proc
+    try:
         try:
-            stdout, stderr = proc.communicate(timeout=timeout)
+            # counted from its start (a read begun early has used some already); at least a
+            # second to take what a finished child printed
+            left = max(1.0, timeout - (time.monotonic() - child.started))
+            stdout, stderr = proc.communicate(timeout=left)
         except subprocess.TimeoutExpired:
             _kill_group(proc)
             raise LoadError([(Location(str(path)), f"Ansible did not finish reading the inventory in "
@@ -167,6 +330,8 @@ def read_listing(path: Path, *, timeout: float = READ_TIMEOUT) -> tuple[Mapping[
         except BaseException:
             _kill_group(proc)
             raise
+    finally:
+        child.folder.cleanup()
     if proc.returncode != 0:
         raise LoadError(parse_failure(path, stderr))
     try:

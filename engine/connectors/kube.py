@@ -50,6 +50,7 @@ from engine.facts import Condition, NodeFacts, Taint
 from engine.resources import format_quantity, pod_spec_requests
 
 MICROTIME_FORMAT = "%Y-%m-%dT%H:%M:%S.%fZ"
+LIST_PAGE = 500  # items per page of every list (limit/continue)
 
 _PATCH_CONTENT_TYPES: Mapping[str, str] = {
     "merge": "application/merge-patch+json",
@@ -294,8 +295,7 @@ class KubeConnector:
         return node_facts_from_dict(obj)
 
     def list_nodes(self, label_selector: str | None = None) -> list[NodeFacts]:
-        obj = self._raw("GET", "/api/v1/nodes", "list nodes", query=[("labelSelector", label_selector)])
-        return [node_facts_from_dict(i) for i in obj.get("items") or ()]
+        return [node_facts_from_dict(i) for i in self._list_pages("/api/v1/nodes", "list nodes", label_selector)]
 
     def patch_node(self, name: str, patch: Any, *, patch_type: PatchType = "merge",
                    dry_run: bool = False) -> NodeFacts:
@@ -479,14 +479,27 @@ class KubeConnector:
     def list_objects(self, api_version: str, kind_plural: str, *, namespace: str | None = None,
                      label_selector: str | None = None) -> list[Mapping[str, Any]]:
         """Core kinds (``v1``) under ``/api/v1``, group kinds (custom resources included) under
-        ``/apis/<group>/<version>``; items as read-only plain mappings."""
+        ``/apis/<group>/<version>``; items as read-only plain mappings, read in pages of ``LIST_PAGE``
+        (``limit``/``continue``; an expired continue token is a ``KubeError``, retryable)."""
         what = f"list {kind_plural}.{api_version}" + (f" in {namespace}" if namespace else "")
         prefix = f"/api/{_q(api_version)}" if "/" not in api_version else (
             "/apis/" + "/".join(_q(p) for p in api_version.split("/", 1)))
         path = (f"{prefix}/namespaces/{_q(namespace)}/{_q(kind_plural)}" if namespace
                 else f"{prefix}/{_q(kind_plural)}")
-        obj = self._raw("GET", path, what, query=[("labelSelector", label_selector)])
-        return [MappingProxyType(i) for i in obj.get("items") or ()]
+        return [MappingProxyType(i) for i in self._list_pages(path, what, label_selector)]
+
+    def _list_pages(self, path: str, what: str, label_selector: str | None) -> list[dict[str, Any]]:
+        """Every item of a list, read in pages of ``LIST_PAGE`` (limit/continue), so the API server
+        never builds one huge answer (10,000 RemediationRuns, thousands of nodes)."""
+        items: list[dict[str, Any]] = []
+        token: str | None = None
+        while True:
+            obj = self._raw("GET", path, what, query=[("labelSelector", label_selector), ("limit", LIST_PAGE),
+                                                      ("continue", token)])
+            items.extend(obj.get("items") or ())
+            token = (obj.get("metadata") or {}).get("continue") or None
+            if token is None:
+                return items
 
     @staticmethod
     def _objects_path(api_version: str, kind_plural: str, namespace: str, name: str | None = None,

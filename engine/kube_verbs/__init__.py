@@ -17,9 +17,20 @@ from typing import Any
 from engine.facts import NodeFacts
 
 # Importing a verb module registers its decide (``@decides``): one name per verb module on this line.
-from engine.kube_verbs import cordon, drain, evict, labels, node_patch, patch, taints, wait  # noqa: F401
+from engine.kube_verbs import (  # noqa: F401
+    cordon,
+    drain,
+    evict,
+    labels,
+    node_bootstrap,
+    node_patch,
+    patch,
+    taints,
+    wait,
+)
 from engine.kube_verbs.effects import (
     DECIDE,
+    BootstrapOperation,
     EffectFailed,
     KubeContext,
     KubeEffect,
@@ -30,7 +41,8 @@ from engine.kube_verbs.effects import (
     Wait,
 )
 
-__all__ = ["EffectFailed", "KubeContext", "KubeEffect", "NoOp", "NodePatch", "PodOperation", "PodRules", "Wait",
+__all__ = ["BootstrapOperation", "EffectFailed", "KubeContext", "KubeEffect", "NoOp", "NodePatch", "PodOperation",
+           "PodRules", "Wait",
            "apply", "apply_to_node", "kube_effect", "preview", "select_pods"]
 
 
@@ -50,6 +62,8 @@ def apply(effect: KubeEffect, ctx: KubeContext) -> dict[str, Any]:
         return node_patch.apply(effect, ctx)
     if isinstance(effect, PodOperation):
         return drain.apply(effect, ctx)
+    if isinstance(effect, BootstrapOperation):
+        return node_bootstrap.apply(effect, ctx)
     return wait.apply(effect, ctx)
 
 
@@ -59,6 +73,8 @@ def preview(effect: KubeEffect, ctx: KubeContext) -> str:
         return node_patch.preview(effect, ctx)
     if isinstance(effect, PodOperation):
         return drain.preview(effect, ctx)
+    if isinstance(effect, BootstrapOperation):
+        return node_bootstrap.preview(effect, ctx)
     return wait.preview(effect, ctx)
 
 

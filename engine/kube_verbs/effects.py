@@ -40,10 +40,14 @@ class EffectFailed(ActionFailed):
     """An effect that could not finish (refused pods, a budget refusing until the timeout, pods that
     did not go, a condition that did not come): the evidence gathered so far goes with it."""
 
-    def __init__(self, message: str, evidence: Mapping[str, Any] | None = None, *, outage: bool = False) -> None:
+    def __init__(self, message: str, evidence: Mapping[str, Any] | None = None, *, outage: bool = False,
+                 refused: bool = False) -> None:
         super().__init__(message)
         self.evidence = dict(evidence or {})
         self.outage = outage
+        # refused: the effect found the cluster unfit and undid what it had begun (a bootstrap token
+        # the API server does not authenticate, deleted again): the step is blocked, not failed
+        self.refused = refused
 
 
 @dataclass(frozen=True)
@@ -113,7 +117,22 @@ class Wait:
     reads: Mapping[str, Any] = field(default_factory=dict)
 
 
-KubeEffect = NodePatch | PodOperation | Wait
+@dataclass(frozen=True)
+class BootstrapOperation:
+    """A kubelet's TLS bootstrap, API side (``node_bootstrap``): a bootstrap token created (and proved
+    to authenticate), the node's CSR approved after its check, or the node's tokens deleted."""
+
+    verb: str  # bootstrap_token | approve_node_csr | delete_bootstrap_tokens
+    summary: str
+    command: str
+    ttl: float = 0.0  # bootstrap_token: seconds until the token expires
+    group: str = ""  # bootstrap_token: its extra group
+    timeout: float = 0.0  # approve_node_csr: for the CSR to come and its certificate to be issued
+    changes: tuple[Change, ...] = ()
+    reads: Mapping[str, Any] = field(default_factory=dict)
+
+
+KubeEffect = NodePatch | PodOperation | Wait | BootstrapOperation
 Decide = Callable[[Any, NodeFacts], KubeEffect | NoOp]  # a verb module's decide(verb, node)
 D = TypeVar("D", bound=Decide)
 
@@ -150,6 +169,9 @@ class KubeContext:
     wait_until: WaitUntil | None = None
     run_id: str = ""  # the run acting (a cordon's ``runbook.io/cordoned-by``)
     progress: Callable[[str], None] = field(default=lambda _msg: None)
+    # secrets one step hands to a later step of the same run (a bootstrap token for the playbook that
+    # writes the bootstrap kubeconfig); this process's memory only, never an event or a plan
+    handoff: dict[str, str] = field(default_factory=dict)
 
     @property
     def kube(self) -> KubeAPI:

@@ -1,5 +1,5 @@
 """A real Kubernetes control plane on loopback: etcd + kube-apiserver + kube-controller-manager
-(nodelifecycle, podgc, disruption, replicaset; the lab's adds daemonset, namespace and
+(nodelifecycle, podgc, disruption, replicaset, csrsigning; the lab's adds daemonset, namespace and
 garbagecollector: ``LAB_CONTROLLERS``) + kube-scheduler, v1.20.2, from the assets folder (see ``assets``).
 
 No kubelet runs: nodes, leases and pod statuses are whatever the lab's simulator or a test writes.
@@ -54,6 +54,9 @@ ADMIN_USER = "admin"
 SIMULATOR_USER = "lab-simulator"
 CONTROLLER_MANAGER_USER = "system:kube-controller-manager"
 SCHEDULER_USER = "system:kube-scheduler"
+NODE_BOOTSTRAP_GROUP = "system:bootstrappers:kubeadm:default-node-token"  # kubeadm's node-token group
+# issue kubelet client certificates (TLS bootstrap); no csrapproving: an approval is a runbook's decision
+SIGNING_CONTROLLERS = ("csrsigning",)
 
 
 @dataclass(frozen=True)
@@ -75,7 +78,10 @@ class ControlPlaneSettings:
     default_unreachable_toleration_seconds: int = 300
     default_not_ready_toleration_seconds: int = 300
     audit_reads: bool = False  # True: get/list/watch are audited too (at Metadata level)
-    controllers: tuple[str, ...] = CONTROLLERS  # the lab's: LAB_CONTROLLERS
+    # kube-apiserver --enable-bootstrap-token-auth, and kubeadm's binding of its node group to
+    # system:node-bootstrapper (False: a cluster without the bootstrap-token authenticator)
+    bootstrap_token_auth: bool = True
+    controllers: tuple[str, ...] = CONTROLLERS  # the lab's: LAB_CONTROLLERS (csrsigning always runs)
     start_timeout: float = 120.0
     extra_apiserver_args: tuple[str, ...] = ()
     extra_controller_manager_args: tuple[str, ...] = ()
@@ -164,6 +170,8 @@ class ControlPlane:
             self._spawn("etcd")
             self._spawn("kube-apiserver")
             self._wait_apiserver_ready()
+            if self.settings.bootstrap_token_auth:
+                self._bind_node_bootstrappers()
             self._spawn("kube-controller-manager")
             self._spawn("kube-scheduler")
             self._wait_healthz("kube-controller-manager", self.ports["controller_manager"])
@@ -380,14 +388,18 @@ class ControlPlane:
                 f"--audit-policy-file={d / 'audit-policy.yaml'}", f"--audit-log-path={self.audit_log}",
                 "--audit-log-format=json", "--audit-log-maxsize=200", "--audit-log-maxbackup=1",
                 "--endpoint-reconciler-type=none",  # 127.0.0.1 is no valid endpoint: no reconciler noise
-                "--profiling=false", *s.extra_apiserver_args,
+                "--profiling=false", *(["--enable-bootstrap-token-auth"] if s.bootstrap_token_auth else []),
+                *s.extra_apiserver_args,
             ],
             "kube-controller-manager": [
                 str(self.assets / "kube-controller-manager"),
                 f"--kubeconfig={d / 'kubeconfig-controller-manager'}",
                 f"--bind-address={HOST}", f"--secure-port={p['controller_manager']}", "--port=0",
                 f"--cert-dir={d / 'certs/controller-manager'}", "--leader-elect=false",
-                f"--controllers={','.join(s.controllers)}", "--use-service-account-credentials=false",
+                f"--controllers={','.join((*s.controllers, *SIGNING_CONTROLLERS))}",
+                "--use-service-account-credentials=false",
+                # csrsigning issues kubelet client certificates (a kubelet's TLS bootstrap) with the lab's CA
+                f"--cluster-signing-cert-file={d / 'certs/ca.crt'}", f"--cluster-signing-key-file={d / 'certs/ca.key'}",
                 f"--node-monitor-period={s.node_monitor_period}",
                 f"--node-monitor-grace-period={s.node_monitor_grace_period}",
                 f"--node-startup-grace-period={s.node_startup_grace_period}",
@@ -473,6 +485,27 @@ class ControlPlane:
             if all(_get_ok(self.url + path, context, self.token) for path in paths):
                 return
 
+    def _bind_node_bootstrappers(self) -> None:
+        """kubeadm's ClusterRoleBinding ``kubeadm:kubelet-bootstrap``: its node-token group may create
+        CertificateSigningRequests (``system:node-bootstrapper``); nothing approves them by itself."""
+        body = json.dumps({
+            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+            "metadata": {"name": "kubeadm:kubelet-bootstrap"},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                        "name": "system:node-bootstrapper"},
+            "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "Group", "name": NODE_BOOTSTRAP_GROUP}],
+        }).encode()
+        headers = {"Authorization": f"Bearer {self.token}", "Content-Type": "application/json"}
+        request = urllib.request.Request(f"{self.url}/apis/rbac.authorization.k8s.io/v1/clusterrolebindings",
+                                         data=body, method="POST", headers=headers)
+        try:
+            with urllib.request.urlopen(request, context=ssl.create_default_context(cafile=str(self.ca_file)),
+                                        timeout=10):
+                pass
+        except urllib.error.HTTPError as e:
+            if e.code != 409:  # already there (a restarted API server keeps etcd)
+                raise LabError(f"could not bind {NODE_BOOTSTRAP_GROUP}: HTTP {e.code}") from e
+
     def _wait_healthz(self, name: str, port: int) -> None:
         context = ssl.create_default_context()
         context.check_hostname = False
@@ -546,5 +579,8 @@ def _audit_policy(audit_reads: bool) -> str:
         "  - level: Metadata\n"
         f"    users: [{SIMULATOR_USER}, '{CONTROLLER_MANAGER_USER}', '{SCHEDULER_USER}', 'system:apiserver']\n"
         "  - level: Metadata\n    verbs: [get, list, watch]\n"
+        "  - level: Metadata\n"  # a bootstrap token's secret in a Secret or a TokenReview stays out of the log
+        "    resources: [{group: '', resources: [secrets]},\n"
+        "                {group: authentication.k8s.io, resources: [tokenreviews]}]\n"
         "  - level: RequestResponse\n"
     )

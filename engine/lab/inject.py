@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from engine.lab.manager import Lab
 
 # Modules that register faults (imported by ``faults()``): this one's GPU faults, and others'.
-FAULT_MODULES: tuple[str, ...] = ("engine.lab.gpu_faults",)
+FAULT_MODULES: tuple[str, ...] = ("engine.lab.gpu_faults", "engine.lab.node_faults")
 _NAME = re.compile(r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$")
 
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from engine.lab import cluster_mode, podspec, procs, sim_faults, sim_gpu, sim_seed
+from engine.lab import cluster_mode, kubelet_certs, podspec, procs, sim_faults, sim_gpu, sim_seed
 from engine.lab.controlplane import LAB_CONTROLLERS, ControlPlane, ControlPlaneSettings
 from engine.lab.errors import LabError
 from engine.lab.hoststate import HostState
@@ -167,6 +167,7 @@ class Lab:
             started.append(f"control plane at {plane.url} (pids {sorted(plane.pids().values())})")
             progress(started[-1])
             self._start_hosts(scenario, record, progress, started)
+            self._seed_kubelet_files(scenario, record)
             kube = self.kube()
             sim_seed.seed_cluster(kube, scenario, self._addresses(record), self._host_states(record))
             self._start_simulator(record)
@@ -213,6 +214,7 @@ class Lab:
             record["inventory"] = str(hostset.inventory_path)
             for host in hostset:
                 record["nodes"][host.name]["address"] = host.address
+                record["nodes"][host.name]["layers_dir"] = str(host.layers_dir)  # kubelet's files (kubelet_certs)
                 record["hosts"][host.name] = {
                     "address": host.address, "password": host.password, "host_dir": str(host.host_dir),
                     "layers_dir": str(host.layers_dir), "fstab": host.fstab, "sudo": host.spec.sudo,
@@ -587,6 +589,7 @@ class Lab:
             self._initialise_hosts(scenario, record)
             for host in record["hosts"].values():
                 self._write_host_file(host, "/etc/fstab", host["fstab"])
+            self._seed_kubelet_files(scenario, record)
             progress("creating the scenario's nodes, pods and VirtualMachines")
             sim_seed.seed_cluster(kube, scenario, self._addresses(record), self._host_states(record))
             progress("starting the simulator")
@@ -603,6 +606,15 @@ class Lab:
         if host is None:
             raise LabError(f"no SSH node host named {node!r}")
         self._write_host_file(host, path, content)
+
+    def _seed_kubelet_files(self, scenario: Scenario, record: dict[str, Any]) -> None:
+        """kubeadm's kubelet.conf and client certificate on every SSH host (expired where the scenario
+        says so); a bootstrap kubeconfig left by a run is removed."""
+        certs = Path(record["controlplane_dir"]) / "certs"
+        for name, host in record["hosts"].items():
+            kubelet_certs.seed_host(int(host["process"]["pid"]), record["api_url"], certs / "ca.crt",
+                                    certs / "ca.key", name,
+                                    expired=scenario.node(name).host.kubelet.client_cert_expired)
 
     def _write_host_file(self, host: dict[str, Any], path: str, content: str) -> None:
         pid = host["process"]["pid"]

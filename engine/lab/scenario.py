@@ -176,6 +176,9 @@ class Kubelet(_Model):
     restart_counter: int = 0
     stopped: bool = False  # someone ran systemctl stop kubelet
     fault: KubeletFault | None = None
+    # its client certificate (in kubelet.conf) expired: it exits at start unless a bootstrap kubeconfig
+    # lets it request a new one (engine.lab.kubelet_certs)
+    client_cert_expired: bool = False
 
 
 class CudaJob(_Model):
@@ -476,7 +479,7 @@ def starts_ready(node: Node) -> bool:
     fault_holds = fault is not None and not (
         fault.until_unit_active and host.units.get(fault.until_unit_active) == "active")
     swap_blocks = host.kubelet.fail_swap_on and bool(host.swap.active)
-    return not (host.kubelet.stopped or swap_blocks or fault_holds)
+    return not (host.kubelet.stopped or swap_blocks or fault_holds or host.kubelet.client_cert_expired)
 
 
 def parse_scenario(data: bytes, path: str) -> Scenario:

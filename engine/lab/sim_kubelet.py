@@ -9,6 +9,10 @@ only this module decides whether kubelet survives its start:
   ``Main process exited ... status=1/FAILURE`` and ``Failed with result 'exit-code'``;
 * a scenario fault (``exit``: other crash lines, e.g. containerd down; ``no-heartbeat``: kubelet runs
   but cannot post status);
+* an expired client certificate (``client_cert_expired``) and no bootstrap kubeconfig -> kubelet's
+  lines, exit; with one (``bootstrap_kubeconfig``, the simulator looks at start) kubelet runs without
+  heartbeat while the simulator does its TLS bootstrap against the API server (``kubelet_certs``),
+  and exits (``fail_bootstrap``) when the API server refuses its token;
 * otherwise kubelet is up and the simulator heartbeats for it (``state["kubelet"]["healthy"]``).
 
 No I/O here: the simulator applies ``step`` under the host state's lock and writes the entries.
@@ -27,6 +31,27 @@ SWAP_ERROR = ('run.go:72] "command failed" err="failed to run Kubelet: running w
               'supported, please disable swap or set --fail-swap-on flag to false"')
 
 Entry = dict[str, Any]
+
+# a kubelet whose client certificate expired and that has no bootstrap kubeconfig (kubelet_certs)
+EXPIRED_CERT_LINES = [
+    "E bootstrap.go:266] part of the existing bootstrap client certificate in /etc/kubernetes/kubelet.conf "
+    "is expired: 2025-03-20 08:12:44 +0000 UTC",
+    'E run.go:72] "command failed" err="failed to run Kubelet: unable to load bootstrap kubeconfig: stat '
+    '/etc/kubernetes/bootstrap-kubelet.conf: no such file or directory"',
+]
+# ... with one: it requests a certificate and waits for it (no heartbeat meanwhile)
+BOOTSTRAP_LINES = [
+    "I bootstrap.go:154] Using bootstrap kubeconfig to generate TLS client cert, key and kubeconfig file",
+    'I certificate_manager.go:412] "Rotating certificates"',
+]
+
+
+def bootstrap_refused_lines(error: str) -> list[str]:
+    """kubelet's lines when the API server refuses its bootstrap credential."""
+    return ['E certificate_manager.go:488] "Failed while requesting a signed certificate from the control plane" '
+            f'err="cannot create certificate signing request: {error}"',
+            f'E run.go:72] "command failed" err="failed to run Kubelet: failed to bootstrap client certificate: '
+            f'{error}"']
 
 
 def klog_line(level: str, ts: float, pid: int, rest: str) -> str:
@@ -55,6 +80,8 @@ def failure_lines(state: dict[str, Any], ts: float, pid: int) -> list[str] | Non
         needed = fault.get("until_unit_active")
         if not needed or units.get(needed, {}).get("active") != "active":
             return [klog_line(line[0], ts, pid, line[2:]) for line in fault["lines"]]
+    if kubelet.get("client_cert_expired") and not kubelet.get("bootstrap_kubeconfig"):
+        return [klog_line(line[0], ts, pid, line[2:]) for line in EXPIRED_CERT_LINES]
     if kubelet.get("fail_swap_on", True) and state.get("swap", {}).get("active"):
         contents = "[" + ",".join(f'"{line}"' for line in proc_swaps_lines(state)).replace("\t", "\\t") + "]"
         return [
@@ -67,7 +94,10 @@ def failure_lines(state: dict[str, Any], ts: float, pid: int) -> list[str] | Non
 
 def heartbeat_blocked(state: dict[str, Any]) -> list[str] | None:
     """Lines of a ``no-heartbeat`` fault that holds now (kubelet runs but cannot post), else None."""
-    fault = state["kubelet"].get("fault")
+    kubelet = state["kubelet"]
+    if kubelet.get("client_cert_expired") and kubelet.get("bootstrap_kubeconfig"):
+        return list(BOOTSTRAP_LINES)  # requesting its certificate (the simulator's TLS bootstrap)
+    fault = kubelet.get("fault")
     if fault and fault.get("mode") == "no-heartbeat":
         needed = fault.get("until_unit_active")
         if not needed or state.get("units", {}).get(needed, {}).get("active") != "active":
@@ -85,6 +115,13 @@ def _exit(state: dict[str, Any], now: float, lines: list[str], restart_seconds: 
                 next_restart_at=now + restart_seconds)
     state["kubelet"].update(healthy=False, evaluated_generation=unit.get("generation", 0))
     return entries
+
+
+def fail_bootstrap(state: dict[str, Any], now: float, error: str, restart_seconds: float) -> list[Entry]:
+    """The running kubelet's certificate request was refused: it exits (systemd restarts it later)."""
+    pid = int(state["units"][UNIT].get("main_pid", 0))
+    return _exit(state, now, [klog_line(line[0], now, pid, line[2:]) for line in bootstrap_refused_lines(error)],
+                 restart_seconds)
 
 
 def come_up(state: dict[str, Any], now: float) -> list[Entry]:

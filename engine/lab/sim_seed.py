@@ -110,6 +110,7 @@ def host_state(node: Node, scenario: Scenario, now: float) -> tuple[Obj, list[Ob
         "units": units,
         "kubelet": {"fail_swap_on": host.kubelet.fail_swap_on,
                     "fault": host.kubelet.fault.model_dump() if host.kubelet.fault else None,
+                    "client_cert_expired": host.kubelet.client_cert_expired,
                     "healthy": False, "evaluated_generation": 1},
         "pci_devices": pci_devices(node, scenario),
         "cuda_jobs": [{"pid": CUDA_PID_BASE + i, **job.model_dump(), "gpu": node.cuda_job_gpu(job)}

@@ -3,7 +3,9 @@
 Started by ``lab up`` as ``python -m engine.lab.simulator LAB_JSON`` (a background process with its
 PID in the lab folder, logging to ``simulator.log``). Each tick (and on every watch event) it:
 
-1. advances each host's kubelet unit (``sim_kubelet.step`` under the host state's lock);
+1. advances each host's kubelet unit (``sim_kubelet.step`` under the host state's lock); a kubelet
+   whose client certificate expired and that found a bootstrap kubeconfig requests a new certificate
+   from the API server with that token, and comes up once it is issued (``kubelet_certs``);
 2. for each node whose kubelet runs: renews its Lease, posts its status (with the device plugins'
    resources), force-deletes its terminating pods, starts its pending ones and posts fresh statuses
    after a kubelet restart or a host reboot (``sim_pods``);
@@ -33,13 +35,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.lab import sim_faults, sim_gpu, sim_kubelet, sim_kubevirt, sim_metrics, sim_nodes, sim_pods
+from engine.lab import (
+    kubelet_certs,
+    sim_faults,
+    sim_gpu,
+    sim_kubelet,
+    sim_kubevirt,
+    sim_metrics,
+    sim_nodes,
+    sim_pods,
+)
 from engine.lab.hoststate import HostState
 from engine.lab.scenario import Node, Scenario, load_scenario
 from engine.lab.sim_kube import LEASES, NODES, PODS, VMIS, VMS, Informer, Kube, Obj, rfc3339
 
 log = logging.getLogger("runbook.lab.simulator")
 CREATE_GRACE = 5.0  # seconds an object we created may take to show up in the watch cache
+BOOTSTRAP_POLL_SECONDS = 1.0  # a bootstrapping kubelet looks at its certificate request this often
 
 
 @dataclass
@@ -54,6 +66,9 @@ class NodeRuntime:
     last_lease: float = 0.0
     last_status: float = 0.0
     status_key: str = ""
+    layers_dir: str | None = None  # the SSH host's overlay layers (its kubelet's files: kubelet_certs)
+    bootstrap_key: str = ""  # the private key of the kubelet's pending certificate request
+    bootstrap_polled: float = 0.0  # when the pending request was last looked at
 
 
 class Simulator:
@@ -63,7 +78,8 @@ class Simulator:
         self.nodes: dict[str, NodeRuntime] = {}
         for node in self.scenario.all_nodes:
             entry = config["nodes"][node.name]
-            self.nodes[node.name] = NodeRuntime(node, HostState(entry["state_dir"]), entry["address"])
+            self.nodes[node.name] = NodeRuntime(node, HostState(entry["state_dir"]), entry["address"],
+                                                layers_dir=entry.get("layers_dir"))
         self.wake = threading.Event()
         self.stopping = threading.Event()
         self.informers = {res.plural: Informer(self.kube, res, self.wake) for res in (NODES, PODS, VMS, VMIS)}
@@ -117,6 +133,7 @@ class Simulator:
             pods_by_node.setdefault(pod["spec"].get("nodeName") or "", []).append(pod)
         for rt in self.nodes.values():
             self._kubelet_unit(rt, now)
+            self._tls_bootstrap(rt, now)
             api_node = self.informers["nodes"].get(rt.spec.name)
             pods = pods_by_node.get(rt.spec.name, [])
             healthy = bool(rt.state.get("kubelet", {}).get("healthy"))
@@ -149,7 +166,11 @@ class Simulator:
             return
         entries: list[Obj] = []
 
+        # what kubelet finds at start: a bootstrap kubeconfig on its host (read when a start is due)
+        bootstrap = kubelet_certs.host_file(rt.layers_dir, kubelet_certs.BOOTSTRAP_CONF) is not None
+
         def change(state: dict[str, Any]) -> None:
+            state["kubelet"]["bootstrap_kubeconfig"] = bootstrap
             entries.extend(sim_kubelet.step(state, now, timing.kubelet_start_seconds,
                                             timing.kubelet_restart_seconds))
 
@@ -162,6 +183,53 @@ class Simulator:
                       rt.state["units"]["kubelet"].get("restarts"))
         elif kubelet.get("healthy"):
             log.info("%s: kubelet is up", rt.spec.name)
+
+    def _tls_bootstrap(self, rt: NodeRuntime, now: float) -> None:
+        """A running kubelet with an expired certificate and a bootstrap kubeconfig requests a new
+        certificate with the bootstrap token (one CSR per start) and comes up once it is issued."""
+        kubelet, unit = rt.state.get("kubelet", {}), rt.state.get("units", {}).get("kubelet", {})
+        if not (kubelet.get("client_cert_expired") and kubelet.get("bootstrap_kubeconfig")
+                and unit.get("active") == "active" and kubelet.get("evaluated_generation") == unit.get("generation")):
+            return
+        generation = unit.get("generation")
+        pending = kubelet.get("bootstrap") or {}
+        text = kubelet_certs.host_file(rt.layers_dir, kubelet_certs.BOOTSTRAP_CONF)
+        creds = kubelet_certs.bootstrap_credentials(text) if text is not None else None
+        issued: str | None = None
+        error = ""
+        try:
+            if creds is None:
+                error = "invalid bootstrap kubeconfig /etc/kubernetes/bootstrap-kubelet.conf"
+            elif pending.get("generation") != generation or not rt.bootstrap_key:
+                name, rt.bootstrap_key = kubelet_certs.request_certificate(*creds, rt.spec.name)
+                log.info("%s: kubelet requested its client certificate (CSR %s)", rt.spec.name, name)
+                rt.host.update(lambda s: s["kubelet"].update(bootstrap={"generation": generation, "csr": name}))
+                rt.state, rt.mtime = rt.host.read(), rt.host.mtime_ns()
+                return
+            elif now - rt.bootstrap_polled < BOOTSTRAP_POLL_SECONDS:
+                return
+            else:
+                rt.bootstrap_polled = now
+                issued = kubelet_certs.issued_certificate(*creds, str(pending["csr"]))
+        except kubelet_certs.BootstrapRefused as e:
+            error = "Unauthorized" if e.status == 401 else str(e)
+        except OSError as e:
+            log.warning("%s: certificate request: %s (retrying)", rt.spec.name, e)
+            return
+        if error:
+            log.info("%s: kubelet's certificate request refused: %s", rt.spec.name, error)
+            entries: list[Obj] = []
+            rt.host.update(lambda s: entries.extend(sim_kubelet.fail_bootstrap(
+                s, now, error, self.scenario.timing.kubelet_restart_seconds)))
+            rt.host.append_entries(entries)
+        elif issued is not None:
+            (rt.host.folder / kubelet_certs.ISSUED_FILE).write_text(issued + rt.bootstrap_key)
+            rt.bootstrap_key = ""
+            log.info("%s: kubelet got its client certificate (CSR %s)", rt.spec.name, pending["csr"])
+            rt.host.update(lambda s: s["kubelet"].update(client_cert_expired=False, bootstrap=None))
+        else:
+            return
+        rt.state, rt.mtime = rt.host.read(), rt.host.mtime_ns()
 
     def _register(self, rt: NodeRuntime, now: float) -> Obj:
         """A running kubelet whose Node is gone registers it again."""

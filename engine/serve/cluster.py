@@ -20,6 +20,7 @@ cluster itself, as without the refresher).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -39,6 +40,9 @@ from engine.run_guards import (
     kured_locks,
     unhealthy,
 )
+from engine.serve.background import BackgroundLoop
+
+log = logging.getLogger(__name__)
 
 __all__ = ["ClusterSnapshot", "ClusterUnavailable", "ClusterView", "KubeClusterView", "RefreshingClusterView",
            "gpu_count",
@@ -113,8 +117,8 @@ class KubeClusterView:
         self._clock = clock
         self._lock = threading.Lock()
         self._cached: tuple[float, ClusterSnapshot | ClusterUnavailable] | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._refresher = BackgroundLoop("runbook-serve-cluster", self.refresh, lambda: self.refresh_interval,
+                                         at_start=True, log=log, what="cluster view: refresh")
 
     def _fresh(self, now: float) -> ClusterSnapshot | ClusterUnavailable | None:
         if self._cached is None:
@@ -164,19 +168,7 @@ class KubeClusterView:
         """Start the daemon thread that reads at once (building the client and filling the cache
         before the first page, without delaying the server's start) and then every
         ``refresh_interval`` seconds (with 0: only the first read)."""
-        if self._thread is not None:
-            return
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._loop, name="runbook-serve-cluster", daemon=True)
-        self._thread.start()
+        self._refresher.start()
 
     def stop(self) -> None:
-        self._stop.set()
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            thread.join(timeout=5.0)
-
-    def _loop(self) -> None:
-        self.refresh()
-        while self.refresh_interval > 0 and not self._stop.wait(self.refresh_interval):
-            self.refresh()
+        self._refresher.stop()

@@ -16,7 +16,6 @@ the runbook's node param is the node. This module reads nodes; it starts nothing
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ from engine import templating
 from engine.connectors.base import KubeAPI
 from engine.facts import Condition, NodeFacts
 from engine.model import NodeConditionMatch, ParamValue, is_template
+from engine.serve.background import BackgroundLoop
 from engine.serve.leader import Leadership
 from engine.serve.starter import TriggerSpec
 from engine.serve.triggers import Candidate
@@ -92,28 +92,19 @@ class NodeConditionWatcher:
     clock: Callable[[], float] = time.time
     paged: list[str] = field(default_factory=list)  # dedup keys paged by this process (newest last)
     _seen: set[str] = field(default_factory=set)
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _thread: threading.Thread | None = None
+    _loop: BackgroundLoop = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._loop = BackgroundLoop("runbook-node-conditions", self.check, lambda: self.interval, at_start=False,
+                                    log=log, what="node conditions: check")
 
     def start(self) -> None:
-        if self._thread is not None or not self.specs:
-            return
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._loop, name="runbook-node-conditions", daemon=True)
-        self._thread.start()
+        """Check every ``interval`` seconds (the first check after one interval); without specs, nothing."""
+        if self.specs:
+            self._loop.start()
 
     def stop(self) -> None:
-        self._stop.set()
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            thread.join(timeout=5.0)
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval):
-            try:
-                self.check()
-            except Exception:
-                log.exception("node conditions: check failed")
+        self._loop.stop()
 
     def check(self) -> list[Any]:
         """One look at the nodes; the dispatcher's decisions for what paged (empty on a follower)."""

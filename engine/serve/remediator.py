@@ -31,7 +31,6 @@ one stopped (the run's id is in the status). It reads and writes only ``RunbookR
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -39,11 +38,13 @@ from typing import Any, Protocol
 
 from engine.errors import KubeError, RunbookError
 from engine.model import is_node_name
+from engine.serve.background import BackgroundLoop
 from engine.serve.config import ServeConfig
 from engine.serve.dispatcher import Dispatcher
 from engine.serve.leader import Leadership
 from engine.serve.starter import Mode
 from engine.serve.triggers import Candidate
+from engine.store import ACTIVE_STATES
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +57,6 @@ TIMED_OUT_ANNOTATION = "remediation.medik8s.io/nhc-timed-out"
 SKIP_ANNOTATION = "cluster.x-k8s.io/skip-remediation"
 PAUSED_ANNOTATION = "cluster.x-k8s.io/paused"
 MACHINE_GROUP = "cluster.x-k8s.io"
-_ACTIVE = ("pending", "waiting-approval", "approved", "running")
-_FINAL = ("succeeded", "failed", "blocked", "cancelled", "interrupted")
 
 
 class ObjectStore(Protocol):
@@ -244,7 +243,7 @@ def report_for_run(run: Mapping[str, Any], *, run_name: str, node: str, timed_ou
     why = str(run.get("outcome_reason") or run.get("reason") or "")
     if state == "succeeded":
         return Report("Succeeded", False, True, "RunSucceeded", why or f"run {run_name} succeeded", run_name, node)
-    if state in _ACTIVE:
+    if state in ACTIVE_STATES:
         if timed_out:
             return Report("Cancelling", True, None, "TimedOut", f"NodeHealthCheck timed out: cancelling run "
                           f"{run_name} (the step in flight finishes and is verified)", run_name, node)
@@ -282,38 +281,30 @@ class Remediator:
     interval: float = 5.0
     namespaces: tuple[str, ...] = ()  # empty: every namespace
     actions: list[str] = field(default_factory=list)  # what was done, newest last (tests, debugging)
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _thread: threading.Thread | None = None
     _cancelled: set[str] = field(default_factory=set)  # runs asked to stop by this process (asked once)
     _last_error: str = ""
+    _loop: BackgroundLoop = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._loop = BackgroundLoop("runbook-remediator", self._pass, lambda: self.interval, at_start=True,
+                                    log=log, what="remediator: reconcile")
 
     # -- loop ---------------------------------------------------------------------------------------
 
     def start(self) -> None:
-        if self._thread is not None:
-            return
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._loop, name="runbook-remediator", daemon=True)
-        self._thread.start()
+        self._loop.start()
 
     def stop(self) -> None:
-        self._stop.set()
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            thread.join(timeout=5.0)
+        self._loop.stop()
 
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.reconcile_all()
-                self._last_error = ""
-            except KubeError as e:  # e.g. the CRDs are not installed, or RBAC: say it once, keep trying
-                if str(e) != self._last_error:
-                    log.warning("remediator: cannot list %s.%s: %s", PLURAL, API_VERSION, e)
-                self._last_error = str(e)
-            except Exception:
-                log.exception("remediator: reconcile failed")
-            self._stop.wait(self.interval)
+    def _pass(self) -> None:
+        try:
+            self.reconcile_all()
+            self._last_error = ""
+        except KubeError as e:  # e.g. the CRDs are not installed, or RBAC: say it once, keep trying
+            if str(e) != self._last_error:
+                log.warning("remediator: cannot list %s.%s: %s", PLURAL, API_VERSION, e)
+            self._last_error = str(e)
 
     def reconcile_all(self) -> int:
         """One pass over every object (the leader's duty; nothing on a follower). How many were seen."""
@@ -445,7 +436,7 @@ class Remediator:
             self._report(kube, obj, r, Report("Failed", False, False, "RunNotFound",
                                               f"run {r.run_name} is not in the run store", r.run_name, node))
             return
-        if r.timed_out and run.get("state") in _ACTIVE:
+        if r.timed_out and run.get("state") in ACTIVE_STATES:
             self._cancel(r, "NodeHealthCheck timed out (remediation.medik8s.io/nhc-timed-out): escalating past runbook")
             run = self._run(r) or run
         self._report(kube, obj, r, report_for_run(run, run_name=r.run_name, node=node, timed_out=r.timed_out))
@@ -467,11 +458,11 @@ class Remediator:
             return
         if r.run_name:
             run = self._run(r)
-            if run is not None and run.get("state") in _ACTIVE:
+            if run is not None and run.get("state") in ACTIVE_STATES:
                 self._cancel(r, f"{r.origin()} was deleted (the node is healthy again or the remediation was "
                                 "withdrawn)")
                 run = self._run(r) or run
-                if run.get("state") in _ACTIVE:
+                if run.get("state") in ACTIVE_STATES:
                     return  # the step in flight finishes and is verified; the finalizer goes after
         self._set_finalizers(kube, obj, tuple(f for f in r.finalizers if f != FINALIZER))
         self._note(f"{r.key}: finalizer removed")

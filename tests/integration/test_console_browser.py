@@ -30,6 +30,7 @@ import pytest
 from tests.conftest import require
 from tests.fakes import (
     APPROVER_TOKEN,
+    FSTAB_DIFF,
     INCIDENT_NODES,
     READER_TOKEN,
     TOKEN,
@@ -45,14 +46,6 @@ pytestmark = pytest.mark.integration
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 XSS = "<script>window.__xss=1</script>"
-FSTAB_DIFF = """--- before: /etc/fstab
-+++ after: /etc/fstab
-@@ -8,3 +8,3 @@
- UUID=4f1c-root / ext4 defaults 0 1
--/swap.img none swap sw 0 0
-+#/swap.img none swap sw 0 0  # disabled by runbook (kubelet needs swap off)
- tmpfs /run/user tmpfs defaults 0 0
-"""
 
 
 def sample_plan(run: Mapping[str, Any]) -> dict[str, Any]:

@@ -213,8 +213,8 @@ def test_the_playbooks_pass_ansible_lint_with_the_production_profile(tmp_path: P
         pytest.skip("ansible-lint is not installed (pip install -e '.[dev]')")
     files = [str(PLAYBOOKS / name) for name in
              ("node-facts.yml", "swap-off.yml", "restart-kubelet.yml", "gpu-bind-driver.yml",
-              "example-touch-file.yml", "tasks/facts.yml", "gpu-reset.yml", "gpu-driver-reload.yml",
-              "fabric-manager-restart.yml")]
+              "example-touch-file.yml", "kubelet-bootstrap.yml", "tasks/facts.yml", "gpu-reset.yml",
+              "gpu-driver-reload.yml", "fabric-manager-restart.yml")]
     out = subprocess.run([lint, "--offline", "--nocolor", "--profile", "production", *files],
                          capture_output=True, text=True, cwd=tmp_path)  # its cache: not in the repo
     assert out.returncode == 0, out.stdout + out.stderr

@@ -63,7 +63,8 @@ def test_the_controllers_run_with_the_configured_node_lifecycle_timings(control_
     argv = Path(f"/proc/{control_plane.pids()['kube-controller-manager']}/cmdline").read_bytes().split(b"\0")
 
     assert b"--node-monitor-grace-period=8s" in argv
-    assert b"--controllers=nodelifecycle,podgc,disruption,replicaset" in argv
+    controllers = next(a for a in argv if a.startswith(b"--controllers=")).split(b"=", 1)[1].split(b",")
+    assert {b"nodelifecycle", b"podgc", b"disruption", b"replicaset", b"csrsigning"} <= set(controllers)
     assert b"--node-eviction-rate=10.0" in argv
 
 

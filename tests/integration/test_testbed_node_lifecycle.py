@@ -17,6 +17,8 @@ import pytest
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
+from tests.fakes.clock import wait_for as poll
+
 GPU = "nvidia.com/GB202_GEFORCE_RTX_5090"
 
 
@@ -75,13 +77,7 @@ def kubelets(kube_client: client.CoreV1Api) -> Iterator[Kubelets]:
 
 
 def wait_for(what: str, probe: Callable[[], Any], timeout: float = 45.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = probe()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out after {timeout:.0f} s waiting for {what}"
-        time.sleep(0.25)
+    return poll(probe, timeout, what, interval=0.25)
 
 
 def ready_condition(core: client.CoreV1Api, name: str) -> Any:

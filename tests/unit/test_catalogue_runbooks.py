@@ -1,6 +1,6 @@
 """The packaged catalogue's runbooks, planned on fake facts (pure): containerd-recovery and
-kubelet-client-cert-expired refuse what they must before any change; gpu-node-recovery refuses swap
-it cannot keep off at plan time."""
+kubelet-client-cert-expired refuse what they must before any change (the certificate's renewal plans
+its four steps); gpu-node-recovery refuses swap it cannot keep off at plan time."""
 
 from __future__ import annotations
 
@@ -80,13 +80,25 @@ def test_a_vm_passthrough_node_with_host_cuda_jobs_is_refused() -> None:
     assert any("no-vfio-risk" in r and "vfio-manager" in r for r in p.blocked_reasons)
 
 
-def test_an_expired_client_certificate_is_refused_with_the_manual_steps() -> None:
+def test_an_expired_client_certificate_plans_token_bootstrap_kubeconfig_approval_and_token_deletion() -> None:
     host = make_host("gpu-3090-2", kubelet="activating", journal=CERT)
     p = plan("kubelet-client-cert-expired", host)
+    assert p.state is PlanState.READY, p.blocked_reasons
+    assert [(s.id, s.kind) for s in p.steps] == [
+        ("create-bootstrap-token", "change"), ("write-bootstrap-kubeconfig", "change"),
+        ("approve-node-csr", "change"), ("delete-bootstrap-token", "change")]
+
+
+def test_a_ready_node_has_no_certificate_to_renew_and_nothing_is_planned() -> None:
+    p = plan("kubelet-client-cert-expired", make_host("gpu-3090-2"), node=make_node("gpu-3090-2", ready=True))
+    assert p.state is not PlanState.BLOCKED and p.exit_code == 0
+    assert all(s.kind == "no-op" for s in p.steps), [(s.id, s.kind) for s in p.steps]
+
+
+def test_a_node_down_for_another_reason_gets_no_bootstrap_token() -> None:
+    p = plan("kubelet-client-cert-expired", make_host("gpu-3090-2", kubelet="activating", journal=CRI_ERROR))
     assert p.state is PlanState.BLOCKED and p.exit_code == 3
-    reasons = " ".join(p.blocked_reasons)
-    assert "kubeadm kubeconfig user --org system:nodes --client-name system:node:gpu-3090-2" in reasons
-    assert "kubectl certificate approve" in reasons and "kubeadm certs renew" in reasons
+    assert any("certificate-expired" in r and "nothing was changed" in r for r in p.blocked_reasons)
 
 
 @pytest.mark.parametrize("source", ["zram device /dev/zram0",

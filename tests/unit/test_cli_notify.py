@@ -16,7 +16,7 @@ from engine.cli_notify import notifications_since, send_cli_notifications
 from engine.journal import Journal
 from engine.serve.config import load_config
 from engine.serve.notify import verify_webhook
-from tests.notify_receiver import ROUTING_KEY, SECRET, Receiver, running
+from tests.fakes.notify import ROUTING_KEY, SECRET, Receiver, running
 
 
 @pytest.fixture

@@ -147,6 +147,48 @@ def test_a_host_failing_in_the_shared_run_fails_only_its_own_node(tmp_path: Path
     assert result.summary()["failed"] == 1 and result.summary()["not-started"] == 2
 
 
+def test_a_slow_host_timing_out_the_shared_run_fails_only_its_own_node(tmp_path: Path) -> None:
+    # One process for the batch; gpu-2's host hangs until the run's timeout kills it. gpu-1's host went
+    # through the whole play (it published its closing facts, free strategy): gpu-1 goes on.
+    fleet = _fleet(tmp_path, broken=["gpu-1", "gpu-2"])
+    plain = fleet.nodes.effects["swap-off.yml"]
+
+    def swap_off_hangs_on_gpu_2(fn: FakeNodes, node: str, ev: Mapping[str, Any]) -> PlaybookResult | None:
+        if node != "gpu-2":
+            return plain(fn, node, ev)
+        done = fn._facts("gpu-1", [])
+        assert not isinstance(done, Exception)
+        return PlaybookResult(status="timeout", rc=254, changed={"gpu-1": True}, host_facts={"gpu-1": done})
+
+    fleet.nodes.effects["swap-off.yml"] = swap_off_hangs_on_gpu_2
+    targets, plans = fleet.plan()
+    result = fleet.service.run_targets(targets, plans, max_parallel=2, max_failures=2)
+    assert fleet.playbook_runs("swap-off.yml") == [["gpu-1", "gpu-2"]]  # one process for the batch
+    assert _rows(result) == {"gpu-1": "succeeded", "gpu-2": "failed"}
+    assert fleet.playbook_runs("restart-kubelet.yml") == [["gpu-1"]]
+
+
+def test_split_result_gives_a_node_whose_host_finished_its_play_its_own_outcome() -> None:
+    from engine.batch import split_result
+
+    host = make_host
+    timed_out = PlaybookResult(status="timeout", rc=254, changed={"a": True}, host_facts={"a": host("a")})
+    assert (split_result(timed_out, "a", "a").status, split_result(timed_out, "a", "a").rc) == ("successful", 0)
+    assert split_result(timed_out, "b", "b").status == "timeout"  # the slow one: no closing facts
+    failed = PlaybookResult(status="timeout", rc=254, failed_hosts={"a": "a: boom"}, host_facts={"a": host("a")})
+    assert split_result(failed, "a", "a").status == "timeout"  # a failure stays its own
+    cancelled = PlaybookResult(status="canceled", rc=254, host_facts={"a": host("a")})
+    assert split_result(cancelled, "a", "a").status == "canceled"  # the operator's stop is everyone's
+
+
+def test_a_batch_runs_all_its_hosts_at_once_and_a_fleets_facts_at_most_forks_at_a_time() -> None:
+    from engine.connectors.ansible import run_forks
+
+    assert run_forks(20, 10, read_only=False) == 20  # a rolling batch of 20: forks >= the batch
+    assert run_forks(100, 10, read_only=True) == 10  # the plan's facts over a fleet
+    assert run_forks(3, 10, read_only=True) == 3 and run_forks(1, 10, read_only=False) == 1
+
+
 def test_max_failures_lets_the_rollout_continue_until_that_many_nodes_failed(tmp_path: Path) -> None:
     fleet = _fleet(tmp_path, broken=["gpu-1", "gpu-2", "gpu-3", "gpu-4", "gpu-5"])
     plain = fleet.nodes.effects["swap-off.yml"]

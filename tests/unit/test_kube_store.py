@@ -80,9 +80,11 @@ def test_a_run_is_a_remediation_run_with_spec_once_and_progress_in_the_status(ku
     store.set_state(run_id, "failed", exit_code=1)
     obj = _obj(kube, run_id)
     assert obj["metadata"]["labels"] == {"app.kubernetes.io/managed-by": "runbook",
-                                         "runbook.io/runbook": "gpu-node-recovery", "runbook.io/node": "omen2"}
-    assert obj["spec"] == spec_after_create  # every later write went to the status subresource
-    assert {c[1][3] for c in kube.calls if c[0] == "replace_object"} == {"status"}
+                                         "runbook.io/runbook": "gpu-node-recovery", "runbook.io/node": "omen2",
+                                         "runbook.io/trigger": "alertmanager", "runbook.io/phase": "Failed"}
+    assert obj["spec"] == spec_after_create  # every later write went to the status subresource ...
+    # ... but the phase label's (issue 32: lists select by it), which write the labels only
+    assert {c[1][3] for c in kube.calls if c[0] == "replace_object"} == {"status", None}
     st = obj["status"]
     assert (st["phase"], st["exitCode"]) == ("Failed", 1)
     assert [(s["id"], s["status"], s["reason"]) for s in st["steps"]] == [("swap-off", "failed", "swap still on")]

@@ -32,15 +32,28 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+import tests.integration.lab.flagship_cli
+import tests.integration.lab.lab_helpers
+import tests.integration.lab.serve_helpers
+import tests.integration.lab.test_durability_helpers
 from engine.lab.assets import find_assets
 from engine.lab.manager import Lab
 from engine.lab.nodehosts import node_host_prerequisite_problems
+
+# This folder is a package (tests laid out like the code; basenames may repeat across tests/): its
+# helpers are ``tests.integration.lab.<name>``. A test module written with the bare names (branches
+# started while the folder was on sys.path) gets the very same module objects, never a second copy.
+# Remove once nothing imports the bare names.
+for _helper in (tests.integration.lab.flagship_cli, tests.integration.lab.lab_helpers,
+                tests.integration.lab.serve_helpers, tests.integration.lab.test_durability_helpers):
+    sys.modules.setdefault(_helper.__name__.rpartition(".")[2], _helper)
 
 
 @dataclass

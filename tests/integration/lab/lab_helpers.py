@@ -1,25 +1,19 @@
-"""Small helpers shared by the lab's integration tests (imported as ``lab_helpers``: this folder is on sys.path)."""
+"""Small helpers shared by the lab's integration tests (``from tests.integration.lab.lab_helpers import ...``)."""
 
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable
 from typing import Any, TypeVar
+
+from tests.fakes.clock import wait_for as poll
 
 T = TypeVar("T")
 
 
 def wait_for(probe: Callable[[], T], timeout: float, what: str, interval: float = 0.3) -> T:
-    """Poll ``probe`` until it returns something truthy; fail naming ``what`` (and the last value)."""
-    deadline = time.monotonic() + timeout
-    value = probe()
-    while not value:
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} (last: {value!r})")
-        time.sleep(interval)
-        value = probe()
-    return value
+    """``tests.fakes.wait_for``, polling the lab every 0.3 s (kubectl and ssh are not free)."""
+    return poll(probe, timeout, what, interval)
 
 
 def kubectl_json(sh: Callable[..., Any], args: str) -> Any:

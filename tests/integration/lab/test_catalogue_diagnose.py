@@ -1,8 +1,7 @@
 """The catalogue on the lab's incident (issue 19): `runbook diagnose --all` names each sick node's cause
 and runbook from the runbooks' declared diagnoses, in one read-only pass; a healthy node has nothing
-wrong; the expired certificate is refused with the manual steps; containerd-recovery refuses a
-containerd that cannot start before any change, and brings gpu-3090-2 back to Ready otherwise; once
-the certificate is renewed by hand, its runbook only verifies the node Ready."""
+wrong; containerd-recovery refuses a containerd that cannot start before any change, and brings
+gpu-3090-2 back to Ready otherwise. (gpu-3090-3's expired certificate, renewed: test_kubelet_cert_lab.py.)"""
 
 from __future__ import annotations
 
@@ -11,10 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from flagship_cli import kube_node, node_status, ready, runbook
-from lab_helpers import ansible, wait_for
 
 from engine.lab.hoststate import HostState
+from tests.integration.lab.flagship_cli import kube_node, node_status, ready, runbook
 
 pytestmark = [pytest.mark.integration, pytest.mark.lab]
 
@@ -69,18 +67,6 @@ def test_diagnose_one_node_shows_the_matched_evidence_of_containerd_down(inciden
     assert r.stdout.startswith("node gpu-3090-2: root cause: containerd-down")
     assert "+ containerd-not-running (required)" in r.stdout and "+ kubelet-cannot-reach-cri" in r.stdout
     assert "fix: runbook run containerd-recovery --node gpu-3090-2" in r.stdout
-
-
-def test_the_expired_certificate_is_refused_with_the_manual_steps_and_nothing_changes(
-        incident: Any, sh: Any, tmp_path: Path) -> None:
-    state = _states(incident)["gpu-3090-3"]
-    calls_before = state.calls()
-    r = runbook(sh, "run kubelet-client-cert-expired --node gpu-3090-3 --yes", journal=tmp_path / "j.sqlite")
-    assert r.returncode == 3, r.stdout + r.stderr
-    out = " ".join(r.stdout.split())
-    assert "kubeadm kubeconfig user --org system:nodes --client-name system:node:gpu-3090-3" in out
-    assert "kubectl certificate approve" in out and "bootstrap-kubelet.conf" in out
-    assert state.calls() == calls_before
 
 
 def test_containerd_that_cannot_start_is_refused_before_any_change(fresh_lab: Any, sh: Any, tmp_path: Path) -> None:
@@ -151,25 +137,3 @@ def test_containerd_recovery_brings_gpu_3090_2_back_to_ready_with_its_gpu(
     assert "containerd: failed -> active" in r.stdout
     after = json.loads(runbook(sh, "diagnose --node gpu-3090-2 -o json").stdout)
     assert after["cause"] == "healthy"
-
-
-@pytest.mark.timeout(600)
-def test_once_the_certificate_is_renewed_by_hand_the_runbook_verifies_gpu_3090_3_ready_and_changes_nothing(
-        incident: Any, sh: Any, tmp_path: Path) -> None:
-    # last in the module: it changes gpu-3090-3, which no other test here reads
-    incident.dirty = True
-    state = _states(incident)["gpu-3090-3"]
-    # the operator's manual steps: a new kubelet.conf (the lab's fault cleared), `systemctl restart kubelet`
-    state.update(lambda s: s["kubelet"].update(fault=None))
-    assert ansible(sh, "gpu-3090-3", "systemctl restart kubelet").returncode == 0
-    wait_for(lambda: ready(kube_node(sh, "gpu-3090-3")), 180, "gpu-3090-3 Ready after the renewal")
-    calls_before = state.calls()
-    r = runbook(sh, "run kubelet-client-cert-expired --node gpu-3090-3 --yes -o json", journal=tmp_path / "j.sqlite")
-    assert r.returncode == 0, r.stdout + r.stderr
-    result = json.loads(r.stdout)
-    assert result["state"] == "succeeded"
-    (outcome,) = result["outcomes"]  # Ready when planned and still Ready: verified, nothing to do
-    assert (outcome["step"], outcome["status"]) == ("verify-node-ready", "skipped")
-    assert outcome["reason"].startswith("already holds: Ready=True"), outcome
-    assert state.calls() == calls_before  # it only verified
-    assert json.loads(runbook(sh, "diagnose --node gpu-3090-3 -o json").stdout)["cause"] == "healthy"

@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 import yaml
-from flagship_cli import runbook
 
 from engine.serve.notify import verify_webhook
-from tests.notify_receiver import ROUTING_KEY, SECRET, running
+from tests.fakes.notify import ROUTING_KEY, SECRET, running
+from tests.integration.lab.flagship_cli import runbook
 
 pytestmark = [pytest.mark.integration, pytest.mark.lab]
 

@@ -31,14 +31,14 @@ from typing import Any
 
 import httpx
 import pytest
-from lab_helpers import wait_for
-from serve_helpers import alertmanager_binary, node_json, ready_status
-from test_durability_helpers import stop_kubelet
-from test_serve_lab import omen2_recovered
 
 from engine.lab.controlplane import ControlPlane
 from engine.lab.hoststate import HostState
 from engine.lab.monitoring import binary
+from tests.integration.lab.lab_helpers import wait_for
+from tests.integration.lab.serve_helpers import alertmanager_binary, node_json, ready_status
+from tests.integration.lab.test_durability_helpers import stop_kubelet
+from tests.integration.lab.test_serve_lab import omen2_recovered
 
 pytestmark = [pytest.mark.integration, pytest.mark.lab, pytest.mark.timeout(1500)]
 

@@ -21,12 +21,12 @@ from typing import Any
 
 import pytest
 import yaml
-from flagship_cli import LABEL, kube_node, ready, runbook
-from test_durability_helpers import FLAGSHIP, NODE, Effects, Engine, node_label, stop_kubelet
 
 from engine.lab import controlplane as cp
 from engine.lab.controlplane import ControlPlane
 from engine.lab.hoststate import HostState
+from tests.integration.lab.flagship_cli import LABEL, kube_node, ready, runbook
+from tests.integration.lab.test_durability_helpers import FLAGSHIP, NODE, Effects, Engine, node_label, stop_kubelet
 
 pytestmark = [pytest.mark.integration, pytest.mark.lab]
 

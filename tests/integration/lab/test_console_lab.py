@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from serve_helpers import APPROVERS, serving
-from test_plan_review import snapshot
-from test_serve_lab import PLAN_TIMEOUT, RUN_TIMEOUT, omen2_alert, omen2_recovered, started
 
+from tests.integration.lab.serve_helpers import APPROVERS, serving
+from tests.integration.lab.test_plan_review import snapshot
+from tests.integration.lab.test_serve_lab import PLAN_TIMEOUT, RUN_TIMEOUT, omen2_alert, omen2_recovered, started
 from tests.integration.test_console_browser import browser, login, status_of, text_of, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.lab, pytest.mark.timeout(900)]

@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from flagship_cli import ROOT
-from lab_helpers import wait_for
 
 from engine.lab.controlplane import ControlPlane
+from tests.integration.lab.flagship_cli import ROOT
+from tests.integration.lab.lab_helpers import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.lab]
 

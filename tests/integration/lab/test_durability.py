@@ -23,7 +23,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from test_durability_helpers import (
+
+from tests.integration.lab.test_durability_helpers import (
     FLAGSHIP,
     NODE,
     REPO,

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_durability_helpers import (
+
+from tests.integration.lab.test_durability_helpers import (
     FLAGSHIP,
     LABEL,
     NODE,

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_durability_helpers import NODE, Engine
+
+from tests.integration.lab.test_durability_helpers import NODE, Engine
 
 pytestmark = [pytest.mark.integration, pytest.mark.lab]
 

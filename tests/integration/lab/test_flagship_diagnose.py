@@ -7,9 +7,9 @@ import json
 from typing import Any
 
 import pytest
-from flagship_cli import LABEL, kube_node, runbook
 
 from engine.lab.hoststate import HostState
+from tests.integration.lab.flagship_cli import LABEL, kube_node, runbook
 
 pytestmark = [pytest.mark.integration, pytest.mark.lab]
 

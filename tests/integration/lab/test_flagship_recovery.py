@@ -17,10 +17,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from flagship_cli import LABEL, cuda_pids, fstab, host_lines, kube_node, node_status, ready, runbook, vm_statuses
-from test_durability_helpers import Effects
 
 from engine.lab.hoststate import HostState
+from tests.integration.lab.flagship_cli import (
+    LABEL,
+    cuda_pids,
+    fstab,
+    host_lines,
+    kube_node,
+    node_status,
+    ready,
+    runbook,
+    vm_statuses,
+)
+from tests.integration.lab.test_durability_helpers import Effects
 
 pytestmark = [pytest.mark.integration, pytest.mark.lab]
 

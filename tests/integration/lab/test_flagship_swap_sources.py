@@ -25,12 +25,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from flagship_cli import LABEL, fstab, host_lines, kube_node, node_status, ready, runbook
-from lab_helpers import ansible, wait_for
 
 from engine.lab.hoststate import HostState
 from engine.lab.scenario import Node, Scenario, parse_scenario
 from engine.lab.sim_seed import fstab_text, host_state
+from tests.integration.lab.flagship_cli import LABEL, fstab, host_lines, kube_node, node_status, ready, runbook
+from tests.integration.lab.lab_helpers import ansible, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.lab]
 

@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from flagship_cli import LABEL, cuda_pids, kube_node, node_status, ready, runbook
 
 from engine.lab.controlplane import ControlPlane
 from engine.lab.hoststate import HostState
 from engine.runs import current_user
+from tests.integration.lab.flagship_cli import LABEL, cuda_pids, kube_node, node_status, ready, runbook
 
 pytestmark = [pytest.mark.integration, pytest.mark.lab]
 

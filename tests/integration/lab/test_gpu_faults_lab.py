@@ -19,13 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from flagship_cli import kube_node, ready, runbook
-from lab_helpers import wait_for
 
 from engine.lab.assets import find_assets
 from engine.lab.hoststate import HostState
 from engine.lab.manager import Lab
 from engine.lab.nodehosts import node_host_prerequisite_problems
+from tests.integration.lab.flagship_cli import kube_node, ready, runbook
+from tests.integration.lab.lab_helpers import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.lab]
 

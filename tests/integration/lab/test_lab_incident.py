@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
-from lab_helpers import ansible, condition, kubectl_json, output_lines, taints
 
 from engine.lab.labcli import lab_group
 from engine.lab.sim_kube import parse_time
+from tests.integration.lab.lab_helpers import ansible, condition, kubectl_json, output_lines, taints
 
 pytestmark = [pytest.mark.integration, pytest.mark.lab]
 

@@ -10,10 +10,10 @@ from collections import Counter
 from typing import Any
 
 import pytest
-from lab_helpers import ansible, condition, kubectl_json, node, output_lines, taints, wait_for
 
 from engine.errors import RunbookError
 from engine.lab.hoststate import HostState
+from tests.integration.lab.lab_helpers import ansible, condition, kubectl_json, node, output_lines, taints, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.lab]
 

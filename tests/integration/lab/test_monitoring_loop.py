@@ -5,7 +5,7 @@ One module, one monitoring set-up on the session's lab (reset to the incident fi
 Alertmanager are added to the running lab (``Lab.start_monitoring``, what ``runbook lab up
 --with-monitoring`` does on a running lab) with deploy/monitoring's rules loaded too; one ``runbook
 serve`` (approve mode, the runbook's own) with a notification receiver and a Slack-shaped fake
-(``oncall_fakes``: the Web API the interactive approval message goes to) on 127.0.0.1; Alertmanager
+(``tests.fakes.oncall``: the Web API the interactive approval message goes to) on 127.0.0.1; Alertmanager
 routed to it. From the incident, every NotReady node pages: omen2 (swap) is approved by a signed
 click on its Slack message (as alice, mapped from her Slack user id) and recovered, the message updated;
 gpu-3090-2 (containerd down) is refused by the preconditions with one notification however often
@@ -26,11 +26,11 @@ from typing import Any
 
 import httpx
 import pytest
-from lab_helpers import wait_for
-from serve_helpers import TOKEN, Server, alertmanager_binary, node_json, ready_status, serving
 
 from engine.lab.monitoring import Monitoring, binary
-from tests.oncall_fakes import SLACK_BOT_TOKEN, SLACK_CHANNEL, SLACK_SIGNING_SECRET, OnCallFakes, click
+from tests.fakes.oncall import SLACK_BOT_TOKEN, SLACK_CHANNEL, SLACK_SIGNING_SECRET, OnCallFakes, click
+from tests.integration.lab.lab_helpers import wait_for
+from tests.integration.lab.serve_helpers import TOKEN, Server, alertmanager_binary, node_json, ready_status, serving
 
 pytestmark = [pytest.mark.integration, pytest.mark.lab, pytest.mark.timeout(900)]
 

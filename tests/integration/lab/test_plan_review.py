@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from flagship_cli import LABEL, RUNBOOKS, fstab, kube_node, node_status, ready, runbook
 from markdown_it import MarkdownIt
 
 from engine.lab.hoststate import HostState
+from tests.integration.lab.flagship_cli import LABEL, RUNBOOKS, fstab, kube_node, node_status, ready, runbook
 
 pytestmark = [pytest.mark.integration, pytest.mark.lab]
 

@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from flagship_cli import LABEL, RUNBOOKS, kube_node, ready, runbook, start_runbook
-from lab_helpers import wait_for
+
+from tests.integration.lab.flagship_cli import LABEL, RUNBOOKS, kube_node, ready, runbook, start_runbook
+from tests.integration.lab.lab_helpers import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.lab]
 

@@ -20,11 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from flagship_cli import LABEL, host_lines, kube_node, ready, runbook
-from lab_helpers import kubectl_json, wait_for
 
 from engine.lab.hoststate import HostState
 from engine.lab.sim_kube import parse_time
+from tests.integration.lab.flagship_cli import LABEL, host_lines, kube_node, ready, runbook
+from tests.integration.lab.lab_helpers import kubectl_json, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.lab]
 

@@ -30,10 +30,10 @@ from typing import Any
 
 import pytest
 import yaml
-from flagship_cli import LABEL, kube_node, ready, runbook
-from serve_helpers import REPO, Server, serving
 
 from engine.lab.hoststate import HostState
+from tests.integration.lab.flagship_cli import LABEL, kube_node, ready, runbook
+from tests.integration.lab.serve_helpers import REPO, Server, serving
 
 pytestmark = [pytest.mark.integration, pytest.mark.lab, pytest.mark.timeout(1500)]
 

@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from flagship_cli import LABEL, host_lines, kube_node, runbook
+
+from tests.integration.lab.flagship_cli import LABEL, host_lines, kube_node, runbook
 
 pytestmark = [pytest.mark.integration, pytest.mark.lab]
 

@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_durability_helpers import FLAGSHIP, NODE, Engine, inventory_without_become_passwords
+
+from tests.integration.lab.test_durability_helpers import FLAGSHIP, NODE, Engine, inventory_without_become_passwords
 
 pytestmark = [pytest.mark.integration, pytest.mark.lab]
 

@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 import yaml
-from serve_helpers import REPO, node_json, serving
 
 from engine.lab.hoststate import HostState
 from tests.fakes import alert, webhook
+from tests.integration.lab.serve_helpers import REPO, node_json, serving
 
 pytestmark = [pytest.mark.integration, pytest.mark.lab, pytest.mark.timeout(900)]
 

@@ -20,7 +20,13 @@ from typing import Any
 
 import httpx
 import pytest
-from serve_helpers import (
+
+from engine.connectors.kube import KubeConnector
+from engine.lab.hoststate import HostState
+from engine.locks import DEFAULT_NAMESPACE, acquire_node_lock, holder_for, lease_name
+from engine.serve.pagerduty import sign
+from tests.fakes import alert, webhook
+from tests.integration.lab.serve_helpers import (
     PD_SECRET,
     Server,
     alertmanager,
@@ -32,12 +38,6 @@ from serve_helpers import (
     ready_status,
     serving,
 )
-
-from engine.connectors.kube import KubeConnector
-from engine.lab.hoststate import HostState
-from engine.locks import DEFAULT_NAMESPACE, acquire_node_lock, holder_for, lease_name
-from engine.serve.pagerduty import sign
-from tests.fakes import alert, webhook
 
 pytestmark = [pytest.mark.integration, pytest.mark.lab, pytest.mark.timeout(900)]
 

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 import yaml
-from serve_helpers import APPROVERS, REPO, serving
 
 from tests.fakes import alert, webhook
+from tests.integration.lab.serve_helpers import APPROVERS, REPO, serving
 
 pytestmark = [pytest.mark.integration, pytest.mark.lab, pytest.mark.timeout(1200)]
 

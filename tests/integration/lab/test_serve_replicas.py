@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from serve_helpers import Server, serving
-from test_durability_helpers import Effects, lease_holder, node_label, stop_kubelet
 
 from engine.lab.controlplane import ControlPlane
 from tests.fakes import alert, webhook
+from tests.integration.lab.serve_helpers import Server, serving
+from tests.integration.lab.test_durability_helpers import Effects, lease_holder, node_label, stop_kubelet
 
 pytestmark = [pytest.mark.integration, pytest.mark.lab, pytest.mark.timeout(1200)]
 

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from flagship_cli import ROOT, RUNBOOKS
+
+from tests.integration.lab.flagship_cli import ROOT, RUNBOOKS
 
 pytestmark = [pytest.mark.integration, pytest.mark.lab]
 

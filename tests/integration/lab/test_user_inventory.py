@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 import yaml
-from flagship_cli import LABEL, cuda_pids, kube_node, node_status, ready, runbook
 
 from engine.lab.hoststate import HostState
+from tests.integration.lab.flagship_cli import LABEL, cuda_pids, kube_node, node_status, ready, runbook
 
 pytestmark = [pytest.mark.integration, pytest.mark.lab]
 

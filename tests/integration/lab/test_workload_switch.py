@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from flagship_cli import LABEL, kube_node, node_status, runbook, vm_statuses
-from lab_helpers import wait_for
+
+from tests.integration.lab.flagship_cli import LABEL, kube_node, node_status, runbook, vm_statuses
+from tests.integration.lab.lab_helpers import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.lab]
 

@@ -10,6 +10,7 @@ import re
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -367,3 +368,81 @@ def test_the_example_ini_inventory_maps_the_same_nodes_as_the_yaml_one() -> None
     assert {h.name: h.groups for h in ini.hosts.values()} == {h.name: h.groups for h in yml.hosts.values()}
     for name, host in yml.hosts.items():
         assert dict(ini.hosts[name].vars) == dict(host.vars)
+
+
+# ---------------------------------------------------------------------------- reading started early (issue 32)
+
+
+def test_a_read_started_early_is_collected_by_the_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.connectors import inventory as inv_mod
+
+    path = write(tmp_path, "all:\n  hosts:\n    gpu-box-2:\n      k8s_node_name: omen2\n")
+    inv_mod.start_reading(path)
+    assert path.resolve() in inv_mod._started
+
+    def no_second_child(p: Path) -> Any:
+        raise AssertionError("the load started a second ansible-inventory instead of collecting the first")
+
+    monkeypatch.setattr(inv_mod, "_spawn", no_second_child)
+    assert load_inventory(path).host_for_node("omen2") == "gpu-box-2"
+    assert path.resolve() not in inv_mod._started
+
+
+@pytest.mark.parametrize(("where", "host"), [("inventory.yaml", "gpu-box-2"), ("group_vars/gpus.yml", "gpu-box-3"),
+                                             ("host_vars/gpu-box-2.yml", "gpu-box-2")])
+def test_a_read_started_before_its_sources_changed_is_thrown_away(tmp_path: Path, where: str, host: str) -> None:
+    from engine.connectors import inventory as inv_mod
+
+    path = write(tmp_path, "all:\n  hosts:\n    gpu-box-2:\n  children:\n    gpus:\n      hosts:\n        gpu-box-3:\n")
+    write(tmp_path, "x: 1\n", "group_vars/gpus.yml")
+    write(tmp_path, "y: 1\n", "host_vars/gpu-box-2.yml")
+    inv_mod.start_reading(path)
+    child = inv_mod._started[path.resolve()]
+    child.proc.wait(60)  # it has read the old files
+    if where == "inventory.yaml":
+        write(tmp_path, "all:\n  hosts:\n    gpu-box-2:\n      k8s_node_name: omen2\n  children:\n    gpus:\n"
+                        "      hosts:\n        gpu-box-3:\n")
+    else:
+        write(tmp_path, "k8s_node_name: omen2\n", where)
+    assert load_inventory(path).host_for_node("omen2") == host
+    assert not Path(child.folder.name).exists()  # the stale read was ended, its folder removed
+
+
+def test_a_script_or_plugin_inventory_is_read_only_when_a_load_needs_it(tmp_path: Path) -> None:
+    from engine.connectors import inventory as inv_mod
+
+    script = write(tmp_path, "#!/bin/sh\necho '{}'\n", "inv.sh", mode=0o755)
+    plugin = write(tmp_path, "plugin: ansible.builtin.constructed\n", "constructed.yml")
+    folder = tmp_path / "folder"
+    write(folder, "all:\n  hosts:\n    a:\n", "static.yml")
+    write(folder, "#!/bin/sh\necho '{}'\n", "dynamic.sh", mode=0o755)
+    for path in (script, plugin, folder):
+        assert not inv_mod.is_static(path)
+        inv_mod.start_reading(path)
+        assert path.resolve() not in inv_mod._started
+    static = write(tmp_path, "all:\n  hosts:\n    a:\n", "static.yml")
+    assert inv_mod.is_static(static) and inv_mod.is_static(tmp_path / "folder" / "static.yml")
+
+
+def test_a_broken_inventory_read_early_is_refused_by_the_load_as_before(tmp_path: Path) -> None:
+    from engine.connectors import inventory as inv_mod
+
+    path = write(tmp_path, "all:\n  hosts:\n    omen2: [\n")
+    with pytest.raises(LoadError) as before:
+        load_inventory(path)
+    inv_mod.start_reading(path)
+    assert path.resolve() in inv_mod._started
+    with pytest.raises(LoadError) as early:
+        load_inventory(path)
+    assert str(early.value) == str(before.value)
+
+
+def test_a_read_nobody_collects_is_ended_at_exit(tmp_path: Path) -> None:
+    from engine.connectors import inventory as inv_mod
+
+    path = write(tmp_path, "all:\n  hosts:\n    a:\n")
+    inv_mod.start_reading(path)
+    child = inv_mod._started[path.resolve()]
+    inv_mod._end_uncollected()
+    assert child.proc.poll() is not None and not inv_mod._started
+    assert not Path(child.folder.name).exists()

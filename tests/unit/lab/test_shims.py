@@ -16,7 +16,7 @@ import pytest
 
 from engine.lab import sim_kubelet
 from engine.lab.hoststate import HostState
-from engine.lab.scenario import load_scenario
+from engine.lab.scenario import KubeletFault, load_scenario
 from engine.lab.sim_seed import fstab_text, host_state
 
 SHIMS = Path(__file__).resolve().parents[3] / "engine" / "lab" / "shims"
@@ -313,9 +313,12 @@ def test_read_only_tools_work_without_the_state_lock_being_writable(host: HostSt
 
 def test_a_no_heartbeat_fault_keeps_kubelet_active_but_silent(tmp_path: Path) -> None:
     sc = load_scenario()
+    fault = KubeletFault(mode="no-heartbeat", lines=[
+        "E bootstrap.go:266] part of the existing bootstrap client certificate in /etc/kubernetes/kubelet.conf "
+        "is expired: 2025-03-20 08:12:44 +0000 UTC"])
     node = sc.node("worker-1").model_copy(update={"host": sc.node("worker-1").host.model_copy(update={
-        "kubelet": sc.node("gpu-3090-3").host.kubelet.model_copy(update={"fault": sc.node(
-            "gpu-3090-3").host.kubelet.fault.model_copy(update={"mode": "no-heartbeat"})})})})
+        "kubelet": sc.node("gpu-3090-3").host.kubelet.model_copy(update={"fault": fault,
+                                                                         "client_cert_expired": False})})})
     state, journal = host_state(node, sc, NOW)
     hs = HostState(tmp_path / "state")
     hs.initialise(state, journal)

@@ -11,8 +11,9 @@ from engine.errors import KubeError
 from engine.facts import NodeFacts
 from engine.serve.cluster import ClusterUnavailable, KubeClusterView, gpu_count, kured_locks
 from engine.serve.config import ExclusionConfig
-from tests.fakes import ClusterKube as FakeKube
-from tests.fakes import cluster_node as make_node
+from tests.fakes import FakeKube, make_node
+
+DAEMONSETS = ("apps/v1", "daemonsets")
 
 T0 = 1_800_000_000.0
 
@@ -52,8 +53,9 @@ def test_our_label_and_medik8s_label_exclude_a_node() -> None:
 
 
 def test_kured_single_lock_names_the_node_being_rebooted() -> None:
-    kube = FakeKube([make_node("omen2")], [_kured({"nodeID": "omen2", "metadata": {"unschedulable": False},
-                                                   "created": "2027-01-15T08:00:00.123456789Z", "TTL": 0})])
+    lock = {"nodeID": "omen2", "metadata": {"unschedulable": False}, "created": "2027-01-15T08:00:00.123456789Z",
+            "TTL": 0}
+    kube = FakeKube([make_node("omen2")], objects={DAEMONSETS: [_kured(lock)]})
     snap = _view(kube).snapshot()
     assert "kured" in (snap.exclusion("omen2") or "")
 
@@ -71,15 +73,16 @@ def test_kured_multi_lock_and_ttl_expiry() -> None:
 
 
 def test_kured_in_another_namespace_or_without_annotation_is_no_lock() -> None:
-    kube = FakeKube([make_node("omen2")], [_kured({"nodeID": "omen2"}, ns="kured")])
+    kube = FakeKube([make_node("omen2")], objects={DAEMONSETS: [_kured({"nodeID": "omen2"}, ns="kured")]})
     assert _view(kube).snapshot().exclusion("omen2") is None
-    kube = FakeKube([make_node("omen2")], [{"metadata": {"name": "kured", "namespace": "kube-system"}}])
+    no_annotation = {"metadata": {"name": "kured", "namespace": "kube-system"}}
+    kube = FakeKube([make_node("omen2")], objects={DAEMONSETS: [no_annotation]})
     assert _view(kube).snapshot().exclusion("omen2") is None
 
 
 @pytest.mark.parametrize("value", ["{not json", "[]", '{"locks": "x"}', '{"locks": [{"created": "x"}]}'])
 def test_an_unreadable_kured_lock_fails_closed(value: str) -> None:
-    kube = FakeKube([make_node("omen2")], [_kured(value)])
+    kube = FakeKube([make_node("omen2")], objects={DAEMONSETS: [_kured(value)]})
     with pytest.raises(ClusterUnavailable, match="kured"):
         _view(kube).snapshot()
 
@@ -113,7 +116,7 @@ def test_snapshots_are_cached_for_the_ttl() -> None:
     view = _view(kube, clock, ttl=5)
     for _ in range(50):
         view.snapshot()
-    assert kube.calls == 1
+    assert kube.calls_to("list_nodes") == 1
     clock[0] += 6
     view.snapshot()
-    assert kube.calls == 2
+    assert kube.calls_to("list_nodes") == 2

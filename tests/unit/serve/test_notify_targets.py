@@ -17,8 +17,8 @@ import pytest
 
 from engine.serve.notify import Notification, Notifier, sign_webhook, verify_webhook
 from engine.serve.pagerduty_events import events_for
-from tests.fakes import FakeRunStarter, alert, served, trigger_spec, webhook
-from tests.notify_receiver import ROUTING_KEY, SECRET, Receiver, pd_errors, running
+from tests.fakes import FakeRunStarter, alert, served, trigger_spec, two_steps_then, wait_for, webhook
+from tests.fakes.notify import ROUTING_KEY, SECRET, Receiver, pd_errors, running
 
 GROUP_KEY = webhook()["groupKey"]
 
@@ -29,31 +29,12 @@ def receiver() -> Iterator[Receiver]:
         yield r
 
 
-def _with_steps(state: str) -> Any:
-    def outcome(run: dict[str, Any]) -> str:
-        now = time.time()
-        run.setdefault("events", []).extend([
-            {"kind": "step.outcome", "step": "drain", "status": "succeeded", "reason": "",
-             "started_at": now - 3, "finished_at": now - 2},
-            {"kind": "step.outcome", "step": "restart-kubelet", "status": "succeeded" if state == "succeeded"
-             else "failed", "reason": "" if state == "succeeded" else "Ready stayed Unknown for 300s",
-             "started_at": now - 2, "finished_at": now}])
-        return state
-    return outcome
-
-
 def _serve_with_pagerduty(receiver: Receiver, state: str, **pd: Any) -> Any:
-    starter = FakeRunStarter([trigger_spec(mode="auto", matchers=('node=~"omen.*"',))], outcome=_with_steps(state))
+    starter = FakeRunStarter([trigger_spec(mode="auto", matchers=('node=~"omen.*"',))],
+                             outcome=two_steps_then(state, "drain"))
     return served("auto", starter=starter, notify_from_config=True, public_url="https://runbook.example.org",
                   notify={"url": receiver.url + "/hook", "secret": SECRET, "pagerduty": {
                       "routing_key": ROUTING_KEY, "url": receiver.url + "/v2/enqueue", **pd}})
-
-
-def _wait_for(predicate: Any, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
 
 
 def test_a_run_that_succeeds_acknowledges_notes_each_step_and_resolves_the_incident_with_its_report(
@@ -61,7 +42,7 @@ def test_a_run_that_succeeds_acknowledges_notes_each_step_and_resolves_the_incid
     with _serve_with_pagerduty(receiver, "succeeded", acknowledge_on_start=True) as s:
         run_id = s.post_alerts(alert("omen2", fingerprint="fp-omen2")).json()["runs"][0]
         s.idle()
-        _wait_for(lambda: len(receiver.events) >= 5)
+        wait_for(lambda: len(receiver.events) >= 5)
     assert receiver.refused == []
     assert [e["event_action"] for e in receiver.events] == ["acknowledge", "trigger", "trigger", "trigger", "resolve"]
     # the same key Alertmanager's pagerduty_configs gives the incident: sha256(groupKey)
@@ -81,7 +62,7 @@ def test_a_failed_run_leaves_the_incident_open_with_the_evidence(receiver: Recei
     with _serve_with_pagerduty(receiver, "failed", dedup_key="alert") as s:
         s.post_alerts(alert("omen2", fingerprint="fp-omen2"))
         s.idle()
-        _wait_for(lambda: any(e["payload"]["custom_details"]["event"] == "failed"
+        wait_for(lambda: any(e["payload"]["custom_details"]["event"] == "failed"
                               for e in receiver.events if "payload" in e))
         time.sleep(0.2)  # nothing more may follow
     assert receiver.refused == []
@@ -108,7 +89,7 @@ def test_webhooks_are_signed_and_a_receiver_rejects_a_tampered_or_replayed_body(
     with _serve_with_pagerduty(receiver, "succeeded") as s:
         run_id = s.post_alerts(alert("omen2")).json()["runs"][0]
         s.idle()
-        _wait_for(lambda: any(json.loads(b)["runbook_event"]["event"] == "finished" for b, _ in receiver.hooks))
+        wait_for(lambda: any(json.loads(b)["runbook_event"]["event"] == "finished" for b, _ in receiver.hooks))
     now = time.time()
     for body, header in receiver.hooks:
         assert header is not None and verify_webhook(body, header, SECRET, now=now)

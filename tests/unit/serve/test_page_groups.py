@@ -14,8 +14,8 @@ import pytest
 
 from engine.serve.page_groups import PageGroups
 from engine.serve.routing import routing_warnings
-from tests.fakes import FakeRunStarter, alert, served, trigger_spec, webhook
-from tests.oncall_fakes import OnCallFakes, running, wait_for
+from tests.fakes import FakeRunStarter, alert, served, trigger_spec, wait_for, webhook
+from tests.fakes.oncall import OnCallFakes, running
 
 ROUTING_KEY = "R0ut1ngK3yF0rT3stsXXXXXXXXXXXXXX"
 

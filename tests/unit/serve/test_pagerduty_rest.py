@@ -1,6 +1,6 @@
 """A run paged by a PagerDuty incident reports on that incident through the REST API, and opens no other.
 
-Against ``tests/oncall_fakes.py``: PagerDuty's REST API v2 (notes, acknowledge, resolve; 429 with
+Against ``tests/fakes/oncall.py``: PagerDuty's REST API v2 (notes, acknowledge, resolve; 429 with
 Retry-After) and Events API v2 on 127.0.0.1, both checking the documented request formats.
 """
 
@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from engine.serve.pagerduty import sign
-from tests.fakes import FakeRunStarter, Served, served, trigger_spec
-from tests.oncall_fakes import PD_FROM, PD_TOKEN, OnCallFakes, running, wait_for
+from tests.fakes import FakeRunStarter, Served, served, trigger_spec, two_steps_then, wait_for
+from tests.fakes.oncall import PD_FROM, PD_TOKEN, OnCallFakes, running
 
 SECRET = "pd-subscription-secret"
 INCIDENT = "Q2R3S4"
@@ -27,19 +27,6 @@ ROUTING_KEY = "R0ut1ngK3yF0rT3stsXXXXXXXXXXXXXX"
 def fakes() -> Iterator[OnCallFakes]:
     with running() as f:
         yield f
-
-
-def _steps(state: str) -> Any:
-    def outcome(run: dict[str, Any]) -> str:
-        now = time.time()
-        run.setdefault("events", []).extend([
-            {"kind": "step.outcome", "step": "swap-off", "status": "succeeded", "reason": "",
-             "started_at": now - 3, "finished_at": now - 2},
-            {"kind": "step.outcome", "step": "restart-kubelet", "status": "succeeded" if state == "succeeded"
-             else "failed", "reason": "" if state == "succeeded" else "Ready stayed Unknown for 300s",
-             "started_at": now - 2, "finished_at": now}])
-        return state
-    return outcome
 
 
 def _served(fakes: OnCallFakes, state: str = "succeeded", *, resolve: bool = True, events_v2: bool = True,
@@ -53,7 +40,7 @@ def _served(fakes: OnCallFakes, state: str = "succeeded", *, resolve: bool = Tru
         notify["pagerduty"] = {"routing_key": ROUTING_KEY, "url": fakes.url + "/v2/enqueue"}
     env = {"RUNBOOK_PAGERDUTY_SECRET": SECRET, "RUNBOOK_PAGERDUTY_API_TOKEN": PD_TOKEN,
            "RUNBOOK_PAGERDUTY_FROM": PD_FROM} if rest else {"RUNBOOK_PAGERDUTY_SECRET": SECRET}
-    starter = FakeRunStarter([trigger_spec(mode="auto", matchers=('node=~"omen.*"',))], outcome=_steps(state))
+    starter = FakeRunStarter([trigger_spec(mode="auto", matchers=('node=~"omen.*"',))], outcome=two_steps_then(state))
     return served("auto", starter=starter, env=env, notify_from_config=True, public_url="https://runbook.example.org",
                   pagerduty={"mappings": [mapping]}, notify=notify)
 

@@ -22,9 +22,7 @@ from engine.serve.notify import Notifier
 from engine.serve.starter import RunRequest
 from engine.serve_starter import JournalRunStarter
 from engine.settings import Settings
-from tests.fakes import TOKEN, FakeRunStarter, alert, trigger_spec, webhook
-from tests.fakes import ClusterKube as FakeKube
-from tests.fakes import cluster_node as make_node
+from tests.fakes import TOKEN, FakeKube, FakeRunStarter, alert, make_node, trigger_spec, webhook
 
 T0 = 1_800_000_000.0
 REPO = Path(__file__).resolve().parents[3]
@@ -45,9 +43,9 @@ def test_a_started_view_picks_up_changes_in_the_background_without_waiting_for_t
     view = KubeClusterView(lambda: kube, ExclusionConfig(), ttl=5, refresh=0.02, clock=lambda: clock[0])
     view.start()
     try:
-        assert _until(lambda: kube.calls >= 1), "the first read happens at start, before any page"
+        assert _until(lambda: kube.calls_to("list_nodes") >= 1), "the first read happens at start, before any page"
         assert view.snapshot().total_nodes == 1
-        kube.nodes.append(make_node("omen3"))
+        kube.set_node(make_node("omen3"))
         assert _until(lambda: view.snapshot().total_nodes == 2), "the refresher did not re-read the cluster"
     finally:
         view.stop()
@@ -58,11 +56,12 @@ def test_a_snapshot_older_than_the_ttl_is_never_used_and_a_failed_refresh_fails_
     clock = [T0]
     view = KubeClusterView(lambda: kube, ExclusionConfig(), ttl=5, refresh=1, clock=lambda: clock[0])
     view.refresh()
-    calls = kube.calls
-    assert view.snapshot().total_nodes == 1 and kube.calls == calls  # fresh: no API call on the page
+    calls = kube.calls_to("list_nodes")
+    assert view.snapshot().total_nodes == 1
+    assert kube.calls_to("list_nodes") == calls  # fresh: no API call on the page
     clock[0] += 6  # the refresher stalled: the page reads the cluster itself
-    kube.nodes.append(make_node("omen3"))
-    assert view.snapshot().total_nodes == 2 and kube.calls == calls + 1
+    kube.set_node(make_node("omen3"))
+    assert view.snapshot().total_nodes == 2 and kube.calls_to("list_nodes") == calls + 1
     kube.error = KubeError("connection refused")
     view.refresh()  # a background read that fails replaces the good snapshot: guards fail closed
     with pytest.raises(ClusterUnavailable, match="connection refused"):
@@ -78,18 +77,18 @@ def test_refreshing_is_configured_shorter_than_the_ttl() -> None:
 
 
 def test_the_server_starts_the_refresher_so_a_page_is_answered_without_an_api_call() -> None:
-    kube = FakeKube([make_node(f"omen{i}", ready=i > 1) for i in range(1, 9)])
+    kube = FakeKube([make_node(f"omen{i}", ready=i > 1, gpus=1) for i in range(1, 9)])
     config = load_config(None, env={"RUNBOOK_WEBHOOK_TOKEN": TOKEN})
     view = KubeClusterView(lambda: kube, config.run_guards(), ttl=30, refresh=0)  # the first read only
     app = create_app(config, FakeRunStarter([trigger_spec()]), cluster=view, notifier=Notifier(None),
                      sweep_interval=0)
     with TestClient(app, base_url="http://127.0.0.1") as client:
-        assert _until(lambda: kube.calls >= 1), "the server did not read the cluster at start"
-        calls = kube.calls
+        assert _until(lambda: kube.calls_to("list_nodes") >= 1), "the server did not read the cluster at start"
+        calls = kube.calls_to("list_nodes")
         r = client.post("/hooks/alertmanager", content=json.dumps(webhook(alert("omen1"))),
                         headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
         assert r.status_code == 202, r.text
-        assert kube.calls == calls  # the guards used the snapshot read at start
+        assert kube.calls_to("list_nodes") == calls  # the guards used the snapshot read at start
 
 
 def test_a_paged_run_is_recorded_with_its_first_events_in_one_commit(tmp_path: Path) -> None:

@@ -1,6 +1,6 @@
 """Approve and reject from Slack: the interactive message, and signed clicks through the console's rules.
 
-Against ``tests/oncall_fakes.py``: Slack's Web API (``chat.postMessage``, ``chat.update``) on
+Against ``tests/fakes/oncall.py``: Slack's Web API (``chat.postMessage``, ``chat.update``) on
 127.0.0.1, and ``block_actions`` interactions form-encoded and signed as Slack signs them.
 """
 
@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from engine.serve.slack import SlackSignatureError, sign, verify
-from tests.fakes import Served, alert, served
-from tests.oncall_fakes import (
+from tests.fakes import Served, alert, served, wait_for
+from tests.fakes.oncall import (
     SLACK_BOT_TOKEN,
     SLACK_CHANNEL,
     SLACK_SIGNING_SECRET,
@@ -23,7 +23,6 @@ from tests.oncall_fakes import (
     SlackMessage,
     click,
     running,
-    wait_for,
 )
 
 ALICE, BOB, MALLORY, SENDER = "U0ALICE01", "U0BOB0001", "U0MALLORY", "U0SENDER1"

@@ -1,18 +1,17 @@
 """A local receiver (127.0.0.1) for notification tests: PagerDuty Events API v2 at ``/v2/enqueue``,
 checked against PagerDuty's documented request format (400 like PagerDuty when a body breaks it),
-and a webhook endpoint at ``/hook`` that keeps bodies and their ``X-Runbook-Signature``."""
+and a webhook endpoint at ``/hook`` that keeps bodies and their ``X-Runbook-Signature``.
+``enqueue`` is PagerDuty's answer to one event (``tests.fakes.oncall`` serves it too)."""
 
 from __future__ import annotations
 
 import json
-import threading
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from datetime import datetime
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from engine.serve.notify import SIGNATURE_HEADER
+from tests.fakes.http import JsonHandler, LoopbackServer, serving
 
 ROUTING_KEY = "R0ut1ngK3yF0rT3stsXXXXXXXXXXXXXX"  # 32 characters, as PagerDuty's integration keys
 SECRET = "s3cret-for-signing-webhooks"
@@ -62,7 +61,16 @@ def pd_errors(body: bytes) -> list[str]:
     return errors
 
 
-class Receiver:
+def enqueue(body: bytes) -> tuple[int, dict[str, Any], list[str]]:
+    """PagerDuty's Events API v2 answer to ``body``: (HTTP status, JSON answer, what it refused)."""
+    errors = pd_errors(body)
+    if errors:
+        return 400, {"status": "invalid event", "message": "Event object is invalid", "errors": errors}, errors
+    return 202, {"status": "success", "message": "Event processed",
+                 "dedup_key": json.loads(body).get("dedup_key")}, []
+
+
+class Receiver(LoopbackServer):
     """A PagerDuty Events v2 endpoint (``/v2/enqueue``) and a webhook endpoint (``/hook``) on loopback."""
 
     def __init__(self) -> None:
@@ -71,49 +79,23 @@ class Receiver:
         self.refused: list[list[str]] = []
         outer = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(JsonHandler):
             def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+                body = self.body()
                 if self.path == "/v2/enqueue":
-                    errors = pd_errors(body)
+                    code, answer, errors = enqueue(body)
                     if errors:
                         outer.refused.append(errors)
-                        self._answer(400, {"status": "invalid event", "message": "Event object is invalid",
-                                           "errors": errors})
-                        return
-                    ev = json.loads(body)
-                    outer.events.append(ev)
-                    self._answer(202, {"status": "success", "message": "Event processed",
-                                       "dedup_key": ev.get("dedup_key")})
+                    else:
+                        outer.events.append(json.loads(body))
+                    self.answer(code, answer)
                 else:
                     outer.hooks.append((body, self.headers.get(SIGNATURE_HEADER)))
-                    self._answer(200, {})
+                    self.answer(200, {})
 
-            def _answer(self, code: int, data: Mapping[str, Any]) -> None:
-                out = json.dumps(data).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(out)))
-                self.end_headers()
-                self.wfile.write(out)
-
-            def log_message(self, format: str, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        super().__init__(Handler)
 
 
-@contextmanager
-def running() -> Iterator[Receiver]:
-    r = Receiver()
-    try:
-        yield r
-    finally:
-        r.close()
+def running() -> AbstractContextManager[Receiver]:
+    """A started ``Receiver``, closed after the ``with`` block."""
+    return serving(Receiver())

@@ -4,7 +4,7 @@
   ``PUT /incidents/{id}`` (``{"incident": {"type": "incident_reference", "status"}}``), with
   ``Authorization: Token token=<key>``, a ``From`` header and PagerDuty's ``Accept`` (400/401/404
   like PagerDuty otherwise); ``rate_limit(n)`` answers the next ``n`` requests ``429`` with
-  ``Retry-After``. Events API v2 ``POST /v2/enqueue`` too (``notify_receiver.pd_errors``), so a
+  ``Retry-After``. Events API v2 ``POST /v2/enqueue`` too (``tests.fakes.notify.enqueue``), so a
   test sees whether a second alert would have been opened.
 * Slack Web API: ``POST /api/chat.postMessage`` and ``/api/chat.update`` (``Authorization: Bearer``,
   JSON; ``{"ok": true, "channel", "ts"}``, or HTTP 200 ``{"ok": false, "error"}`` as Slack does).
@@ -19,15 +19,15 @@ import json
 import re
 import threading
 import time
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlencode
 
 from engine.serve.slack import sign
-from tests.notify_receiver import pd_errors
+from tests.fakes.http import JsonHandler, LoopbackServer, serving
+from tests.fakes.notify import enqueue
 
 PD_TOKEN = "y_NbAkKc66ryYTWUXYEu"  # the shape of a PagerDuty REST API key (20 characters)
 PD_FROM = "oncall-bot@example.org"
@@ -62,7 +62,7 @@ class SlackMessage:
         return json.dumps(self.blocks)
 
 
-class OnCallFakes:
+class OnCallFakes(LoopbackServer):
     """One loopback server for PagerDuty (REST and Events v2), Slack's Web API and Alertmanager."""
 
     def __init__(self) -> None:
@@ -77,39 +77,20 @@ class OnCallFakes:
         self._lock = threading.Lock()
         outer = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def _body(self) -> bytes:
-                return self.rfile.read(int(self.headers.get("Content-Length", "0")))
-
+        class Handler(JsonHandler):
             def do_GET(self) -> None:
                 if self.path == "/api/v2/status":
-                    self._json(200, {"config": {"original": outer.am_config}, "cluster": {"status": "disabled"}})
+                    self.answer(200, {"config": {"original": outer.am_config}, "cluster": {"status": "disabled"}})
                 else:
-                    self._json(404, {})
+                    self.answer(404, {})
 
             def do_POST(self) -> None:
-                outer._handle(self, "POST", self._body())
+                outer._handle(self, "POST", self.body())
 
             def do_PUT(self) -> None:
-                outer._handle(self, "PUT", self._body())
+                outer._handle(self, "PUT", self.body())
 
-            def _json(self, code: int, data: Mapping[str, Any], headers: Mapping[str, str] | None = None) -> None:
-                out = json.dumps(data).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(out)))
-                for k, v in (headers or {}).items():
-                    self.send_header(k, v)
-                self.end_headers()
-                self.wfile.write(out)
-
-            def log_message(self, format: str, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
+        super().__init__(Handler)
 
     # -- test controls -----------------------------------------------------------------------
 
@@ -125,13 +106,9 @@ class OnCallFakes:
     def approval_message(self, run_id: str) -> SlackMessage | None:
         return next((m for m in self.messages if run_id in json.dumps(m.blocks) and m.buttons()), None)
 
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
     # -- the wire ----------------------------------------------------------------------------
 
-    def _handle(self, h: Any, method: str, body: bytes) -> None:
+    def _handle(self, h: JsonHandler, method: str, body: bytes) -> None:
         headers = {k.lower(): v for k, v in h.headers.items()}
         with self._lock:
             self.requests.append((method, h.path, headers))
@@ -139,43 +116,42 @@ class OnCallFakes:
             if limited:
                 self._limited -= 1
         if limited:
-            h._json(429, {"error": {"message": "Rate Limit Exceeded", "code": 2020}}, {"Retry-After": "1"})
+            h.answer(429, {"error": {"message": "Rate Limit Exceeded", "code": 2020}}, {"Retry-After": "1"})
             return
         if h.path == "/v2/enqueue":
-            errors = pd_errors(body)
+            code, answer, errors = enqueue(body)
             if errors:
                 self.refused.append("; ".join(errors))
-                h._json(400, {"status": "invalid event", "errors": errors})
-                return
-            with self._lock:
-                self.events.append(json.loads(body))
-            h._json(202, {"status": "success", "message": "Event processed"})
+            else:
+                with self._lock:
+                    self.events.append(json.loads(body))
+            h.answer(code, answer)
         elif h.path.startswith("/api/"):
             self._slack(h, h.path[len("/api/"):], headers, body)
         elif h.path.startswith("/incidents/"):
             self._pagerduty(h, method, h.path, headers, body)
         else:
-            h._json(404, {})
+            h.answer(404, {})
 
-    def _pagerduty(self, h: Any, method: str, path: str, headers: Mapping[str, str], body: bytes) -> None:
+    def _pagerduty(self, h: JsonHandler, method: str, path: str, headers: Mapping[str, str], body: bytes) -> None:
         if headers.get("authorization") != f"Token token={PD_TOKEN}":
             self.refused.append(f"{method} {path}: Authorization")
-            h._json(401, {"error": {"message": "Unauthorized", "code": 2006}})
+            h.answer(401, {"error": {"message": "Unauthorized", "code": 2006}})
             return
         if headers.get("accept") != PD_ACCEPT or "application/json" not in headers.get("content-type", ""):
             self.refused.append(f"{method} {path}: Accept/Content-Type")
-            h._json(400, {"error": {"message": "Invalid Input Provided", "code": 2001}})
+            h.answer(400, {"error": {"message": "Invalid Input Provided", "code": 2001}})
             return
         if not re.fullmatch(r"[^@\s]+@[^@\s]+", headers.get("from", "")):
             self.refused.append(f"{method} {path}: From")
-            h._json(400, {"error": {"message": "Requester User Not Found", "code": 2100,
+            h.answer(400, {"error": {"message": "Requester User Not Found", "code": 2100,
                                     "errors": ["A valid From header is required"]}})
             return
         m = re.fullmatch(r"/incidents/([A-Z0-9]+)(/notes)?", path)
         with self._lock:
             inc = self.incidents.get(m.group(1)) if m else None
         if inc is None or m is None:
-            h._json(404, {"error": {"message": "Not Found", "code": 2100}})
+            h.answer(404, {"error": {"message": "Not Found", "code": 2100}})
             return
         try:
             data = json.loads(body)
@@ -185,45 +161,45 @@ class OnCallFakes:
             content = (data or {}).get("note", {}).get("content") if isinstance(data, dict) else None
             if not isinstance(content, str) or not content or len(content) > 25_000:
                 self.refused.append(f"note: {str(data)[:80]}")
-                h._json(400, {"error": {"message": "Invalid Input Provided", "code": 2001}})
+                h.answer(400, {"error": {"message": "Invalid Input Provided", "code": 2001}})
                 return
             with self._lock:
                 inc.notes.append(content)
-            h._json(201, {"note": {"id": f"PN{len(inc.notes)}", "content": content,
+            h.answer(201, {"note": {"id": f"PN{len(inc.notes)}", "content": content,
                                    "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}})
         elif method == "PUT" and not m.group(2):
             ref = (data or {}).get("incident") if isinstance(data, dict) else None
             if not isinstance(ref, dict) or ref.get("type") != "incident_reference" or \
                     ref.get("status") not in ("acknowledged", "resolved"):
                 self.refused.append(f"update: {str(data)[:80]}")
-                h._json(400, {"error": {"message": "Invalid Input Provided", "code": 2001}})
+                h.answer(400, {"error": {"message": "Invalid Input Provided", "code": 2001}})
                 return
             with self._lock:
                 inc.status = ref["status"]
                 inc.history.append(ref["status"])
-            h._json(200, {"incident": {"id": inc.id, "type": "incident", "status": inc.status}})
+            h.answer(200, {"incident": {"id": inc.id, "type": "incident", "status": inc.status}})
         else:
-            h._json(405, {})
+            h.answer(405, {})
 
-    def _slack(self, h: Any, method: str, headers: Mapping[str, str], body: bytes) -> None:
+    def _slack(self, h: JsonHandler, method: str, headers: Mapping[str, str], body: bytes) -> None:
         if headers.get("authorization") != f"Bearer {SLACK_BOT_TOKEN}":
-            h._json(200, {"ok": False, "error": "invalid_auth"})
+            h.answer(200, {"ok": False, "error": "invalid_auth"})
             return
         try:
             data = json.loads(body)
         except ValueError:
-            h._json(200, {"ok": False, "error": "invalid_json"})
+            h.answer(200, {"ok": False, "error": "invalid_json"})
             return
         if method == "chat.postMessage":
             if not data.get("channel") or not (data.get("text") or data.get("blocks")):
-                h._json(200, {"ok": False, "error": "no_text"})
+                h.answer(200, {"ok": False, "error": "no_text"})
                 return
             with self._lock:
                 self._ts += 1
                 msg = SlackMessage(data["channel"], f"1700000000.{self._ts:06d}", data.get("text", ""),
                                    list(data.get("blocks") or []), data.get("thread_ts"))
                 self.messages.append(msg)
-            h._json(200, {"ok": True, "channel": msg.channel, "ts": msg.ts,
+            h.answer(200, {"ok": True, "channel": msg.channel, "ts": msg.ts,
                           "message": {"type": "message", "text": msg.text, "ts": msg.ts}})
         elif method == "chat.update":
             with self._lock:
@@ -233,11 +209,11 @@ class OnCallFakes:
                     msg.updates.append(data)
                     msg.text, msg.blocks = data.get("text", msg.text), list(data.get("blocks") or msg.blocks)
             if msg is None:
-                h._json(200, {"ok": False, "error": "message_not_found"})
+                h.answer(200, {"ok": False, "error": "message_not_found"})
                 return
-            h._json(200, {"ok": True, "channel": msg.channel, "ts": msg.ts, "text": msg.text})
+            h.answer(200, {"ok": True, "channel": msg.channel, "ts": msg.ts, "text": msg.text})
         else:
-            h._json(200, {"ok": False, "error": "unknown_method"})
+            h.answer(200, {"ok": False, "error": "unknown_method"})
 
 
 def click(message: SlackMessage, *, user: str, action: str = "runbook-approve", reason: str = "",
@@ -263,20 +239,6 @@ def click(message: SlackMessage, *, user: str, action: str = "runbook-approve", 
                   "X-Slack-Signature": sign(body, secret, ts)}
 
 
-@contextmanager
-def running() -> Iterator[OnCallFakes]:
-    f = OnCallFakes()
-    try:
-        yield f
-    finally:
-        f.close()
-
-
-def wait_for(predicate: Any, timeout: float = 10.0, what: str = "a condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
+def running() -> AbstractContextManager[OnCallFakes]:
+    """Started ``OnCallFakes``, closed after the ``with`` block."""
+    return serving(OnCallFakes())

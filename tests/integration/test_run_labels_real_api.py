@@ -1,0 +1,88 @@
+"""RemediationRuns at fleet size against the real 1.20 API server: every run carries the labels node,
+runbook, phase and trigger (the phase label follows the phase), the store's lists are label-selected,
+and every list the connector makes is read in pages (limit/continue)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine.connectors import kube as kube_connector
+from engine.connectors.kube import KubeConnector
+from engine.kube_store import API_VERSION, PHASE_LABEL, PLURAL, KubeRunStore
+from engine.lab.controlplane import ControlPlane
+from engine.lab.kubectl import Kubectl
+
+pytestmark = pytest.mark.integration
+
+BASE = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
+NS = "runbook-labels"
+
+
+class Recording:
+    """Our connector, recording the label selectors of the lists and the pages the server answered."""
+
+    def __init__(self, inner: KubeConnector) -> None:
+        self.inner = inner
+        self.selectors: list[str | None] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def list_objects(self, api_version: str, kind_plural: str, *, namespace: str | None = None,
+                     label_selector: str | None = None) -> list[Mapping[str, Any]]:
+        self.selectors.append(label_selector)
+        return self.inner.list_objects(api_version, kind_plural, namespace=namespace, label_selector=label_selector)
+
+
+@pytest.fixture(scope="module")
+def crd(control_plane: ControlPlane, kubectl: Kubectl) -> Iterator[ControlPlane]:
+    kubectl("apply", "-f", str(BASE / "crd-remediationruns.yaml"))
+    kubectl("wait", "--for=condition=established", "--timeout=60s", "crd/remediationruns.runbook.io")
+    kubectl("create", "namespace", NS, check=False)
+    yield control_plane
+    kubectl("delete", "rr", "--all", "-n", NS, check=False)
+
+
+def test_runs_carry_node_runbook_phase_and_trigger_labels_and_lists_select_by_them(
+        crd: ControlPlane, kubectl: Kubectl, monkeypatch: pytest.MonkeyPatch) -> None:
+    kube = Recording(KubeConnector(kubeconfig=str(crd.kubeconfig)))
+    store = KubeRunStore(kube, NS)  # type: ignore[arg-type]
+    done = store.create_run("gpu-node-recovery", {"node": "gpu-1"}, ["gpu-1"], source="alertmanager")
+    store.set_state(done, "running")
+    store.set_state(done, "succeeded", exit_code=0)
+    running = store.create_run("gpu-node-recovery", {"node": "gpu-2"}, ["gpu-2"], source="cli")
+    store.set_state(running, "running")
+    labels = kubectl.json("get", "rr", done, "-n", NS)["metadata"]["labels"]
+    assert {k: labels[k] for k in (PHASE_LABEL, "runbook.io/node", "runbook.io/runbook", "runbook.io/trigger")} == {
+        PHASE_LABEL: "Succeeded", "runbook.io/node": "gpu-1", "runbook.io/runbook": "gpu-node-recovery",
+        "runbook.io/trigger": "alertmanager"}
+    names = kubectl("get", "rr", "-n", NS, "-l", f"{PHASE_LABEL}=Running", "-o", "name").stdout.split()
+    assert names == [f"remediationrun.runbook.io/{running}"]
+    # a run recorded before the labels existed (no phase label) is still found
+    legacy = kube.create_object(API_VERSION, PLURAL, NS, {
+        "apiVersion": API_VERSION, "kind": "RemediationRun", "metadata": {"name": "r-legacy"},
+        "spec": {"runbook": "x", "node": "gpu-3"}})
+    assert "labels" not in legacy["metadata"]
+    kube.selectors.clear()
+    active = [r.id for r in store.list_runs(states=("pending", "running"))]
+    assert sorted(active) == sorted([running, "r-legacy"])
+    assert kube.selectors == [f"{PHASE_LABEL} in (Interrupted,Pending,Running,WaitingApproval)", f"!{PHASE_LABEL}"]
+    # every list is read in pages: with pages of 1, the three runs come in three answers
+    monkeypatch.setattr(kube_connector, "LIST_PAGE", 1)
+    queries: list[dict[str, Any]] = []
+    raw = kube.inner._raw
+
+    def counting(method: str, path: str, what: str, **kw: Any) -> Any:
+        queries.append(dict(kw.get("query") or ()))
+        return raw(method, path, what, **kw)
+
+    monkeypatch.setattr(kube.inner, "_raw", counting)
+    assert sorted(r.id for r in store.list_runs()) == sorted([done, running, "r-legacy"])
+    pages = [q for q in queries if q.get("limit") == 1]
+    assert [q["continue"] is not None for q in pages] == [False, True, True]
+    assert [r.id for r in store.list_runs(states=("succeeded",))] == [done]
+    assert store.prune(keep=0, max_age=None) == [done]

@@ -1,0 +1,59 @@
+"""RemediationRun labels on our fake API (the real server's selectors: tests/integration/
+test_run_labels_real_api.py): the phase label follows the phase, lists ask the server by label."""
+
+from __future__ import annotations
+
+from engine.errors import KubeError
+from engine.kube_store import API_VERSION, PHASE_LABEL, PLURAL, TRIGGER_LABEL, KubeRunStore
+from tests.fakes import FakeKube
+
+NS = "runbook-system"
+
+
+def labels(kube: FakeKube, run_id: str) -> dict[str, str]:
+    obj = kube.read_object(API_VERSION, PLURAL, NS, run_id)
+    assert obj is not None
+    return dict(obj["metadata"].get("labels") or {})
+
+
+def test_the_phase_label_follows_every_state_and_the_trigger_is_the_source() -> None:
+    kube = FakeKube()
+    store = KubeRunStore(kube, NS)
+    run_id = store.create_run("gpu-node-recovery", {"node": "gpu-1"}, ["gpu-1"], source="remediation")
+    assert labels(kube, run_id)[PHASE_LABEL] == "Pending" and labels(kube, run_id)[TRIGGER_LABEL] == "remediation"
+    for state, phase in (("running", "Running"), ("waiting-approval", "WaitingApproval"), ("failed", "Failed")):
+        store.set_state(run_id, state)
+        assert labels(kube, run_id)[PHASE_LABEL] == phase
+    store.append(run_id, "note")  # the status writes go on after the label writes (fresh versions)
+    assert store.get_run(run_id).state == "failed"
+
+
+def test_lists_by_state_are_label_selected_with_the_phases_a_label_can_lag_behind() -> None:
+    kube = FakeKube()
+    store = KubeRunStore(kube, NS)
+    store.create_run("x", {}, ["gpu-1"])
+    kube.calls.clear()
+    store.list_runs(states=("succeeded",))
+    store.prune(keep=10)
+    selectors = [args[3] for name, args in kube.calls if name == "list_objects"]
+    assert selectors == [f"{PHASE_LABEL} in (Interrupted,Pending,Running,Succeeded,WaitingApproval)",
+                         f"!{PHASE_LABEL}",
+                         f"{PHASE_LABEL} in (Blocked,Cancelled,Failed,Interrupted,Pending,Running,Succeeded,"
+                         "WaitingApproval)", f"!{PHASE_LABEL}"]
+
+
+def test_a_label_that_cannot_be_written_leaves_the_run_recorded() -> None:
+    kube = FakeKube()
+    store = KubeRunStore(kube, NS)
+    run_id = store.create_run("x", {}, ["gpu-1"])
+    real = kube.replace_object
+
+    def no_main_writes(api_version: str, plural: str, namespace: str, body: dict, *,  # type: ignore[type-arg]
+                       subresource: str | None = None) -> dict:  # type: ignore[type-arg]
+        if subresource is None:
+            raise KubeError("forbidden: update remediationruns", status=403)
+        return real(api_version, plural, namespace, body, subresource=subresource)
+
+    kube.replace_object = no_main_writes  # type: ignore[method-assign]
+    store.set_state(run_id, "running")
+    assert store.get_run(run_id).state == "running" and labels(kube, run_id)[PHASE_LABEL] == "Pending"
