@@ -1,6 +1,6 @@
 """A real Kubernetes control plane on loopback: etcd + kube-apiserver + kube-controller-manager
-(nodelifecycle, podgc, disruption, replicaset, csrsigning) + kube-scheduler, v1.20.2, from the assets
-folder (see ``assets``).
+(nodelifecycle, podgc, disruption, replicaset, csrsigning; the lab's adds daemonset, namespace and
+garbagecollector: ``LAB_CONTROLLERS``) + kube-scheduler, v1.20.2, from the assets folder (see ``assets``).
 
 No kubelet runs: nodes, leases and pod statuses are whatever the lab's simulator or a test writes.
 Every port is chosen at run time (``ports``), so a test run and a running lab never collide. TLS uses
@@ -42,6 +42,13 @@ STATE_FILE = "controlplane.json"
 COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler")
 STOP_GRACE_SECONDS = 3.0
 MUTATING_VERBS = frozenset({"create", "update", "patch", "delete", "deletecollection"})
+# disruption: PodDisruptionBudget status (without it every budget refuses every eviction);
+# replicaset: evicted pods come back elsewhere (a drain guarded by a budget can then finish)
+CONTROLLERS = ("nodelifecycle", "podgc", "disruption", "replicaset")
+# The lab's cluster, as a real one: DaemonSet pods placed (through the scheduler) and kept on their
+# nodes, deleted namespaces emptied and removed, dependents of a deleted owner deleted (a DaemonSet's
+# pods, a VM's VMI). Not the bare control plane's default: its tests make pods whose owners do not exist.
+LAB_CONTROLLERS = (*CONTROLLERS, "daemonset", "namespace", "garbagecollector")
 
 ADMIN_USER = "admin"
 SIMULATOR_USER = "lab-simulator"
@@ -74,9 +81,7 @@ class ControlPlaneSettings:
     # kube-apiserver --enable-bootstrap-token-auth, and kubeadm's binding of its node group to
     # system:node-bootstrapper (False: a cluster without the bootstrap-token authenticator)
     bootstrap_token_auth: bool = True
-    # disruption: PodDisruptionBudget status (without it every budget refuses every eviction);
-    # replicaset: evicted pods come back elsewhere (a drain guarded by a budget can then finish)
-    controllers: tuple[str, ...] = ("nodelifecycle", "podgc", "disruption", "replicaset")
+    controllers: tuple[str, ...] = CONTROLLERS  # the lab's: LAB_CONTROLLERS (csrsigning always runs)
     start_timeout: float = 120.0
     extra_apiserver_args: tuple[str, ...] = ()
     extra_controller_manager_args: tuple[str, ...] = ()

@@ -29,7 +29,7 @@ from typing import Any
 import yaml
 
 from engine.lab import cluster_mode, kubelet_certs, podspec, procs, sim_faults, sim_gpu, sim_seed
-from engine.lab.controlplane import ControlPlane, ControlPlaneSettings
+from engine.lab.controlplane import LAB_CONTROLLERS, ControlPlane, ControlPlaneSettings
 from engine.lab.errors import LabError
 from engine.lab.hoststate import HostState
 from engine.lab.monitoring import DEFAULT_WEBHOOK, Monitoring
@@ -159,7 +159,7 @@ class Lab:
                 from engine.lab.assets import ensure_assets
 
                 ensure_assets(progress)
-            settings = ControlPlaneSettings(**scenario.control_plane)
+            settings = ControlPlaneSettings(**{"controllers": LAB_CONTROLLERS, **scenario.control_plane})
             plane = ControlPlane(self.dir / "controlplane", settings=settings).start()
             record.update(kubeconfig=str(plane.kubeconfig), simulator_kubeconfig=str(plane.simulator_kubeconfig),
                           api_url=plane.url)
@@ -173,7 +173,7 @@ class Lab:
             self._start_simulator(record)
             started.append(f"simulator (pid {record['simulator']['pid']}, log {self.dir / 'simulator.log'})")
             progress(started[-1])
-            self._wait_for_scenario(kube, scenario, timeout, progress)
+            self._wait_for_scenario(kube, scenario, timeout, progress, self._addresses(record))
             kube.close()
             if with_cluster_mode:
                 started.append(cluster_mode_up())
@@ -441,10 +441,12 @@ class Lab:
         return stopped
 
     # -- waiting for the scenario -------------------------------------------------------------------------
-    def _wait_for_scenario(self, kube: Kube, scenario: Scenario, timeout: float, progress: Progress) -> None:
+    def _wait_for_scenario(self, kube: Kube, scenario: Scenario, timeout: float, progress: Progress,
+                           addresses: dict[str, str]) -> None:
         deadline = time.monotonic() + timeout
         progress("waiting for the node lifecycle controller to mark the dead nodes NotReady")
         _wait(lambda: _nodes_problem(kube, scenario), deadline, "the nodes' initial state")
+        sim_seed.seed_controllers(kube, scenario, addresses)  # dead nodes tainted: no DaemonSet pod there
         sim_seed.seed_vms(kube, scenario)
         progress("waiting for the VirtualMachines' phases")
         _wait(lambda: _vms_problem(kube, scenario), deadline, "the VirtualMachines' initial phases")
@@ -592,7 +594,7 @@ class Lab:
             sim_seed.seed_cluster(kube, scenario, self._addresses(record), self._host_states(record))
             progress("starting the simulator")
             self._start_simulator(record)
-            self._wait_for_scenario(kube, scenario, timeout, progress)
+            self._wait_for_scenario(kube, scenario, timeout, progress, self._addresses(record))
         finally:
             kube.close()
         return {"seconds": round(time.monotonic() - started, 1)}
@@ -685,8 +687,9 @@ def _nodes_problem(kube: Kube, scenario: Scenario) -> str | None:
         taints = {(t["key"], t["effect"]) for t in api.get("spec", {}).get("taints", [])}
         if starts_ready(node) and ready.get("status") != "True":
             return f"node {node.name} is not Ready yet"
-        if not starts_ready(node) and (ready.get("status") == "True" or (UNREACHABLE, "NoExecute") not in taints):
-            return f"node {node.name} is not NotReady with the unreachable taint yet"
+        if not starts_ready(node) and (ready.get("status") == "True"
+                                       or not {(UNREACHABLE, "NoExecute"), (UNREACHABLE, "NoSchedule")} <= taints):
+            return f"node {node.name} is not NotReady with the unreachable taints yet"
     return None
 
 

@@ -8,7 +8,10 @@
   features file).
 * Operator: the workload label ``nvidia.com/gpu.workload.config`` (only honoured with sandbox
   workloads enabled; default workload otherwise) selects the ``nvidia.com/gpu.deploy.*`` labels,
-  on NotReady nodes too, and the operand pods (one per node, like a DaemonSet). ``vm-passthrough``:
+  on NotReady nodes too. Each enabled operand is a DaemonSet (``daemonset``) whose node selector is
+  its deploy label, as the operator's; the lab's real daemonset controller and scheduler place and
+  remove its pods (nfd-worker's DaemonSet runs everywhere; gpu-operator and NFD master/gc are
+  ReplicaSet pods, ``replicaset``). ``vm-passthrough``:
   vfio-manager binds every NVIDIA display function to ``vfio-pci`` (the host CUDA jobs on a GPU it
   takes from ``nvidia`` die; those on other GPUs live on) and the
   sandbox device plugin advertises ``nvidia.com/<PCI NAME>``; ``container``: the device plugin
@@ -33,6 +36,9 @@ NFD_LABELS = ("feature.node.kubernetes.io/pci-10de.present", "feature.node.kuber
 GFD_LABELS = ("nvidia.com/gpu.product", "nvidia.com/gpu.count", "nvidia.com/gpu.memory", "nvidia.com/gpu.family")
 OPERAND_LABEL = "runbook.lab/operand"
 MANAGED_LABEL = "runbook.lab/managed"
+# what the daemonset controller stamps on its pods (the template's generation, 1 for the lab's)
+TEMPLATE_GENERATION_LABEL = "pod-template-generation"
+POD_TEMPLATE_HASH_LABEL = "pod-template-hash"
 
 WORKLOAD_OPERANDS: dict[str, tuple[str, ...]] = {
     "container": ("driver", "gpu-feature-discovery", "container-toolkit", "device-plugin", "dcgm",
@@ -188,38 +194,102 @@ def stable_suffix(*parts: str, length: int = 5) -> str:
     return "".join(alphabet[(digest >> (5 * i)) % len(alphabet)] for i in range(length))
 
 
-def operand_pod(operator: GpuOperator, node: str, operand: str, name: str | None = None) -> dict[str, Any]:
-    prefix = POD_PREFIX[operand]
+def daemonset_operands(operator: GpuOperator) -> list[str]:
+    """The operands that have a DaemonSet: those the ClusterPolicy enables (+ the driver when enabled)
+    and NFD's worker; the one-shot validators are pods another pod creates."""
+    enabled = set(operator.operands) | ({"driver"} if operator.driver_enabled else set())
+    known = {op for ops in WORKLOAD_OPERANDS.values() for op in ops}
+    return [*sorted(enabled & known), "nfd-worker"]
+
+
+def _operand_labels(operand: str) -> dict[str, str]:
+    return {"app": POD_PREFIX[operand], OPERAND_LABEL: operand, MANAGED_LABEL: "true",
+            "app.kubernetes.io/part-of": "gpu-operator"}
+
+
+def _operand_spec(operator: GpuOperator, operand: str) -> dict[str, Any]:
     one_shot = operand in ONE_SHOT
-    meta: dict[str, Any] = {"namespace": operator.namespace,
-                            "labels": {"app": prefix, OPERAND_LABEL: operand, MANAGED_LABEL: "true",
-                                       "app.kubernetes.io/part-of": "gpu-operator"}}
-    if one_shot:
-        meta["labels"]["runbook.lab/completes"] = "true"
+    spec: dict[str, Any] = {
+        "restartPolicy": "Never" if one_shot else "Always", "tolerations": DAEMONSET_TOLERATIONS,
+        "priorityClassName": "system-node-critical", "terminationGracePeriodSeconds": 30,
+        "containers": [{"name": operand, "image": f"nvcr.io/nvidia/gpu-operator-{operand}:{operator.version}"}],
+    }
+    if operand != "nfd-worker" and not one_shot:  # NFD's worker runs on every node
+        spec["nodeSelector"] = {DEPLOY_PREFIX + operand: "true"}
+    return spec
+
+
+def daemonset(operator: GpuOperator, operand: str) -> dict[str, Any]:
+    """The operand's DaemonSet as the GPU Operator makes it: named as its pods' prefix, selecting the
+    nodes with its ``nvidia.com/gpu.deploy.<operand>=true`` label (NFD's worker: every node).
+
+    Update strategy OnDelete (a ClusterPolicy choice; the driver's default): the pods the lab seeds
+    lack the controller-revision-hash only the controller can compute, and 1.20's controller never
+    matches the template generation instead (it formats a pointer), so a rolling update would take
+    every adopted pod for an old one and replace it, the incident's Error pods first."""
+    labels = _operand_labels(operand)
+    return {
+        "apiVersion": "apps/v1", "kind": "DaemonSet",
+        "metadata": {"name": POD_PREFIX[operand], "namespace": operator.namespace,
+                     "labels": {MANAGED_LABEL: "true", "app.kubernetes.io/part-of": "gpu-operator"}},
+        "spec": {"selector": {"matchLabels": {"app": labels["app"]}}, "updateStrategy": {"type": "OnDelete"},
+                 "template": {"metadata": {"labels": labels}, "spec": _operand_spec(operator, operand)}},
+    }
+
+
+def operand_pod(operator: GpuOperator, node: str, operand: str, name: str | None = None,
+                owner: dict[str, Any] | None = None) -> dict[str, Any]:
+    """An operand pod bound to ``node``: a DaemonSet's (its template, adopted when the DaemonSet is
+    created after it, or owned by ``owner``), or a one-shot validator's bare pod."""
+    labels = _operand_labels(operand)
+    if operand in ONE_SHOT:
+        labels["runbook.lab/completes"] = "true"
+    else:
+        labels[TEMPLATE_GENERATION_LABEL] = "1"
+    meta: dict[str, Any] = {"namespace": operator.namespace, "labels": labels}
     if name:
         meta["name"] = name
     else:
-        meta["generateName"] = prefix + "-"
-    image = f"nvcr.io/nvidia/gpu-operator-{operand}:{operator.version}"
+        meta["generateName"] = POD_PREFIX[operand] + "-"
+    if owner:
+        meta["ownerReferences"] = [{"apiVersion": "apps/v1", "kind": owner["kind"], "name": owner["metadata"]["name"],
+                                    "uid": owner["metadata"]["uid"], "controller": True, "blockOwnerDeletion": True}]
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta,
+            "spec": {"nodeName": node, **_operand_spec(operator, operand)}}
+
+
+CLUSTER_COMPONENTS = (("gpu-operator", "gpu-operator"), ("gpu-operator-node-feature-discovery-master", "nfd-master"),
+                      ("gpu-operator-node-feature-discovery-gc", "nfd-gc"))
+
+
+def _cluster_labels(prefix: str, component: str) -> dict[str, str]:
+    return {"app": prefix, OPERAND_LABEL: component, MANAGED_LABEL: "true",
+            "app.kubernetes.io/part-of": "gpu-operator", POD_TEMPLATE_HASH_LABEL: stable_suffix(prefix, length=10)}
+
+
+def replicaset(operator: GpuOperator, prefix: str, component: str) -> dict[str, Any]:
+    """gpu-operator's and NFD master/gc's ReplicaSet (their Deployment's; one replica)."""
+    labels = _cluster_labels(prefix, component)
     return {
-        "apiVersion": "v1", "kind": "Pod", "metadata": meta,
-        "spec": {
-            "nodeName": node, "restartPolicy": "Never" if one_shot else "Always",
-            "tolerations": DAEMONSET_TOLERATIONS, "priorityClassName": "system-node-critical",
-            "terminationGracePeriodSeconds": 30,
-            "containers": [{"name": operand, "image": image}],
-        },
+        "apiVersion": "apps/v1", "kind": "ReplicaSet",
+        "metadata": {"name": f"{prefix}-{labels[POD_TEMPLATE_HASH_LABEL]}", "namespace": operator.namespace,
+                     "labels": {MANAGED_LABEL: "true", "app.kubernetes.io/part-of": "gpu-operator"}},
+        "spec": {"replicas": 1,
+                 "selector": {"matchLabels": {"app": prefix, POD_TEMPLATE_HASH_LABEL: labels[POD_TEMPLATE_HASH_LABEL]}},
+                 "template": {"metadata": {"labels": labels}, "spec": {
+                     "restartPolicy": "Always", "terminationGracePeriodSeconds": 30,
+                     "containers": [{"name": component, "image": f"nvcr.io/nvidia/{component}:{operator.version}"}]}}},
     }
 
 
 def cluster_pod(operator: GpuOperator, node: str, prefix: str, component: str) -> dict[str, Any]:
-    """gpu-operator and NFD master/gc: Deployment pods on an ordinary node."""
+    """gpu-operator and NFD master/gc: their ReplicaSet's pod on an ordinary node (adopted when the
+    ReplicaSet is created after it)."""
+    template = replicaset(operator, prefix, component)["spec"]["template"]
     return {
         "apiVersion": "v1", "kind": "Pod",
         "metadata": {"namespace": operator.namespace,
                      "name": f"{prefix}-{stable_suffix(prefix, length=10)}-{stable_suffix(prefix, node)}",
-                     "labels": {"app": prefix, OPERAND_LABEL: component, MANAGED_LABEL: "true",
-                                "app.kubernetes.io/part-of": "gpu-operator"}},
-        "spec": {"nodeName": node, "restartPolicy": "Always", "terminationGracePeriodSeconds": 30,
-                 "containers": [{"name": component, "image": f"nvcr.io/nvidia/{component}:{operator.version}"}]},
+                     "labels": dict(template["metadata"]["labels"])},
+        "spec": {"nodeName": node, **template["spec"]},
     }

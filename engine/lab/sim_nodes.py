@@ -51,9 +51,10 @@ def node_labels(node: Node) -> dict[str, str]:
 
 
 def ready_status(node: Node, address: str, extended: dict[str, int], previous: dict[str, Any] | None,
-                 now: float) -> dict[str, Any]:
+                 now: float, boot_id: str = "") -> dict[str, Any]:
     """The status a running kubelet posts. Conditions keep their lastTransitionTime unless they change;
-    extended resources once reported stay listed (as 0) when their plugin is gone, like kubelet does."""
+    extended resources once reported stay listed (as 0) when their plugin is gone, like kubelet does;
+    ``nodeInfo.bootID`` is the host's boot id (a rebooted host's kubelet reports its new one)."""
     prev_conditions = {c["type"]: c for c in (previous or {}).get("conditions", [])}
     conditions = []
     for type_, status, reason, message in _CONDITIONS:
@@ -71,7 +72,7 @@ def ready_status(node: Node, address: str, extended: dict[str, int], previous: d
         "addresses": [{"type": "InternalIP", "address": address}, {"type": "Hostname", "address": node.name}],
         "daemonEndpoints": {"kubeletEndpoint": {"Port": 10250}},
         "nodeInfo": {"machineID": f"{zlib.crc32(node.name.encode()):08x}{len(node.name):024x}",
-                     "systemUUID": "", "bootID": "",
+                     "systemUUID": "", "bootID": boot_id,
                      "kernelVersion": "6.1.0-28-amd64", "osImage": "Debian GNU/Linux 12 (bookworm)",
                      "containerRuntimeVersion": "containerd://1.7.24", "kubeletVersion": KUBELET_VERSION,
                      "kubeProxyVersion": KUBELET_VERSION, "operatingSystem": "linux", "architecture": "amd64"},

@@ -3,7 +3,11 @@
 A running kubelet (as KWOK does) force-deletes its node's terminating pods (grace 0: no container
 runtime to wait for), starts pending pods, and restarts crashed ones (restartPolicy Always). Pods
 labelled ``runbook.lab/completes=true`` (one-shot validators) run to ``Completed``. A kubelet that is
-down does nothing: its pods keep their last status, and deleting them never finishes. Pure.
+down does nothing: its pods keep their last status (the real node lifecycle controller sets their
+Ready condition False once the node is NotReady), and deleting them never finishes. A kubelet that
+comes back posts fresh statuses, as a real one's status manager does: pods whose containers ran
+before the host's last boot died with it (restarted: restartCount + 1, a new start time, last state
+``terminated``/``Unknown``/255); running pods marked not ready are Ready again. Pure.
 """
 
 from __future__ import annotations
@@ -81,8 +85,23 @@ def running_since(pod: Obj) -> float | None:
     return parse_time(statuses[0].get("state", {}).get("running", {}).get("startedAt"))
 
 
-def kubelet_action(pod: Obj) -> str | None:
-    """What a running kubelet does with a pod of its node: "delete", "run", "complete" or None."""
+def started_at(pod: Obj) -> float | None:
+    """When the pod's (first) container started its current run (None: it does not run)."""
+    if not is_running(pod):
+        return None
+    statuses = pod.get("status", {}).get("containerStatuses") or [{}]
+    return parse_time(statuses[0].get("state", {}).get("running", {}).get("startedAt"))
+
+
+def is_ready(pod: Obj) -> bool:
+    return any(c.get("type") == "Ready" and c.get("status") == "True"
+               for c in pod.get("status", {}).get("conditions") or [])
+
+
+def kubelet_action(pod: Obj, booted_at: float | None = None) -> str | None:
+    """What a running kubelet does with a pod of its node: "delete", "run", "restart" (its containers
+    started before the host's boot at ``booted_at``: they died with it), "ready" (running, but marked
+    not ready while the kubelet was away), "complete" or None."""
     meta, status = pod["metadata"], pod.get("status", {})
     if PROCESS_ANNOTATION in (meta.get("annotations") or {}):
         return None  # a real process of cluster mode (engine.lab.cluster_mode): its supervisor is the kubelet
@@ -94,4 +113,40 @@ def kubelet_action(pod: Obj) -> str | None:
         return "complete" if phase in ("Pending", "Running") else None
     if phase in ("Succeeded", "Failed"):
         return None
-    return None if is_running(pod) else "run"
+    started = started_at(pod)
+    if started is None:
+        return "run"
+    # startedAt has whole seconds, and the kubelet was down for a second at least before the boot
+    if booted_at is not None and started < int(booted_at):
+        return "restart"
+    return None if is_ready(pod) else "ready"
+
+
+def restarted_status(pod: Obj, host_ip: str, now: float) -> Obj:
+    """The status after the host rebooted under the pod: each container restarted once (its last
+    state: terminated, reason Unknown, exit code 255, as a kubelet reports a container lost with the
+    host), running and ready since ``now``; the pod's startTime stays."""
+    before = {cs.get("name"): cs for cs in pod.get("status", {}).get("containerStatuses") or []}
+    restarts = max((int(cs.get("restartCount", 0)) for cs in before.values()), default=0)
+    body = pod_status(pod, "Running", host_ip, now, restarts + 1)
+    for cs in body["containerStatuses"]:
+        old = before.get(cs["name"], {})
+        cs["restartCount"] = int(old.get("restartCount", restarts)) + 1
+        cs["lastState"] = {"terminated": {
+            "exitCode": 255, "reason": "Unknown", "finishedAt": rfc3339(now), "containerID": old.get("containerID"),
+            "startedAt": old.get("state", {}).get("running", {}).get("startedAt")}}
+    return body
+
+
+def ready_again(pod: Obj, now: float) -> Obj:
+    """A status patch that makes a running pod Ready again (its other conditions kept)."""
+    now_text = rfc3339(now)
+    conditions = []
+    for c in pod.get("status", {}).get("conditions") or []:
+        if c.get("type") in ("Ready", "ContainersReady") and c.get("status") != "True":
+            c = {"type": c["type"], "status": "True", "lastProbeTime": None, "lastTransitionTime": now_text}
+        conditions.append(c)
+    for type_ in ("Ready", "ContainersReady"):
+        if not any(c.get("type") == type_ for c in conditions):
+            conditions.append({"type": type_, "status": "True", "lastProbeTime": None, "lastTransitionTime": now_text})
+    return {"conditions": conditions}

@@ -4,9 +4,13 @@
 journal history and a restart counter); ``fstab_text`` its /etc/fstab. ``seed_cluster`` creates what
 exists before the simulator runs (namespaces, CRDs, the KubeVirt CR and ClusterPolicy, Nodes as their
 kubelets last reported them, Leases, the GPU Operator's pods with their last statuses);
-``seed_vms`` the VirtualMachines, once the nodes' state is reached (so that no GPU VM is scheduled in
-the seconds before the node lifecycle controller notices a dead node). ``wipe_cluster`` deletes what
-the lab created (``lab reset``). Nodes reach NotReady through the real controller, never by a patch.
+``seed_controllers`` the GPU Operator's DaemonSets and ReplicaSets and ``seed_vms`` the
+VirtualMachines, once the nodes' state is reached: the real daemonset and replicaset controllers
+adopt the pods seeded before them (nothing is created for a dead node: it is tainted by then), and no
+GPU VM is scheduled in the seconds before the node lifecycle controller notices a dead node. A pod
+the scenario has Terminating is made then, owned by its DaemonSet (a terminating pod is never
+adopted). ``wipe_cluster`` deletes what the lab created (``lab reset``). Nodes reach NotReady through
+the real controller, never by a patch.
 """
 
 from __future__ import annotations
@@ -16,7 +20,21 @@ from typing import Any
 
 from engine.lab import sim_gpu, sim_kubelet, sim_kubevirt, sim_nodes, sim_pods
 from engine.lab.scenario import Node, Scenario, SwapDevice, starts_ready
-from engine.lab.sim_kube import CLUSTER_POLICIES, CRDS, KUBEVIRTS, LEASES, NAMESPACES, NODES, PODS, VMIS, VMS, Kube, Obj
+from engine.lab.sim_kube import (
+    CLUSTER_POLICIES,
+    CRDS,
+    DAEMONSETS,
+    KUBEVIRTS,
+    LEASES,
+    NAMESPACES,
+    NODES,
+    PODS,
+    REPLICASETS,
+    VMIS,
+    VMS,
+    Kube,
+    Obj,
+)
 
 MANAGED = f"{sim_nodes.MANAGED_LABEL}=true"
 CUDA_PID_BASE = 41000
@@ -195,18 +213,48 @@ def seed_cluster(kube: Kube, scenario: Scenario, addresses: dict[str, str],
         return
     ready_workers = [n.name for n in nodes if starts_ready(n) and not n.gpus and "control-plane" not in n.roles]
     controller = op.controller_node or (ready_workers[0] if ready_workers else nodes[0].name)
-    for prefix, component in (("gpu-operator", "gpu-operator"),
-                              ("gpu-operator-node-feature-discovery-master", "nfd-master"),
-                              ("gpu-operator-node-feature-discovery-gc", "nfd-gc")):
+    for prefix, component in sim_gpu.CLUSTER_COMPONENTS:
         _create_pod(kube, sim_gpu.cluster_pod(op, controller, prefix, component), "Running",
                     addresses[controller], now)
-    for node in nodes:
-        ip = addresses[node.name]
-        name = f"{sim_gpu.POD_PREFIX['nfd-worker']}-{sim_gpu.stable_suffix(node.name, 'nfd-worker')}"
-        _create_pod(kube, sim_gpu.operand_pod(op, node.name, "nfd-worker", name), "Running", ip, now)
-        for operand, status in _operand_statuses(node, scenario).items():
-            name = f"{sim_gpu.POD_PREFIX[operand]}-{sim_gpu.stable_suffix(node.name, operand)}"
-            _create_pod(kube, sim_gpu.operand_pod(op, node.name, operand, name), status, ip, now)
+    for node, operand, status in _operand_pods(scenario):
+        if status != "Terminating":  # made by seed_controllers, owned by its DaemonSet
+            _create_pod(kube, sim_gpu.operand_pod(op, node.name, operand, _operand_pod_name(node, operand)),
+                        status, addresses[node.name], now)
+
+
+def _operand_pod_name(node: Node, operand: str) -> str:
+    return f"{sim_gpu.POD_PREFIX[operand]}-{sim_gpu.stable_suffix(node.name, operand)}"
+
+
+def _operand_pods(scenario: Scenario) -> list[tuple[Node, str, str]]:
+    """(node, operand, initial status) of every operand pod the scenario starts with."""
+    out = []
+    for node in scenario.all_nodes:
+        out.append((node, "nfd-worker", "Running"))
+        out += [(node, operand, status) for operand, status in _operand_statuses(node, scenario).items()]
+    return out
+
+
+def seed_controllers(kube: Kube, scenario: Scenario, addresses: dict[str, str], now: float | None = None) -> None:
+    """The GPU Operator's DaemonSets and ReplicaSets (their controllers adopt the seeded pods), then
+    the pods the scenario has Terminating, owned by their DaemonSet. Call once the dead nodes are
+    tainted: a DaemonSet then makes no pod there."""
+    op = scenario.gpu_operator
+    if not op.operand_pods:
+        return
+    now = time.time() if now is None else now
+    for prefix, component in sim_gpu.CLUSTER_COMPONENTS:
+        kube.create(REPLICASETS, sim_gpu.replicaset(op, prefix, component), op.namespace, exist_ok=True)
+    owners: dict[str, Obj] = {}
+    for operand in sim_gpu.daemonset_operands(op):
+        manifest = sim_gpu.daemonset(op, operand)
+        owners[operand] = (kube.create(DAEMONSETS, manifest, op.namespace, exist_ok=True)
+                           or kube.get(DAEMONSETS, manifest["metadata"]["name"], op.namespace) or {})
+    for node, operand, status in _operand_pods(scenario):
+        if status == "Terminating":
+            manifest = sim_gpu.operand_pod(op, node.name, operand, _operand_pod_name(node, operand),
+                                           owner=owners.get(operand))
+            _create_pod(kube, manifest, status, addresses[node.name], now)
 
 
 def seed_vms(kube: Kube, scenario: Scenario, now: float | None = None) -> None:
@@ -216,10 +264,10 @@ def seed_vms(kube: Kube, scenario: Scenario, now: float | None = None) -> None:
 
 
 def wipe_cluster(kube: Kube, scenario: Scenario) -> None:
-    """Delete every object the lab created (namespaces and CRDs stay: no namespace controller runs)."""
+    """Delete every object the lab created (namespaces and CRDs stay, to be used again)."""
     namespaces = {scenario.gpu_operator.namespace, *(vm.namespace for vm in scenario.vms)}
     for ns in sorted(namespaces):
-        for res in (VMS, VMIS):
+        for res in (VMS, VMIS, DAEMONSETS, REPLICASETS):  # the controllers first: no pod comes back
             _delete_all(kube, res, ns)
     for ns in sorted(namespaces):
         kube.delete_collection(PODS, ns, grace=0)

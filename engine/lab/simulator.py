@@ -7,16 +7,19 @@ PID in the lab folder, logging to ``simulator.log``). Each tick (and on every wa
    whose client certificate expired and that found a bootstrap kubeconfig requests a new certificate
    from the API server with that token, and comes up once it is issued (``kubelet_certs``);
 2. for each node whose kubelet runs: renews its Lease, posts its status (with the device plugins'
-   resources), force-deletes its terminating pods and starts its pending ones (``sim_pods``);
-3. reconciles NFD/GFD labels, the operator's deploy labels and operand pods, and vfio-manager's
-   effect on the host's GPU driver and CUDA jobs (``sim_gpu``), NotReady nodes included;
+   resources), force-deletes its terminating pods, starts its pending ones and posts fresh statuses
+   after a kubelet restart or a host reboot (``sim_pods``);
+3. reconciles NFD/GFD labels, the operator's deploy labels, and vfio-manager's effect on the host's
+   GPU driver and CUDA jobs (``sim_gpu``), NotReady nodes included. The operand pods are DaemonSet
+   pods: the real daemonset controller and scheduler place them by the deploy labels;
 4. reconciles VirtualMachines: VMI, virt-launcher pod, VMI and VM status (``sim_kubevirt``).
 
 With ``metrics_port`` in its configuration (a lab with monitoring) it also serves the exporters of
 ``sim_metrics`` on 127.0.0.1, computed at scrape time from its watch caches and host states.
 
-It never marks a node NotReady or taints it: the real node lifecycle controller does, once the
-heartbeats stop. It never schedules a pod: the real kube-scheduler does. Must not touch anything but
+It never marks a node NotReady or taints it, nor its pods not ready: the real node lifecycle
+controller does, once the heartbeats stop. It never creates nor schedules a DaemonSet's pod: the real
+daemonset controller and kube-scheduler do. Must not touch anything but
 the lab's API server and the lab's host state folders.
 """
 
@@ -145,9 +148,7 @@ class Simulator:
                 else:
                     self._kubelet_pods(rt, [p for p in pods if p["metadata"].get("deletionTimestamp")], now)
             if api_node is not None and rt.spec.gpus:
-                self._gpu(rt, api_node, pods, running, healthy, now)
-            if api_node is not None:
-                self._nfd_worker(rt, pods, now)
+                self._gpu(rt, api_node, running, healthy)
         self._kubevirt(now)
         if now - self.last_trim > 60:
             self.last_trim = now
@@ -248,10 +249,11 @@ class Simulator:
             rt.last_lease = now
         extended = self._advertised(rt, api_node, running)
         previous = api_node.get("status", {})
-        status = sim_nodes.ready_status(rt.spec, rt.address, extended, previous, now)
+        status = sim_nodes.ready_status(rt.spec, rt.address, extended, previous, now,
+                                        str(rt.state.get("boot", {}).get("id", "")))
         sim_faults.withhold(status, rt.state, pods or [])  # GPUs the device plugin reports Unhealthy
-        key = json.dumps([status["capacity"], status["allocatable"], [c["status"] for c in status["conditions"]]],
-                         sort_keys=True)
+        key = json.dumps([status["capacity"], status["allocatable"], [c["status"] for c in status["conditions"]],
+                          status["nodeInfo"]["bootID"]], sort_keys=True)
         ready: Obj = next((c for c in previous.get("conditions", []) if c["type"] == "Ready"), {})
         if key != rt.status_key or ready.get("status") != "True" or now - rt.last_status >= timing.status_seconds:
             self.kube.patch(NODES, name, {"status": status}, sub="status")
@@ -261,6 +263,7 @@ class Simulator:
             rt.status_key, rt.last_status = key, now
 
     def _kubelet_pods(self, rt: NodeRuntime, pods: list[Obj], now: float) -> None:
+        booted_at = rt.state.get("boot", {}).get("at")
         for pod in pods:
             if sim_faults.crashlooping(rt.state, pod) and not pod["metadata"].get("deletionTimestamp"):
                 body = sim_faults.crashloop_status(pod, now)  # `runbook lab inject device-plugin`
@@ -268,7 +271,7 @@ class Simulator:
                     self.kube.patch(PODS, pod["metadata"]["name"], {"status": body}, pod["metadata"]["namespace"],
                                     sub="status")
                 continue
-            action = sim_pods.kubelet_action(pod)
+            action = sim_pods.kubelet_action(pod, float(booted_at) if booted_at else None)
             if action is None:
                 continue
             meta = pod["metadata"]
@@ -279,11 +282,17 @@ class Simulator:
             if key in self.created:
                 continue
             self.created[key] = now
-            restarts = sum(cs.get("restartCount", 0) for cs in pod.get("status", {}).get("containerStatuses", []))
-            was_error = any("terminated" in cs.get("state", {})
-                            for cs in pod.get("status", {}).get("containerStatuses", []))
-            status = "Completed" if action == "complete" else "Running"
-            body = sim_pods.pod_status(pod, status, rt.address, now, restarts + (1 if was_error else 0))
+            if action == "restart":
+                body = sim_pods.restarted_status(pod, rt.address, now)
+                log.info("%s: pod %s/%s restarted after the host's boot", rt.spec.name, meta["namespace"], meta["name"])
+            elif action == "ready":
+                body = sim_pods.ready_again(pod, now)
+            else:
+                restarts = sum(cs.get("restartCount", 0) for cs in pod.get("status", {}).get("containerStatuses", []))
+                was_error = any("terminated" in cs.get("state", {})
+                                for cs in pod.get("status", {}).get("containerStatuses", []))
+                status = "Completed" if action == "complete" else "Running"
+                body = sim_pods.pod_status(pod, status, rt.address, now, restarts + (1 if was_error else 0))
             self.kube.patch(PODS, meta["name"], {"status": body}, meta["namespace"], sub="status")
 
     # -- NFD, GFD, GPU Operator ----------------------------------------------------------------------
@@ -333,8 +342,7 @@ class Simulator:
         workload = sim_gpu.workload_of(labels, self.scenario.gpu_operator)
         return sim_gpu.advertised(rt.state, self.scenario, workload, running)
 
-    def _gpu(self, rt: NodeRuntime, api_node: Obj, pods: list[Obj], running: set[str], healthy: bool,
-             now: float) -> None:
+    def _gpu(self, rt: NodeRuntime, api_node: Obj, running: set[str], healthy: bool) -> None:
         op = self.scenario.gpu_operator
         name = rt.spec.name
         labels = dict(api_node["metadata"].get("labels") or {})
@@ -350,35 +358,8 @@ class Simulator:
             for key in [k for k, v in patch.items() if v is None]:
                 labels.pop(key, None)
         workload = sim_gpu.workload_of(labels, op)
-        if op.operand_pods and labels.get(sim_gpu.PRESENT_LABEL) == "true":
-            self._reconcile_operands(name, workload, pods, now)
         if healthy:
             self._driver_effects(rt, workload, "vfio-manager" in running)
-
-    def _reconcile_operands(self, node: str, workload: str, pods: list[Obj], now: float) -> None:
-        """The operand DaemonSets' controller for one node: one pod per desired operand, others deleted."""
-        op = self.scenario.gpu_operator
-        desired = set(sim_gpu.desired_operands(workload, op))
-        existing = self._operand_pods(pods)
-        for operand in sorted(desired):
-            if existing.get(operand):
-                continue  # a terminating pod blocks a new one, like the DaemonSet controller
-            self._create_once((node, operand), sim_gpu.operand_pod(op, node, operand), op.namespace, now)
-        for operand, items in existing.items():
-            if operand in desired or operand in sim_gpu.ONE_SHOT or operand == "nfd-worker":
-                continue
-            if operand not in sim_gpu.POD_PREFIX or operand not in _all_operands():
-                continue
-            for pod in items:
-                if not pod["metadata"].get("deletionTimestamp"):
-                    self.kube.delete(PODS, pod["metadata"]["name"], op.namespace)
-                    log.info("%s: deleting operand pod %s (workload %s)", node, pod["metadata"]["name"], workload)
-
-    def _nfd_worker(self, rt: NodeRuntime, pods: list[Obj], now: float) -> None:
-        op = self.scenario.gpu_operator
-        if op.operand_pods and not self._operand_pods(pods).get("nfd-worker"):
-            self._create_once((rt.spec.name, "nfd-worker"), sim_gpu.operand_pod(op, rt.spec.name, "nfd-worker"),
-                              op.namespace, now)
 
     def _create_once(self, key: tuple[str, ...], manifest: Obj, namespace: str, now: float) -> None:
         if now - self.created.get(key, 0.0) < CREATE_GRACE:
@@ -462,10 +443,6 @@ class Simulator:
             self.kube.patch(VMIS, meta["name"], {"status": status}, meta["namespace"], sub="status")
             vmi = {**vmi, "status": {**vmi.get("status", {}), **status}}
         return vmi
-
-
-def _all_operands() -> set[str]:
-    return {op for ops in sim_gpu.WORKLOAD_OPERANDS.values() for op in ops}
 
 
 def _differs(current: Obj, desired: Obj) -> bool:

@@ -1,15 +1,15 @@
 """Lab: ``drain`` on a real API server, with a real PodDisruptionBudget and real controllers.
 
 worker-2 runs two replicas of a ReplicaSet guarded by a budget that allows one disruption at a time
-(``minAvailable: 1`` of two), a DaemonSet-managed pod and a mirror pod. ``runbook run drain-node``
+(``minAvailable: 1`` of two), a DaemonSet's pod (placed there by the lab's daemonset controller) and a
+mirror pod. ``runbook run drain-node``
 cordons it, evicts the first replica, is refused (HTTP 429) for the second until the ReplicaSet's
 replacement runs on another node, evicts it then, and leaves the DaemonSet and mirror pods. What
 happened is read from outside the engine as well: the API server's audit log (each eviction's answer
 and when the simulated kubelet removed the first pod) and the cluster itself.
 
-The drain takes the test's pods only (``selector: drain-test=yes``, kubectl's ``--pod-selector``): the
-lab's own pods on worker-2 are the simulator's, created bare (no ownerReferences), which a full drain
-rightly refuses as unmanaged, and the other lab tests count on them staying.
+The drain takes the test's pods only (``selector: drain-test=yes``, kubectl's ``--pod-selector``); a
+whole-node drain is test_lab_controllers.py's.
 """
 
 from __future__ import annotations
@@ -119,15 +119,14 @@ def test_a_drain_respects_the_budget_one_eviction_at_a_time_and_leaves_daemonset
         return (pdb.get("status") or {}).get("disruptionsAllowed") == 1
 
     wait_for(allowed, 60, "the budget to allow one disruption")
-    ds = apps.create_namespaced_daemon_set(NS, {
+    apps.create_namespaced_daemon_set(NS, {
         "metadata": {"name": "drain-ds"},
         "spec": {"selector": {"matchLabels": {"app": "drain-ds"}},
-                 "template": {"metadata": {"labels": {"app": "drain-ds"}}, "spec": {"containers": CONTAINERS}}}})
-    owner = {"apiVersion": "apps/v1", "kind": "DaemonSet", "name": "drain-ds", "uid": ds.metadata.uid,
-             "controller": True}
-    core.create_namespaced_pod(NS, {"metadata": {"name": "drain-ds-worker-2", "ownerReferences": [owner],
-                                                 "labels": {"app": "drain-ds", "drain-test": "yes"}},
-                                    "spec": {"nodeName": NODE, "containers": CONTAINERS}})
+                 "template": {"metadata": {"labels": {"app": "drain-ds", "drain-test": "yes"}},
+                              "spec": {"nodeSelector": {"kubernetes.io/hostname": NODE}, "containers": CONTAINERS}}}})
+    (ds_pod,) = wait_for(lambda: [n for n, p in pods_on(core, NODE).items()
+                                  if n.startswith("drain-ds-") and running(p)], 60,
+                         "the daemonset controller's pod running on worker-2")
     core.create_namespaced_pod(NS, {"metadata": {"name": "static-web-worker-2", "labels": {"drain-test": "yes"},
                                                  "annotations": {"kubernetes.io/config.mirror": "8f3c0a"}},
                                     "spec": {"nodeName": NODE, "containers": CONTAINERS}})
@@ -142,7 +141,7 @@ def test_a_drain_respects_the_budget_one_eviction_at_a_time_and_leaves_daemonset
     preview = json.loads(planned.stdout)["steps"][0]["preview"].splitlines()
     assert preview[0] == f"cordon {NODE}"
     assert {ln for ln in preview if ln.startswith(("skip ", "server dry-run accepted"))} == {
-        f"skip {NS}/drain-ds-worker-2: DaemonSet-managed (drain-ds): it would come back here",
+        f"skip {NS}/{ds_pod}: DaemonSet-managed (drain-ds): it would come back here",
         f"skip {NS}/static-web-worker-2: mirror pod of a static pod (the kubelet owns it)",
         f"server dry-run accepted: evict {NS}/drain-web-1", f"server dry-run accepted: evict {NS}/drain-web-2"}, \
         preview
@@ -175,7 +174,7 @@ def test_a_drain_respects_the_budget_one_eviction_at_a_time_and_leaves_daemonset
 
     # The node: cordoned; the DaemonSet and mirror pods still run there; the replicas run elsewhere.
     assert core.read_node(NODE).spec.unschedulable
-    assert {n for n, p in pods_on(core, NODE).items() if running(p)} == {"drain-ds-worker-2", "static-web-worker-2"}
+    assert {n for n, p in pods_on(core, NODE).items() if running(p)} == {ds_pod, "static-web-worker-2"}
     assert not any(n.startswith("drain-web") for n in pods_on(core, NODE))
     web = core.list_namespaced_pod(NS, label_selector="app=drain-web").items
     assert len(web) == 2 and all(p.spec.node_name != NODE for p in web)

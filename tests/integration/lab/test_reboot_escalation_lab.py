@@ -7,7 +7,9 @@ flagship relabels, its swap-off step fails, and the run escalates to ``node-rebo
 person approves it. Once approved and resumed it reboots omen2 through Ansible's ``reboot`` module
 over real SSH: the host's sshd goes away and comes back (its log shows both), the boot id changes,
 the boot re-reads /etc/fstab (the commented-out swap stays off), kubelet starts per its enabled state
-and the node turns Ready with its GPU back on nvidia and allocatable. What the runs say is checked
+and the node turns Ready with its GPU back on nvidia and allocatable; the pods that stayed on the
+node through the reboot get fresh statuses from the kubelet (restarted once, running since the boot,
+Ready again), the GPU Operator's operands run as DaemonSet pods. What the runs say is checked
 against what the host recorded (calls.jsonl, the journal, sshd's log), not only their exit codes.
 """
 
@@ -20,7 +22,9 @@ from typing import Any
 import pytest
 
 from engine.lab.hoststate import HostState
+from engine.lab.sim_kube import parse_time
 from tests.integration.lab.flagship_cli import LABEL, host_lines, kube_node, ready, runbook
+from tests.integration.lab.lab_helpers import kubectl_json, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.lab]
 
@@ -85,7 +89,27 @@ def test_the_flagship_escalates_to_node_reboot_and_the_host_really_reboots(
     # kubelet back per its enabled state, the node Ready with its GPU on nvidia, uncordoned
     node = kube_node(sh, "omen2")
     assert ready(node) and not node["spec"].get("unschedulable")
+    assert node["status"]["nodeInfo"]["bootID"] == boot_id_after[0]  # the kubelet reports the new boot
     assert node["metadata"]["labels"][LABEL] == "container"
     assert node["status"]["allocatable"].get("nvidia.com/gpu") == "1"
     assert [d["driver"] for d in state["pci_devices"] if d.get("display")] == ["nvidia"]
     assert state["units"]["kubelet"]["active"] == "active"
+
+    # the kubelet re-registered the node's pods as a real one does after a reboot: NFD's worker (a
+    # DaemonSet pod that stayed on the cordoned node) restarted once, running since the boot, Ready
+    def nfd_worker() -> Any:
+        pods = kubectl_json(sh, "get pods -n gpu-operator --field-selector spec.nodeName=omen2")["items"]
+        found = [p for p in pods if p["metadata"]["labels"].get("runbook.lab/operand") == "nfd-worker"]
+        return found[0] if found and any(c["type"] == "Ready" and c["status"] == "True"
+                                         for c in found[0]["status"].get("conditions", [])) else None
+
+    pod = wait_for(nfd_worker, 60, "omen2's NFD worker pod Ready again")
+    assert pod["metadata"]["ownerReferences"][0]["kind"] == "DaemonSet"
+    (container,) = pod["status"]["containerStatuses"]
+    assert container["restartCount"] == 1 and container["ready"], container
+    assert container["lastState"]["terminated"]["reason"] == "Unknown"
+    assert parse_time(container["state"]["running"]["startedAt"]) >= int(state["boot"]["at"])
+    assert parse_time(pod["status"]["startTime"]) < state["boot"]["at"]  # the pod's own start stays
+    operands = {p["metadata"]["labels"]["runbook.lab/operand"]: p for p in kubectl_json(
+        sh, "get pods -n gpu-operator --field-selector spec.nodeName=omen2")["items"]}
+    assert operands["device-plugin"]["metadata"]["ownerReferences"][0]["kind"] == "DaemonSet"
