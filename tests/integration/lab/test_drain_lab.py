@@ -70,7 +70,11 @@ def api(incident: Any) -> Iterator[tuple[ControlPlane, Any, Any, Any]]:
                         if e.status != 404:
                             raise
                 for p in core.list_namespaced_pod(NS, label_selector="drain-test=yes").items:
-                    core.delete_namespaced_pod(p.metadata.name, NS, grace_period_seconds=0)
+                    try:  # the garbage collector may delete the DaemonSet's pods first
+                        core.delete_namespaced_pod(p.metadata.name, NS, grace_period_seconds=0)
+                    except client.ApiException as e:
+                        if e.status != 404:
+                            raise
                 wait_for(lambda: not core.list_namespaced_pod(NS, label_selector="drain-test=yes").items, 60,
                          "the test's pods to go")
             except Exception:
