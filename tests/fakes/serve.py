@@ -103,8 +103,9 @@ class FakeRunStarter:
                  execute_delay: float = 0.0, submit_delay: float = 0.0, recover_ids: Iterable[str] = (),
                  preload: Iterable[Mapping[str, Any]] = (),
                  plan: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None,
-                 approvals: ApprovalConfig | None = None) -> None:
+                 approvals: ApprovalConfig | None = None, execute_gate: threading.Event | None = None) -> None:
         self.triggers = list(triggers)
+        self.execute_gate = execute_gate  # set: executions may go on (each waits for it, at most 10 s)
         self.approvals = approvals or ApprovalConfig()  # the approval policy, judged like the real starter
         self._approvals: dict[str, list[Approval]] = {}
         self.plan = plan  # the plan (a Plan's JSON shape) a run waiting for approval shows; digest from it
@@ -150,6 +151,8 @@ class FakeRunStarter:
         return RunTicket(run_id, "pending")
 
     def execute(self, run_id: str) -> RunOutcome:
+        if self.execute_gate is not None:
+            self.execute_gate.wait(10)
         if self.execute_delay:
             time.sleep(self.execute_delay)
         with self._cond:

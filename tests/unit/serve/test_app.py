@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
-import time
+import threading
 
 import httpx
 import pytest
@@ -146,16 +146,15 @@ def test_hostile_label_values_are_refused_by_param_validation() -> None:
 # -- runs ---------------------------------------------------------------------------------------
 
 
-def test_an_auto_run_is_accepted_fast_and_executes_in_the_worker_pool() -> None:
-    starter = FakeRunStarter([trigger_spec(mode="auto")], execute_delay=1.0)
+def test_an_auto_run_is_accepted_without_waiting_for_it_and_executes_in_the_worker_pool() -> None:
+    gate = threading.Event()  # the run cannot finish before the webhook has answered
+    starter = FakeRunStarter([trigger_spec(mode="auto")], execute_gate=gate)
     with served(starter=starter) as s:
-        t0 = time.perf_counter()
         r = s.post_alerts(alert("omen2"))
-        elapsed = time.perf_counter() - t0
         assert r.status_code == 202
-        assert elapsed < 0.25, f"webhook answered in {elapsed:.3f}s"
         (run_id,) = r.json()["runs"]
         assert s.client.get(f"/runs/{run_id}").json()["state"] == "pending"
+        gate.set()
         s.idle()
         assert s.client.get(f"/runs/{run_id}").json()["state"] == "succeeded"
         assert s.events() == ["started", "finished"]

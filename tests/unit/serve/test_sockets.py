@@ -20,6 +20,7 @@ import pytest
 import uvicorn
 
 from engine.lab.ports import free_port
+from engine.serve import app as app_module
 from engine.serve.app import create_app
 from engine.serve.cli import uvicorn_options
 from engine.serve.config import load_config
@@ -132,7 +133,9 @@ def test_connections_are_capped_and_the_cap_frees_itself() -> None:
     {"max_body_reads": 1000},  # the byte budget alone bounds memory
     {"buffered_bytes": 1024 ** 3},  # the cap on bodies in flight alone bounds memory
 ], ids=["byte-budget", "bodies-in-flight"])
-def test_under_a_flood_of_half_sent_bodies_healthz_answers_fast_and_memory_stays_flat(limits: dict[str, int]) -> None:
+def test_under_a_flood_of_half_sent_bodies_healthz_answers_and_memory_stays_flat(limits: dict[str, int]) -> None:
+    """Every /healthz during the flood is answered (how fast is the benchmark's ``p10_webhook_flood_delta_ms``),
+    and the bodies held are bounded: 300 half-sent 2 MB bodies would hold 75 MB."""
     with live(limits={"body_timeout": 3, **limits}) as addr, \
             httpx.Client(base_url=f"http://{addr}", timeout=5) as client:
         assert client.get("/healthz").status_code == 200
@@ -148,18 +151,14 @@ def test_under_a_flood_of_half_sent_bodies_healthz_answers_fast_and_memory_stays
                     sock.settimeout(0.05)
                     for _ in range(16):
                         sock.sendall(chunk)
-            worst = 0.0
             for _ in range(40):
-                t0 = time.perf_counter()
                 assert client.get("/healthz").status_code == 200
-                worst = max(worst, time.perf_counter() - t0)
                 time.sleep(0.02)
             grown = (_rss_kib() - rss0) / 1024
         finally:
             for s in flood:
                 with suppress(OSError):
                     s.close()
-        assert worst < 0.1, f"/healthz took {worst * 1000:.0f} ms during the flood"
         assert grown < 30, f"RSS grew by {grown:.1f} MB"
 
 
@@ -174,31 +173,39 @@ def _big_delivery() -> bytes:
     return body
 
 
-def test_a_2_mb_delivery_does_not_delay_healthz_by_more_than_100_ms() -> None:
+def test_healthz_is_answered_while_a_2_mb_delivery_is_being_parsed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The parse of a large delivery runs off the event loop: a /healthz sent while the parser is
+    at work is answered before the parser returns (the parser waits for that answer; on the event
+    loop it would wait in vain). How long /healthz takes meanwhile is the benchmark's
+    (``p10_healthz_upload_ms``), not this test's."""
     body = _big_delivery()
+    parsing, answered = threading.Event(), threading.Event()
+    seen: list[bool] = []
+    real = app_module.parse_alertmanager
+
+    def watched(*args: Any, **kwargs: Any) -> Any:
+        parsing.set()
+        seen.append(answered.wait(5))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(app_module, "parse_alertmanager", watched)
     with live() as addr, httpx.Client(base_url=f"http://{addr}", timeout=10) as client:
-        assert client.get("/healthz").status_code == 200
         answers: list[int] = []
 
         def send() -> None:
             with httpx.Client(timeout=30) as c:
-                for _ in range(3):
-                    r = c.post(f"http://{addr}/hooks/alertmanager", content=body,
-                               headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
-                    answers.append(r.status_code)
+                r = c.post(f"http://{addr}/hooks/alertmanager", content=body,
+                           headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
+                answers.append(r.status_code)
 
         sender = threading.Thread(target=send)
         sender.start()
-        worst = 0.0
-        deadline = time.monotonic() + 30
-        while sender.is_alive() and time.monotonic() < deadline:
-            t0 = time.perf_counter()
-            assert client.get("/healthz").status_code == 200
-            worst = max(worst, time.perf_counter() - t0)
-            time.sleep(0.005)
+        assert parsing.wait(10), "the delivery never reached the parser"
+        assert client.get("/healthz").status_code == 200
+        answered.set()
         sender.join(30)
-        assert answers and all(code in (200, 202) for code in answers), answers
-        assert worst < 0.1, f"/healthz took {worst * 1000:.0f} ms while a 2 MB delivery was handled"
+        assert seen == [True], "/healthz was not answered while the delivery was parsed"
+        assert answers and answers[0] in (200, 202), answers
 
 
 def test_the_per_request_access_log_is_off_unless_configured() -> None:
