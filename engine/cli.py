@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 import click
 
 from engine.errors import ExitCode, RunbookError
-from engine.settings import Settings
+from engine.settings import DEFAULT_STORE, DEFAULT_STORE_NAMESPACE, STORES, Settings
 
 if TYPE_CHECKING:
     from engine.store import RunStore
@@ -38,7 +38,8 @@ def _settings_for_completion(ctx: click.Context) -> Settings:
     return Settings(kubeconfig=p.get("kubeconfig"), context=p.get("kube_context"),
                     runbooks_dir=Path(p["runbooks_dir"]) if p.get("runbooks_dir") else None,
                     journal=Path(p["journal"]) if p.get("journal") else None, request_timeout=2.0,
-                    store=p.get("store") or "sqlite", store_namespace=p.get("store_namespace") or "runbook-system")
+                    store=p.get("store") or DEFAULT_STORE,
+                    store_namespace=p.get("store_namespace") or DEFAULT_STORE_NAMESPACE)
 
 
 def complete_runbook(ctx: click.Context, _param: click.Parameter, incomplete: str) -> list[Any]:
@@ -83,10 +84,11 @@ SHARED_OPTIONS = (
                  help="Where runbooks live (env RUNBOOK_RUNBOOKS_DIR; default ./runbooks or the packaged ones)."),
     click.option("--journal", envvar="RUNBOOK_JOURNAL", type=click.Path(dir_okay=False),
                  help="SQLite journal of runs (env RUNBOOK_JOURNAL; default under $XDG_STATE_HOME/runbook)."),
-    click.option("--store", envvar="RUNBOOK_STORE", type=click.Choice(["sqlite", "kubernetes"]), default="sqlite",
+    click.option("--store", envvar="RUNBOOK_STORE", type=click.Choice(list(STORES)), default=DEFAULT_STORE,
                  show_default=True, help="Where runs are recorded: the SQLite journal, or RemediationRun objects "
                                          "in the cluster (env RUNBOOK_STORE; docs/cluster.md)."),
-    click.option("--store-namespace", envvar="RUNBOOK_STORE_NAMESPACE", default="runbook-system", show_default=True,
+    click.option("--store-namespace", envvar="RUNBOOK_STORE_NAMESPACE", default=DEFAULT_STORE_NAMESPACE,
+                 show_default=True,
                  help="Namespace of the RemediationRuns with --store kubernetes (env RUNBOOK_STORE_NAMESPACE)."),
     click.option("--become-password-file", type=click.Path(exists=True, dir_okay=False),
                  help="File holding the sudo password for node hosts (or env RUNBOOK_BECOME_PASSWORD)."),
