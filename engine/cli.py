@@ -326,6 +326,44 @@ def notify_option(func: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+def _overrides_as_dict(func: F) -> F:
+    """Hand the command ``overrides`` ({guard: reason}) instead of the two option tuples."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, override_guards: tuple[str, ...], override_reasons: tuple[str, ...],
+                **kwargs: Any) -> Any:
+        return func(*args, overrides=overrides_from(override_guards, override_reasons), **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
+
+
+def execution_options(*, between: tuple[Decorator, ...] = (), metrics_and_notify: bool = True) -> Decorator:
+    """The options of every command that executes a run (run, apply, resume, rollback), declared
+    once and shown in this order: ``--yes``, ``-o/--output``, the command's own ``between`` (run's
+    ``--lock-wait`` and fleet options), the guard overrides (handed to the command as ``overrides``:
+    one ``--reason`` per ``--override-guard``, exit 2 otherwise), then, with ``metrics_and_notify``,
+    ``--metrics-textfile`` and ``--notify-config``/``--pagerduty-dedup-key``."""
+    yes = click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
+    output = click.option("-o", "--output", type=OUTPUT, default="text")
+    after: tuple[Decorator, ...] = (metrics_textfile_option, notify_option) if metrics_and_notify else ()
+    stack: tuple[Decorator, ...] = (yes, output, *between, override_options, *after, _overrides_as_dict)
+
+    def decorate(func: Callable[..., Any]) -> Callable[..., Any]:
+        for decorator in reversed(stack):  # as if written one above the other, top first
+            func = decorator(func)
+        return func
+
+    return decorate
+
+
+def lock_wait_option(func: F) -> F:
+    return click.option("--lock-wait", type=click.FloatRange(0), default=0.0,
+                        help="Seconds to wait for the node's Lease.")(func)
+
+
 class LazyGroup(click.Group):
     """Sub-groups that live in their own packages load only when used (``runbook --help`` stays fast)."""
 
@@ -450,17 +488,10 @@ def plan(settings: Settings, name: str | None, node: str | None, selector: str |
 @target_options
 @params_option
 @click.option("--dry-run", is_flag=True, help="Plan and preview only; change nothing.")
-@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
-@click.option("-o", "--output", type=OUTPUT, default="text")
-@click.option("--lock-wait", type=click.FloatRange(0), default=0.0, help="Seconds to wait for the node's Lease.")
-@fleet_options
-@override_options
-@metrics_textfile_option
-@notify_option
+@execution_options(between=(lock_wait_option, fleet_options))
 def run(settings: Settings, name: str, node: str | None, selector: str | None, max_parallel: int,
         settle: float, params: tuple[str, ...], dry_run: bool, yes: bool, output: str, lock_wait: float,
-        max_failures: int, fail_fast: bool, override_guards: tuple[str, ...],
-        override_reasons: tuple[str, ...]) -> int:
+        max_failures: int, fail_fast: bool, overrides: dict[str, str]) -> int:
     """Run a runbook: preconditions, then per step guards -> act -> verify; stop at the first failure.
 
     \b
@@ -471,7 +502,6 @@ def run(settings: Settings, name: str, node: str | None, selector: str | None, m
     settings.start_inventory_read()  # its child runs while the engine loads
     from engine import app
 
-    overrides = overrides_from(override_guards, override_reasons)
     return yaml_or_direct(output, lambda fmt: app.run(
         settings, name, node=node, selector=selector, raw_params=params, dry_run=dry_run, yes=yes, output=fmt,
         max_parallel=max_parallel, settle=settle, lock_wait=lock_wait, max_failures=max_failures,
@@ -481,18 +511,12 @@ def run(settings: Settings, name: str, node: str | None, selector: str | None, m
 @main.command()
 @common_options
 @click.argument("plan_file", type=click.Path(exists=True, dir_okay=False))
-@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
-@click.option("-o", "--output", type=OUTPUT, default="text")
-@override_options
-@metrics_textfile_option
-@notify_option
-def apply(settings: Settings, plan_file: str, yes: bool, output: str, override_guards: tuple[str, ...],
-          override_reasons: tuple[str, ...]) -> int:
+@execution_options()
+def apply(settings: Settings, plan_file: str, yes: bool, output: str, overrides: dict[str, str]) -> int:
     """Execute a saved plan, refusing (exit 5) if the runbook, the facts or the clock moved on."""
     settings.start_inventory_read()  # its child runs while the engine loads
     from engine import app
 
-    overrides = overrides_from(override_guards, override_reasons)
     return yaml_or_direct(output, lambda fmt: app.apply(settings, Path(plan_file), yes=yes, output=fmt,
                                                         overrides=overrides))
 
@@ -516,18 +540,12 @@ def approve(settings: Settings, run_id: str, plan_digest: str, approved_by: str 
 @main.command()
 @common_options
 @click.argument("run_id", shell_complete=complete_run_id)
-@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
-@click.option("-o", "--output", type=OUTPUT, default="text")
-@override_options
-@metrics_textfile_option
-@notify_option
-def resume(settings: Settings, run_id: str, yes: bool, output: str, override_guards: tuple[str, ...],
-           override_reasons: tuple[str, ...]) -> int:
+@execution_options()
+def resume(settings: Settings, run_id: str, yes: bool, output: str, overrides: dict[str, str]) -> int:
     """Continue an interrupted or approved run; completed steps are not redone."""
     settings.start_inventory_read()  # its child runs while the engine loads
     from engine import app
 
-    overrides = overrides_from(override_guards, override_reasons)
     return yaml_or_direct(output, lambda fmt: app.resume(settings, run_id, yes=yes, output=fmt,
                                                          overrides=overrides))
 
@@ -535,17 +553,13 @@ def resume(settings: Settings, run_id: str, yes: bool, output: str, override_gua
 @main.command()
 @common_options
 @click.argument("run_id", shell_complete=complete_run_id)
-@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
-@click.option("-o", "--output", type=OUTPUT, default="text")
-@override_options
-def rollback(settings: Settings, run_id: str, yes: bool, output: str, override_guards: tuple[str, ...],
-             override_reasons: tuple[str, ...]) -> int:
+@execution_options(metrics_and_notify=False)
+def rollback(settings: Settings, run_id: str, yes: bool, output: str, overrides: dict[str, str]) -> int:
     """Undo what run RUN_ID changed: its steps' declared inverses, newest first, as a guarded and
     verified run linked to it. Refused (exit 3) when a changed step has no inverse or an inverse's
     guard does not hold now."""
     from engine import app
 
-    overrides = overrides_from(override_guards, override_reasons)
     return yaml_or_direct(output, lambda fmt: app.rollback(settings, run_id, yes=yes, output=fmt,
                                                            overrides=overrides))
 
