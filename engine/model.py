@@ -146,6 +146,8 @@ def kube_verb(spec: V) -> V:
     key = getattr(spec, "KEY", None)
     if not key or (key in _KUBE_VERBS and _KUBE_VERBS[key] is not spec):
         raise ValueError(f"kube verb {spec.__qualname__}: KEY {key!r} missing or already registered")
+    if not issubclass(spec, KubeVerbSpec):
+        raise ValueError(f"kube verb {spec.__qualname__} must derive from KubeVerbSpec")
     fields = spec.__pydantic_fields__
     if key not in fields and not any(f.alias == key for f in fields.values()):
         raise ValueError(f"kube verb {spec.__qualname__} needs a field named {key!r} (its spec)")

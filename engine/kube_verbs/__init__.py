@@ -20,6 +20,7 @@ import pkgutil
 from typing import Any
 
 from engine.facts import NodeFacts
+from engine.kube_verbs.drain import select as select_pods
 from engine.kube_verbs.effects import (
     APPLY,
     DECIDE,
@@ -34,6 +35,7 @@ from engine.kube_verbs.effects import (
     PodRules,
     Wait,
 )
+from engine.kube_verbs.node_patch import apply_to_node
 
 __all__ = ["DECIDE", "BootstrapOperation", "EffectFailed", "KubeContext", "KubeEffect", "NoOp", "NodePatch",
            "PodOperation", "PodRules", "Wait",
@@ -51,10 +53,6 @@ def _import_every_module() -> tuple[str, ...]:
 
 
 _MODULES = _import_every_module()
-
-# The helpers planning reads (imported after the modules registered themselves).
-from engine.kube_verbs.drain import select as select_pods  # noqa: E402
-from engine.kube_verbs.node_patch import apply_to_node  # noqa: E402
 
 
 def verb_modules() -> tuple[str, ...]:
