@@ -67,6 +67,22 @@ def test_a_verb_key_or_a_decide_registered_twice_is_refused() -> None:
         decides(KubeCordon)(lambda verb, node: NoOp("x", "", {}))
 
 
+def test_a_spec_that_is_not_a_kube_verb_spec_or_lacks_its_field_is_refused() -> None:
+    class Stray(model._Model):  # type: ignore[name-defined]
+        KEY: ClassVar[str] = "stray"
+        stray: bool
+
+    class Fieldless(KubeVerbSpec):
+        KEY: ClassVar[str] = "fieldless"
+        other: bool
+
+    with pytest.raises(ValueError, match="must derive from KubeVerbSpec"):
+        kube_verb(Stray)  # type: ignore[type-var]
+    with pytest.raises(ValueError, match="needs a field named 'fieldless'"):
+        kube_verb(Fieldless)
+    assert "stray" not in kube_verb_keys() and "fieldless" not in kube_verb_keys()
+
+
 class KubeNap(KubeVerbSpec):
     """A verb defined outside the package, as a new verb module would define it."""
 
