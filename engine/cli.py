@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 import click
 
 from engine.errors import ExitCode, RunbookError
-from engine.settings import Settings
+from engine.settings import DEFAULT_STORE, DEFAULT_STORE_NAMESPACE, STORES, Settings
 
 if TYPE_CHECKING:
     from engine.store import RunStore
@@ -38,7 +38,8 @@ def _settings_for_completion(ctx: click.Context) -> Settings:
     return Settings(kubeconfig=p.get("kubeconfig"), context=p.get("kube_context"),
                     runbooks_dir=Path(p["runbooks_dir"]) if p.get("runbooks_dir") else None,
                     journal=Path(p["journal"]) if p.get("journal") else None, request_timeout=2.0,
-                    store=p.get("store") or "sqlite", store_namespace=p.get("store_namespace") or "runbook-system")
+                    store=p.get("store") or DEFAULT_STORE,
+                    store_namespace=p.get("store_namespace") or DEFAULT_STORE_NAMESPACE)
 
 
 def complete_runbook(ctx: click.Context, _param: click.Parameter, incomplete: str) -> list[Any]:
@@ -83,10 +84,11 @@ SHARED_OPTIONS = (
                  help="Where runbooks live (env RUNBOOK_RUNBOOKS_DIR; default ./runbooks or the packaged ones)."),
     click.option("--journal", envvar="RUNBOOK_JOURNAL", type=click.Path(dir_okay=False),
                  help="SQLite journal of runs (env RUNBOOK_JOURNAL; default under $XDG_STATE_HOME/runbook)."),
-    click.option("--store", envvar="RUNBOOK_STORE", type=click.Choice(["sqlite", "kubernetes"]), default="sqlite",
+    click.option("--store", envvar="RUNBOOK_STORE", type=click.Choice(list(STORES)), default=DEFAULT_STORE,
                  show_default=True, help="Where runs are recorded: the SQLite journal, or RemediationRun objects "
                                          "in the cluster (env RUNBOOK_STORE; docs/cluster.md)."),
-    click.option("--store-namespace", envvar="RUNBOOK_STORE_NAMESPACE", default="runbook-system", show_default=True,
+    click.option("--store-namespace", envvar="RUNBOOK_STORE_NAMESPACE", default=DEFAULT_STORE_NAMESPACE,
+                 show_default=True,
                  help="Namespace of the RemediationRuns with --store kubernetes (env RUNBOOK_STORE_NAMESPACE)."),
     click.option("--become-password-file", type=click.Path(exists=True, dir_okay=False),
                  help="File holding the sudo password for node hosts (or env RUNBOOK_BECOME_PASSWORD)."),
@@ -324,6 +326,44 @@ def notify_option(func: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+def _overrides_as_dict(func: F) -> F:
+    """Hand the command ``overrides`` ({guard: reason}) instead of the two option tuples."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, override_guards: tuple[str, ...], override_reasons: tuple[str, ...],
+                **kwargs: Any) -> Any:
+        return func(*args, overrides=overrides_from(override_guards, override_reasons), **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
+
+
+def execution_options(*, between: tuple[Decorator, ...] = (), metrics_and_notify: bool = True) -> Decorator:
+    """The options of every command that executes a run (run, apply, resume, rollback), declared
+    once and shown in this order: ``--yes``, ``-o/--output``, the command's own ``between`` (run's
+    ``--lock-wait`` and fleet options), the guard overrides (handed to the command as ``overrides``:
+    one ``--reason`` per ``--override-guard``, exit 2 otherwise), then, with ``metrics_and_notify``,
+    ``--metrics-textfile`` and ``--notify-config``/``--pagerduty-dedup-key``."""
+    yes = click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
+    output = click.option("-o", "--output", type=OUTPUT, default="text")
+    after: tuple[Decorator, ...] = (metrics_textfile_option, notify_option) if metrics_and_notify else ()
+    stack: tuple[Decorator, ...] = (yes, output, *between, override_options, *after, _overrides_as_dict)
+
+    def decorate(func: Callable[..., Any]) -> Callable[..., Any]:
+        for decorator in reversed(stack):  # as if written one above the other, top first
+            func = decorator(func)
+        return func
+
+    return decorate
+
+
+def lock_wait_option(func: F) -> F:
+    return click.option("--lock-wait", type=click.FloatRange(0), default=0.0,
+                        help="Seconds to wait for the node's Lease.")(func)
+
+
 class LazyGroup(click.Group):
     """Sub-groups that live in their own packages load only when used (``runbook --help`` stays fast)."""
 
@@ -448,17 +488,10 @@ def plan(settings: Settings, name: str | None, node: str | None, selector: str |
 @target_options
 @params_option
 @click.option("--dry-run", is_flag=True, help="Plan and preview only; change nothing.")
-@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
-@click.option("-o", "--output", type=OUTPUT, default="text")
-@click.option("--lock-wait", type=click.FloatRange(0), default=0.0, help="Seconds to wait for the node's Lease.")
-@fleet_options
-@override_options
-@metrics_textfile_option
-@notify_option
+@execution_options(between=(lock_wait_option, fleet_options))
 def run(settings: Settings, name: str, node: str | None, selector: str | None, max_parallel: int,
         settle: float, params: tuple[str, ...], dry_run: bool, yes: bool, output: str, lock_wait: float,
-        max_failures: int, fail_fast: bool, override_guards: tuple[str, ...],
-        override_reasons: tuple[str, ...]) -> int:
+        max_failures: int, fail_fast: bool, overrides: dict[str, str]) -> int:
     """Run a runbook: preconditions, then per step guards -> act -> verify; stop at the first failure.
 
     \b
@@ -469,7 +502,6 @@ def run(settings: Settings, name: str, node: str | None, selector: str | None, m
     settings.start_inventory_read()  # its child runs while the engine loads
     from engine import app
 
-    overrides = overrides_from(override_guards, override_reasons)
     return yaml_or_direct(output, lambda fmt: app.run(
         settings, name, node=node, selector=selector, raw_params=params, dry_run=dry_run, yes=yes, output=fmt,
         max_parallel=max_parallel, settle=settle, lock_wait=lock_wait, max_failures=max_failures,
@@ -479,18 +511,12 @@ def run(settings: Settings, name: str, node: str | None, selector: str | None, m
 @main.command()
 @common_options
 @click.argument("plan_file", type=click.Path(exists=True, dir_okay=False))
-@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
-@click.option("-o", "--output", type=OUTPUT, default="text")
-@override_options
-@metrics_textfile_option
-@notify_option
-def apply(settings: Settings, plan_file: str, yes: bool, output: str, override_guards: tuple[str, ...],
-          override_reasons: tuple[str, ...]) -> int:
+@execution_options()
+def apply(settings: Settings, plan_file: str, yes: bool, output: str, overrides: dict[str, str]) -> int:
     """Execute a saved plan, refusing (exit 5) if the runbook, the facts or the clock moved on."""
     settings.start_inventory_read()  # its child runs while the engine loads
     from engine import app
 
-    overrides = overrides_from(override_guards, override_reasons)
     return yaml_or_direct(output, lambda fmt: app.apply(settings, Path(plan_file), yes=yes, output=fmt,
                                                         overrides=overrides))
 
@@ -514,18 +540,12 @@ def approve(settings: Settings, run_id: str, plan_digest: str, approved_by: str 
 @main.command()
 @common_options
 @click.argument("run_id", shell_complete=complete_run_id)
-@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
-@click.option("-o", "--output", type=OUTPUT, default="text")
-@override_options
-@metrics_textfile_option
-@notify_option
-def resume(settings: Settings, run_id: str, yes: bool, output: str, override_guards: tuple[str, ...],
-           override_reasons: tuple[str, ...]) -> int:
+@execution_options()
+def resume(settings: Settings, run_id: str, yes: bool, output: str, overrides: dict[str, str]) -> int:
     """Continue an interrupted or approved run; completed steps are not redone."""
     settings.start_inventory_read()  # its child runs while the engine loads
     from engine import app
 
-    overrides = overrides_from(override_guards, override_reasons)
     return yaml_or_direct(output, lambda fmt: app.resume(settings, run_id, yes=yes, output=fmt,
                                                          overrides=overrides))
 
@@ -533,17 +553,13 @@ def resume(settings: Settings, run_id: str, yes: bool, output: str, override_gua
 @main.command()
 @common_options
 @click.argument("run_id", shell_complete=complete_run_id)
-@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
-@click.option("-o", "--output", type=OUTPUT, default="text")
-@override_options
-def rollback(settings: Settings, run_id: str, yes: bool, output: str, override_guards: tuple[str, ...],
-             override_reasons: tuple[str, ...]) -> int:
+@execution_options(metrics_and_notify=False)
+def rollback(settings: Settings, run_id: str, yes: bool, output: str, overrides: dict[str, str]) -> int:
     """Undo what run RUN_ID changed: its steps' declared inverses, newest first, as a guarded and
     verified run linked to it. Refused (exit 3) when a changed step has no inverse or an inverse's
     guard does not hold now."""
     from engine import app
 
-    overrides = overrides_from(override_guards, override_reasons)
     return yaml_or_direct(output, lambda fmt: app.rollback(settings, run_id, yes=yes, output=fmt,
                                                            overrides=overrides))
 

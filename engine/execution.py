@@ -65,7 +65,6 @@ from engine.model import (
     AnsibleAction,
     CheckAction,
     KubeAction,
-    KubeWait,
     Plan,
     PlanState,
     Runbook,
@@ -390,7 +389,7 @@ class Executor:
                    action_finished: bool = False) -> tuple[StepStatus, str, dict[str, Any], int]:
         params = self._params
         probes = chk.required_probes([*step.skip_if, *step.guards], params)
-        if isinstance(step.action, KubeAction) and not isinstance(step.action.kube, KubeWait):
+        if isinstance(step.action, KubeAction) and step.action.kube.READS_NODE:
             probes.add(chk.NODE)
         facts = self._gather(probes, step=step.id, host_max_age=self.host_facts_max_age)
         evidence: dict[str, Any] = {}
@@ -566,10 +565,10 @@ class Executor:
     def _act_kube(self, step_id: str, action: KubeAction, facts: Facts, *, rollback: bool) -> _ActResult:
         emit = self.events.emit
         verb = action.kube
-        if self.kube is None and not isinstance(verb, KubeWait):
+        if self.kube is None and verb.READS_NODE:
             return _ActResult(ok=False, summary="no Kubernetes connection", error="no Kubernetes connection")
         node = facts.node
-        if isinstance(verb, KubeWait):
+        if not verb.READS_NODE:
             node = NodeFacts(name=self._node)  # a wait reads no node facts to decide
         intent_sent = False
         last_error = ""

@@ -29,8 +29,9 @@ import yaml
 from pydantic import ValidationError
 
 from engine import checks as chk
+from engine import kube_verbs  # noqa: F401  (importing it registers the kube verbs the format validates against)
 from engine.errors import LoadError, Location
-from engine.model import ACTION_KEYS, KUBE_VERBS, DiagnosisSpec, Fleet, Plan, Runbook
+from engine.model import ACTION_KEYS, DiagnosisSpec, Fleet, Plan, Runbook, kube_verb_keys
 
 MAX_BYTES = 1 << 20  # 1 MiB: a runbook is a page or two
 MAX_NODES = 20_000  # values built, counting every alias expansion
@@ -309,10 +310,12 @@ def _noun(expected: str, path: Path_) -> str:
 
 
 def _noun_keys(noun: str) -> tuple[str, ...]:
-    """The keys a noun may take: the registered check kinds, the actions, the kube verbs."""
+    """The keys a noun may take: the registered check kinds, the actions, the registered kube verbs."""
     if noun == "check":
         return chk.check_keys()
-    return {"action": ACTION_KEYS, "kube action": KUBE_VERBS}.get(noun, ())
+    if noun == "kube action":
+        return kube_verb_keys()
+    return {"action": ACTION_KEYS}.get(noun, ())
 
 
 def _message(err: Mapping[str, Any], path: Path_) -> str:

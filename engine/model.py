@@ -8,8 +8,10 @@ Two families live here:
   are serialisable (``model_dump_json``) so plans can be saved, compared and approved by digest.
 
 No I/O and no Jinja here: templates are plain strings until ``engine.templating`` renders them.
-Checks and actions are unions discriminated by their single key (``{node_ready: true}``), which is
-also how the JSON Schema for editors (``runbook schema``) describes them.
+Checks, actions and kube verbs are unions discriminated by their single key (``{node_ready: true}``),
+which is also how the JSON Schema for editors (``runbook schema``) describes them. The check kinds
+(``engine.checkkind``) and the kube verbs (``KubeVerbSpec``, defined in ``engine.kube_verbs``) are
+registries read at validation time: this module names none of them.
 """
 
 from __future__ import annotations
@@ -19,16 +21,20 @@ import hashlib
 import json
 import re
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, TypeVar, Union
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import (
     BeforeValidator,
     Discriminator,
     Field,
+    GetCoreSchemaHandler,
+    GetJsonSchemaHandler,
     Tag,
     field_validator,
     model_validator,
 )
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import PydanticKnownError, core_schema
 
 from engine.checkkind import Check, FormatModel
 from engine.windows import Window
@@ -102,248 +108,104 @@ def _single_key(value: Any) -> str | None:
 # Actions
 # --------------------------------------------------------------------------------------------
 
-TaintEffect = Literal["NoSchedule", "PreferNoSchedule", "NoExecute"]
-
-
-class TaintSpec(_Model):
-    key: str = Field(min_length=1)
-    value: str = ""
-    effect: TaintEffect
-
-
-class UntaintSpec(_Model):
-    key: str = Field(min_length=1)
-    effect: TaintEffect | None = None  # every effect of the key when omitted
-
-
-class PatchSpec(_Model):
-    type: Literal["merge", "strategic", "json"] = "merge"
-    body: dict[str, Any] | list[dict[str, Any]]
-
-    @model_validator(mode="after")
-    def _body_matches_type(self) -> PatchSpec:
-        if (self.type == "json") != isinstance(self.body, list):
-            raise ValueError("a json patch body is a list of operations; merge/strategic bodies are mappings")
-        return self
-
-
-class PodSelectorSpec(_Model):
-    selector: str | None = None  # label selector; every pod on the node when omitted
-    namespace: str | None = None  # every namespace when omitted
-    resource: str | None = None  # only pods whose containers request or limit this resource (nvidia.com/gpu)
-    grace_seconds: int | None = Field(default=None, ge=0)  # the pods' termination grace period
-    timeout: Duration = "300s"  # retrying budget refusals (429) and waiting for the pods to be gone
-    # Take DaemonSet-managed pods too (skipped otherwise): restarting an operand such as the device
-    # plugin, whose DaemonSet recreates the pod on the node.
-    daemonset_pods: bool = False
-
-
-class DrainSpec(_Model):
-    """``drain: {...}``: kubectl drain's semantics (engine/kube_verbs/drain.py)."""
-
-    ignore_daemonsets: bool = False  # skip DaemonSet-managed pods; without it they refuse the drain
-    delete_emptydir_data: bool = False  # evict pods with emptyDir volumes (their data is lost)
-    force: bool = False  # evict pods no controller manages (they are not recreated)
-    disable_eviction: bool = False  # delete instead of evicting: bypasses PodDisruptionBudgets
-    grace_period: int | None = Field(default=None, ge=0)  # seconds; the pod's own when omitted
-    timeout: Duration = "300s"  # evicting (429s retried) and waiting for the pods to be gone
-    selector: str | None = None  # only pods matching this label selector (kubectl --pod-selector)
-    # Pods a disruption budget still refuses this long after the evictions start are deleted
-    # instead (kured #303, NVSentinel's DeleteAfterTimeout), each named in the evidence. Off by default.
-    delete_after: Duration | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _true_is_defaults(cls, v: Any) -> Any:
-        return {} if v is None or v is True else v
-
-    @model_validator(mode="after")
-    def _delete_after_within_timeout(self) -> DrainSpec:
-        if self.delete_after is not None:
-            if self.disable_eviction:
-                raise ValueError("delete_after deletes pods a budget refuses; with disable_eviction nothing is evicted")
-            try:
-                after, timeout = parse_duration(self.delete_after), parse_duration(self.timeout)
-            except ValueError:
-                return self  # templated durations are checked when rendered
-            if after >= timeout:
-                raise ValueError(f"delete_after ({self.delete_after}) must be shorter than timeout ({self.timeout})")
-        return self
-
-
-class WaitSpec(_Model):
-    """``wait: {until: <check>, timeout: 5m}`` waits for a condition (watched or polled as a verify
-    check is); the old ``wait: {seconds: N}`` is a fixed pause."""
-
-    seconds: float | None = Field(default=None, gt=0, le=3600)
-    until: Check | None = None
-    timeout: Duration | None = None  # with until; 300s when omitted
-
-    @model_validator(mode="after")
-    def _one_form(self) -> WaitSpec:
-        if (self.seconds is None) == (self.until is None):
-            raise ValueError("wait takes either 'until' (a check, with an optional 'timeout') or 'seconds'")
-        if self.seconds is not None and self.timeout is not None:
-            raise ValueError("'timeout' goes with 'until'; 'seconds' is a fixed pause")
-        return self
-
-
 # -- kube verbs: a runbook's ``kube: {VERB: spec}`` ------------------------------------------------
-# A verb is one spec class here, decorated with ``@kube_verb`` (its ``KEY`` is the runbook key),
-# plus its module in ``engine/kube_verbs/`` whose ``decide`` registers itself for the class
-# (``@decides``). The format's union and the loader's hints are built from this registry.
+# A verb is one module in ``engine/kube_verbs/``: its spec class (a ``KubeVerbSpec``, its ``KEY`` the
+# runbook key) and its ``decide``, whose ``@decides(Spec)`` registers the spec here (``kube_verb``).
+# ``KubeVerb`` validates ``{key: spec}`` against the registered verbs *at validation time* and
+# ``runbook schema`` lists them at generation time (as ``Check`` does for the check kinds), so this
+# module names no verb and never imports ``engine.kube_verbs``.
 class KubeVerbSpec(_Model):
-    """The base of a kube verb's spec: ``KEY`` is the runbook key (``kube: {KEY: spec}``)."""
+    """The base of a kube verb's spec: ``KEY`` is the runbook key (``kube: {KEY: spec}``) and the name
+    of its one field (the spec). The class variables say what callers must know without naming it."""
 
     KEY: ClassVar[str]
+    # Where the verb stands in the format's lists (the schema's ``oneOf``, the loader's "one of:"
+    # hint): by ``ORDER``, then ``KEY``. The verbs of the first format keep their places (10, 20, ...);
+    # a new verb may leave the default and comes after them.
+    ORDER: ClassVar[int] = 1000
     # True: the verb's apply proves its own effect (drain: no evictable pod left; the bootstrap
     # token verbs): a step with it needs no ``verify`` (loader)
     SELF_VERIFYING: ClassVar[bool] = False
+    # False: the verb changes nothing (``wait``): its step is not "mutating" (no verify, no approval)
+    MUTATING: ClassVar[bool] = True
+    # False: the verb decides without the node's facts (``wait``): planning and execution neither read
+    # the node nor need a Kubernetes connection to decide it
+    READS_NODE: ClassVar[bool] = True
+    # True: ``rollback: auto`` restores what the verb changed from the run's recorded changes (node
+    # labels, annotations, unschedulable; engine.rollback)
+    AUTO_INVERSE: ClassVar[bool] = False
 
 
-_KUBE_VERBS: list[type[KubeVerbSpec]] = []
+_KUBE_VERBS: dict[str, type[KubeVerbSpec]] = {}
 V = TypeVar("V", bound=type[KubeVerbSpec])
 
 
 def kube_verb(spec: V) -> V:
-    """Make ``spec`` a kube verb of the format (a class decorator); its ``KEY`` must be new."""
+    """Make ``spec`` a kube verb of the format (``engine.kube_verbs.effects.decides`` calls this for
+    the specs it decides; usable as a class decorator). Its ``KEY`` must be new."""
     key = getattr(spec, "KEY", None)
-    if not key or any(key == v.KEY for v in _KUBE_VERBS):
+    if not key or (key in _KUBE_VERBS and _KUBE_VERBS[key] is not spec):
         raise ValueError(f"kube verb {spec.__qualname__}: KEY {key!r} missing or already registered")
-    _KUBE_VERBS.append(spec)
+    if not issubclass(spec, KubeVerbSpec):
+        raise ValueError(f"kube verb {spec.__qualname__} must derive from KubeVerbSpec")
+    fields = spec.__pydantic_fields__
+    if key not in fields and not any(f.alias == key for f in fields.values()):
+        raise ValueError(f"kube verb {spec.__qualname__} needs a field named {key!r} (its spec)")
+    _KUBE_VERBS[key] = spec
     return spec
 
 
-@kube_verb
-class KubeLabel(KubeVerbSpec):
-    KEY: ClassVar[str] = "label"
-    label: dict[str, str] = Field(min_length=1)
+def unregister_kube_verb(key: str) -> None:
+    """Remove a verb (tests that register their own verbs clean up with this)."""
+    _KUBE_VERBS.pop(key, None)
 
 
-@kube_verb
-class KubeUnlabel(KubeVerbSpec):
-    KEY: ClassVar[str] = "unlabel"
-    unlabel: tuple[str, ...] = Field(min_length=1)
+def kube_verbs() -> tuple[type[KubeVerbSpec], ...]:
+    """The registered verbs by ``ORDER``, then ``KEY``: the order of the schema and the hints."""
+    return tuple(sorted(_KUBE_VERBS.values(), key=lambda v: (v.ORDER, v.KEY)))
 
 
-@kube_verb
-class KubeAnnotate(KubeVerbSpec):
-    KEY: ClassVar[str] = "annotate"
-    annotate: dict[str, str] = Field(min_length=1)
+def kube_verb_keys() -> tuple[str, ...]:
+    """The runbook keys of the registered verbs (``label``, ``unlabel``, ...)."""
+    return tuple(v.KEY for v in kube_verbs())
 
 
-@kube_verb
-class KubeCordon(KubeVerbSpec):
-    KEY: ClassVar[str] = "cordon"
-    cordon: Literal[True]
+def auto_inverse_verbs() -> tuple[str, ...]:
+    """The verbs ``rollback: auto`` can undo (``AUTO_INVERSE``)."""
+    return tuple(v.KEY for v in kube_verbs() if v.AUTO_INVERSE)
 
 
-@kube_verb
-class KubeUncordon(KubeVerbSpec):
-    KEY: ClassVar[str] = "uncordon"
-    uncordon: Literal[True]
+def _validate_kube_verb(value: Any) -> KubeVerbSpec:
+    if isinstance(value, KubeVerbSpec):
+        return value
+    key = _single_key(value)
+    if key is None:  # as a union tagged by its single key
+        raise PydanticKnownError("union_tag_not_found", {"discriminator": "_single_key()"})
+    spec = _KUBE_VERBS.get(key) if isinstance(key, str) else None
+    if spec is None:
+        raise PydanticKnownError("union_tag_invalid", {
+            "discriminator": "_single_key()", "tag": str(key),
+            "expected_tags": ", ".join(repr(k) for k in kube_verb_keys())})
+    return spec.model_validate(value)  # its ValidationError's locations join the caller's
 
 
-@kube_verb
-class KubeTaint(KubeVerbSpec):
-    KEY: ClassVar[str] = "taint"
-    taint: TaintSpec
+class _KubeVerbType:
+    """The pydantic type of ``KubeVerb``: dispatch on the single key to the registered verb."""
 
-
-@kube_verb
-class KubeUntaint(KubeVerbSpec):
-    KEY: ClassVar[str] = "untaint"
-    untaint: UntaintSpec
-
-
-@kube_verb
-class KubePatch(KubeVerbSpec):
-    KEY: ClassVar[str] = "patch"
-    patch: PatchSpec
-
-
-@kube_verb
-class KubeEvict(KubeVerbSpec):
-    KEY: ClassVar[str] = "evict"
-    evict: PodSelectorSpec
-
-
-@kube_verb
-class KubeDeletePods(KubeVerbSpec):
-    KEY: ClassVar[str] = "delete_pods"
-    delete_pods: PodSelectorSpec
-
-
-@kube_verb
-class KubeWait(KubeVerbSpec):
-    KEY: ClassVar[str] = "wait"
-    wait: WaitSpec
-
-
-@kube_verb
-class KubeDrain(KubeVerbSpec):
-    KEY: ClassVar[str] = "drain"
-    SELF_VERIFYING: ClassVar[bool] = True  # no pod it would evict is left on the node
-    drain: DrainSpec = Field(default_factory=DrainSpec)
-
-
-class BootstrapTokenSpec(_Model):
-    """``bootstrap_token: {ttl: 15m}``: a kubelet bootstrap token for the run's node (a Secret of type
-    ``bootstrap.kubernetes.io/token`` in kube-system, expiring after ``ttl``), proved to authenticate
-    (TokenReview) before anything else is done with it (``engine.kube_verbs.node_bootstrap``)."""
-
-    ttl: Duration = "15m"
-    # the group kubeadm binds to system:node-bootstrapper (ClusterRoleBinding kubeadm:kubelet-bootstrap)
-    group: str = Field(default="system:bootstrappers:kubeadm:default-node-token",
-                       pattern=r"^system:bootstrappers:[a-z0-9:-]+$")
-
-    @model_validator(mode="before")
     @classmethod
-    def _true_is_defaults(cls, v: Any) -> Any:
-        return {} if v is None or v is True else v
+    def __get_pydantic_core_schema__(cls, source: Any, handler: GetCoreSchemaHandler) -> core_schema.CoreSchema:
+        return core_schema.no_info_plain_validator_function(_validate_kube_verb)
 
-
-class ApproveNodeCsrSpec(_Model):
-    """``approve_node_csr: {timeout: 2m}``: approve the kubelet client CSR the run's bootstrap token
-    made, only if it asks for exactly the run's node (requestor, signer, usages, subject, no SANs)."""
-
-    timeout: Duration = "120s"
-
-    @model_validator(mode="before")
     @classmethod
-    def _true_is_defaults(cls, v: Any) -> Any:
-        return {} if v is None or v is True else v
+    def __get_pydantic_json_schema__(cls, schema: core_schema.CoreSchema,
+                                     handler: GetJsonSchemaHandler) -> JsonSchemaValue:
+        """``{"oneOf": [$ref of each verb]}``: a union's members are generated as definitions."""
+        js = handler(core_schema.union_schema([v.__pydantic_core_schema__ for v in kube_verbs()]))
+        return {"oneOf": js["anyOf"]} if "anyOf" in js else {"oneOf": [js]}
 
 
-@kube_verb
-class KubeBootstrapToken(KubeVerbSpec):
-    KEY: ClassVar[str] = "bootstrap_token"
-    SELF_VERIFYING: ClassVar[bool] = True  # the token exists and authenticates, or the step fails
-    bootstrap_token: BootstrapTokenSpec = Field(default_factory=BootstrapTokenSpec)
-
-
-@kube_verb
-class KubeApproveNodeCsr(KubeVerbSpec):
-    KEY: ClassVar[str] = "approve_node_csr"
-    SELF_VERIFYING: ClassVar[bool] = True  # approved (and issued) or the step fails
-    approve_node_csr: ApproveNodeCsrSpec = Field(default_factory=ApproveNodeCsrSpec)
-
-
-@kube_verb
-class KubeDeleteBootstrapTokens(KubeVerbSpec):
-    KEY: ClassVar[str] = "delete_bootstrap_tokens"
-    SELF_VERIFYING: ClassVar[bool] = True  # none of the node's tokens is left, or the step fails
-    delete_bootstrap_tokens: Literal[True]
-
-
-# The kube verbs of the format, in registration order (the schema's and the hints' order): every
-# class decorated with ``@kube_verb`` above; its ``KEY`` is its only name.
-if TYPE_CHECKING:
-    KubeVerb = KubeVerbSpec
-else:
-    KubeVerb = Annotated[Union[tuple(Annotated[v, Tag(v.KEY)] for v in _KUBE_VERBS)],  # noqa: UP007
-                         Discriminator(_single_key)]
-KUBE_VERBS: tuple[str, ...] = tuple(v.KEY for v in _KUBE_VERBS)
+# A kube verb in a runbook: any registered verb, ``{key: spec}``.
+KubeVerb = Annotated[KubeVerbSpec, _KubeVerbType()]
 
 
 class AnsibleSpec(_Model):
@@ -405,9 +267,9 @@ ACTION_KEYS = ("kube", "ansible", "check")
 
 
 def is_mutating(action: KubeAction | AnsibleAction | CheckAction) -> bool:
-    """Kube verbs other than ``wait`` and every playbook run change something."""
+    """Kube verbs other than ``wait`` (``MUTATING``) and every playbook run change something."""
     if isinstance(action, KubeAction):
-        return not isinstance(action.kube, KubeWait)
+        return action.kube.MUTATING
     return isinstance(action, AnsibleAction)
 
 
@@ -577,11 +439,10 @@ class NoInverse(_Model):
     none: str = Field(min_length=1)
 
 
-# ``auto``: the kube verb's own inverse (label/unlabel/annotate restore the values the run found;
-# cordon <-> uncordon), from the changes its run recorded. ``none``: no inverse (say why in a
+# ``auto``: the kube verb's own inverse (``AUTO_INVERSE``: label/unlabel/annotate restore the values the
+# run found; cordon <-> uncordon), from the changes its run recorded. ``none``: no inverse (say why in a
 # comment, or use ``{none: why}``).
 StepRollback = Literal["auto", "none"] | NoInverse | Inverse
-AUTO_INVERSE_VERBS = ("label", "unlabel", "annotate", "cordon", "uncordon")
 
 
 def _on_failure_tag(value: Any) -> str | None:
@@ -612,8 +473,8 @@ class Step(_Model):
     @model_validator(mode="after")
     def _auto_inverse(self) -> Step:
         auto = self.rollback == "auto" or (isinstance(self.rollback, Inverse) and self.rollback.auto)
-        if auto and not (isinstance(self.action, KubeAction) and self.action.kube.KEY in AUTO_INVERSE_VERBS):
-            raise ValueError(f"rollback: auto is the inverse of the kube verbs {', '.join(AUTO_INVERSE_VERBS)}; "
+        if auto and not (isinstance(self.action, KubeAction) and self.action.kube.AUTO_INVERSE):
+            raise ValueError(f"rollback: auto is the inverse of the kube verbs {', '.join(auto_inverse_verbs())}; "
                              "declare the inverse action ({action: ..., verify: [...]}) or {none: why}")
         return self
 

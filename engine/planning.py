@@ -35,7 +35,6 @@ from engine.model import (
     CheckAction,
     CheckEvaluation,
     KubeAction,
-    KubeWait,
     Plan,
     PlannedStep,
     PlannedVerify,
@@ -270,7 +269,7 @@ class _Planner:
 
         if isinstance(action, KubeAction):
             verb = action.kube
-            if isinstance(verb, KubeWait):
+            if not verb.READS_NODE:  # a wait decides from its spec alone
                 effect: KubeEffect | NoOp = kube_effect(verb, _placeholder_node(self.facts))
             else:
                 if pred.node is None or not pred.node.exists:

@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any
 from engine.errors import StalePlan, UsageError
 from engine.loader import LoadedRunbook
 from engine.model import (
-    AUTO_INVERSE_VERBS,
     Inverse,
     KubeAction,
     NoInverse,
@@ -77,7 +76,7 @@ def changed_steps(events: Sequence[EventRecord]) -> list[str]:
 
 def _auto_inverse(step: Step, planned: PlannedStep | None) -> tuple[list[Step], str | None]:
     """The kube verb's own inverse from the changes the run planned (their ``before`` values)."""
-    assert isinstance(step.action, KubeAction) and step.action.kube.KEY in AUTO_INVERSE_VERBS
+    assert isinstance(step.action, KubeAction) and step.action.kube.AUTO_INVERSE
     if planned is None or not planned.changes:
         return [], f"step {step.id}: the recorded plan lists no changes to restore"
     out: list[Step] = []

@@ -3,13 +3,17 @@
 Connectors are created on first use so read-only commands never pay for Kubernetes or
 Ansible imports. The become password comes from ``RUNBOOK_BECOME_PASSWORD``, a file, or a
 prompt; it is never written anywhere.
+
+``STORES`` names the run stores a command can record into (``--store NAME``) and how each is
+opened; the store modules are imported only by their opener, when a command opens its store (this
+module stays cheap to import: ``runbook --help`` reads ``STORES`` for its choices).
 """
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -22,6 +26,9 @@ if TYPE_CHECKING:
     from engine.run_guards import GuardConfig
     from engine.store import RunStore
 
+DEFAULT_STORE = "sqlite"  # --store: a name of ``STORES`` (below)
+DEFAULT_STORE_NAMESPACE = "runbook-system"  # --store-namespace
+
 
 @dataclass
 class Settings:
@@ -30,8 +37,8 @@ class Settings:
     inventory: Path | None = None
     runbooks_dir: Path | None = None
     journal: Path | None = None
-    store: str = "sqlite"  # where runs are recorded: ``sqlite`` (the journal file) or ``kubernetes``
-    store_namespace: str = "runbook-system"  # the RemediationRuns' namespace (``--store kubernetes``)
+    store: str = DEFAULT_STORE  # where runs are recorded: a name of ``STORES`` (the journal file, or ``kubernetes``)
+    store_namespace: str = DEFAULT_STORE_NAMESPACE  # the RemediationRuns' namespace (``--store kubernetes``)
     become_password_file: Path | None = None
     ask_become_pass: bool = False
     debug: bool = False
@@ -165,22 +172,13 @@ class Settings:
         return cast("ApprovalConfig", self._cache["approvals"])
 
     def open_journal(self) -> RunStore:
-        """The run store of this command (``--store``): the SQLite journal, or RemediationRuns."""
+        """The run store of this command (``--store``, one of ``STORES``): the SQLite journal, or
+        RemediationRuns."""
         if "journal" not in self._cache:
-            j: RunStore
-            if self.store == "kubernetes":
-                from engine.kube_store import KubeRunStore
-
-                if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", self.store_namespace):
-                    raise UsageError(f"--store-namespace {self.store_namespace!r}: not a namespace name (lower-case "
-                                     f"letters, digits and '-', at most 63; env RUNBOOK_STORE_NAMESPACE)")
-                j = KubeRunStore(self.objects(), self.store_namespace)
-            elif self.store == "sqlite":
-                from engine.journal import Journal
-
-                j = Journal(self.journal)
-            else:
-                raise UsageError(f"--store {self.store}: unknown store (sqlite or kubernetes)")
+            opener = STORES.get(self.store)
+            if opener is None:
+                raise UsageError(f"--store {self.store}: unknown store ({_either(STORES)})")
+            j = opener(self)
             j.add_secret(self.become_password() if "become" in self._cache else
                          os.environ.get("RUNBOOK_BECOME_PASSWORD"))
             wrap = self._cache.pop("journal_wrap", None)
@@ -206,3 +204,38 @@ class Settings:
         nodes = self._cache.pop("nodes", None)
         if nodes is not None:
             nodes.close()
+
+
+# -- the run stores a command can open (``--store NAME``) ------------------------------------------
+
+
+def _open_sqlite(settings: Settings) -> RunStore:
+    """The SQLite journal (``--journal``, else its default path)."""
+    from engine.journal import Journal
+
+    return Journal(settings.journal)
+
+
+def _open_kubernetes(settings: Settings) -> RunStore:
+    """RemediationRun objects in ``--store-namespace``, through the Kubernetes connector."""
+    from engine.kube_store import KubeRunStore
+
+    if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", settings.store_namespace):
+        raise UsageError(f"--store-namespace {settings.store_namespace!r}: not a namespace name (lower-case "
+                         f"letters, digits and '-', at most 63; env RUNBOOK_STORE_NAMESPACE)")
+    return KubeRunStore(settings.objects(), settings.store_namespace)
+
+
+# ``--store NAME`` -> how a command opens that store (the CLI's choices and the messages read this).
+# A new store is its module (a ``RunStore`` on ``store.StoreBase``), its opener and entry here, and
+# its ``StoreBed`` in tests/unit/test_store_contract.py (docs/design.md, "How to add a store").
+STORES: dict[str, Callable[[Settings], RunStore]] = {
+    "sqlite": _open_sqlite,
+    "kubernetes": _open_kubernetes,
+}
+
+
+def _either(names: Iterable[str]) -> str:
+    """``a or b``, ``a, b or c``."""
+    items = list(names)
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} or {items[-1]}"

@@ -14,8 +14,8 @@ the groups derived from it), secret masking (``redact``, ``SecretMask``: one mas
 store), owner detection (``current_owner``, ``process_alive``), the run-id format, a resume's
 progress derived from the events (``progress_from_events``, so every store answers ``progress``
 identically) and the executor's write-ahead sink (``JournalSink``). A store only implements
-``RunStore`` (``StoreBase`` gives it masking and progress). ``Settings.open_journal`` picks the
-store of a command (``--store sqlite|kubernetes``, ``--store-namespace``).
+``RunStore`` (``StoreBase`` gives it masking and progress). ``engine.settings.STORES`` names the
+stores a command can open (``--store sqlite|kubernetes``, ``--store-namespace``) and opens them.
 
 This module defines; it never talks to SQLite or Kubernetes itself, and imports no store.
 """
@@ -38,14 +38,11 @@ from engine.model import RunState
 
 __all__ = [
     "ACTIVE_STATES",
-    "DEFAULT_STORE",
-    "DEFAULT_STORE_NAMESPACE",
     "DONE_STEP_STATUSES",
     "FINAL_STATES",
     "PHASES",
     "RESUMABLE_STATES",
     "SECRET_KEY_MARKERS",
-    "STORES",
     "EventRecord",
     "JournalSink",
     "RunRecord",
@@ -66,10 +63,6 @@ __all__ = [
     "redact",
     "run_state",
 ]
-
-STORES = ("sqlite", "kubernetes")
-DEFAULT_STORE = "sqlite"
-DEFAULT_STORE_NAMESPACE = "runbook-system"
 
 # -- run states -------------------------------------------------------------------------------
 # The groups, as tuples of state names (SQL ``IN``, list filters); what each state means is

@@ -6,12 +6,27 @@ person, NVSentinel, a drain by another controller) is left cordoned, a no-op wit
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar, Literal
 
 from engine.facts import NodeFacts
 from engine.kube_verbs.effects import CORDONED_BY_ANNOTATION, NodePatch, NoOp, decides
 from engine.kube_verbs.node_patch import q
-from engine.model import Change, KubeCordon, KubeUncordon
+from engine.model import Change, KubeVerbSpec
+
+
+class KubeCordon(KubeVerbSpec):
+    KEY: ClassVar[str] = "cordon"
+    ORDER: ClassVar[int] = 40
+    AUTO_INVERSE: ClassVar[bool] = True
+    cordon: Literal[True]
+
+
+class KubeUncordon(KubeVerbSpec):
+    KEY: ClassVar[str] = "uncordon"
+    ORDER: ClassVar[int] = 50
+    AUTO_INVERSE: ClassVar[bool] = True
+    uncordon: Literal[True]
+
 
 THIS_RUN = "(this run)"  # a planned cordon's stamp: the run id is written when it is applied
 

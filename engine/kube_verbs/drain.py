@@ -25,19 +25,72 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from decimal import Decimal
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
+from pydantic import Field, model_validator
+
+from engine.checkkind import FormatModel
 from engine.connectors.base import PodRef
 from engine.errors import ActionFailed, KubeError, NamespaceTerminating, RunbookError
 from engine.facts import NodeFacts
-from engine.kube_verbs.effects import EffectFailed, KubeContext, PodOperation, PodRules, cordon_patch, decides
+from engine.kube_verbs.effects import (
+    EffectFailed,
+    KubeContext,
+    PodOperation,
+    PodRules,
+    applies,
+    cordon_patch,
+    decides,
+    previews,
+)
+from engine.kube_verbs.evict import PodSelectorSpec
 from engine.kube_verbs.node_patch import q
-from engine.model import Change, KubeDrain, PodSelectorSpec, parse_duration
+from engine.model import Change, Duration, KubeVerbSpec, parse_duration
 from engine.resources import parse_quantity
 
 BACKOFF_START = 1.0
 BACKOFF_MAX = 5.0  # kubectl drain retries a refused eviction every 5 s
 WATCH_CHUNK = 15.0  # seconds per watch while waiting for the pods to be gone
+
+
+class DrainSpec(FormatModel):
+    """``drain: {...}``: kubectl drain's semantics (engine/kube_verbs/drain.py)."""
+
+    ignore_daemonsets: bool = False  # skip DaemonSet-managed pods; without it they refuse the drain
+    delete_emptydir_data: bool = False  # evict pods with emptyDir volumes (their data is lost)
+    force: bool = False  # evict pods no controller manages (they are not recreated)
+    disable_eviction: bool = False  # delete instead of evicting: bypasses PodDisruptionBudgets
+    grace_period: int | None = Field(default=None, ge=0)  # seconds; the pod's own when omitted
+    timeout: Duration = "300s"  # evicting (429s retried) and waiting for the pods to be gone
+    selector: str | None = None  # only pods matching this label selector (kubectl --pod-selector)
+    # Pods a disruption budget still refuses this long after the evictions start are deleted
+    # instead (kured #303, NVSentinel's DeleteAfterTimeout), each named in the evidence. Off by default.
+    delete_after: Duration | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _true_is_defaults(cls, v: Any) -> Any:
+        return {} if v is None or v is True else v
+
+    @model_validator(mode="after")
+    def _delete_after_within_timeout(self) -> DrainSpec:
+        if self.delete_after is not None:
+            if self.disable_eviction:
+                raise ValueError("delete_after deletes pods a budget refuses; with disable_eviction nothing is evicted")
+            try:
+                after, timeout = parse_duration(self.delete_after), parse_duration(self.timeout)
+            except ValueError:
+                return self  # templated durations are checked when rendered
+            if after >= timeout:
+                raise ValueError(f"delete_after ({self.delete_after}) must be shorter than timeout ({self.timeout})")
+        return self
+
+
+class KubeDrain(KubeVerbSpec):
+    KEY: ClassVar[str] = "drain"
+    ORDER: ClassVar[int] = 120
+    SELF_VERIFYING: ClassVar[bool] = True  # no pod it would evict is left on the node
+    drain: DrainSpec = Field(default_factory=DrainSpec)
 
 
 # -- deciding (pure) ------------------------------------------------------------------------------
@@ -144,6 +197,7 @@ def _listing(decisions: list[PodDecision]) -> dict[str, list[Any]]:
 # -- applying -------------------------------------------------------------------------------------
 
 
+@applies(PodOperation)
 def apply(effect: PodOperation, ctx: KubeContext) -> dict[str, Any]:
     rules = effect.rules
     kube = ctx.kube
@@ -262,6 +316,7 @@ def _past(rules: PodRules) -> str:
 # -- previewing -----------------------------------------------------------------------------------
 
 
+@previews(PodOperation)
 def preview(effect: PodOperation, ctx: KubeContext) -> str:
     """One line per pod: evicted (each tried as a server-side dry run), skipped or refused, and why."""
     rules = effect.rules

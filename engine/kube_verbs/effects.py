@@ -1,7 +1,7 @@
-"""What a kube verb does, as one of three closed variants, and what applying one may use.
+"""What a kube verb does, as one of four closed variants; what applying one may use; the registries.
 
-A kube verb (``engine.model.Kube*``) decided against the node's facts (``decide`` in the verb's
-module) is a ``NoOp`` with its reason or one of:
+A kube verb (a ``engine.model.KubeVerbSpec`` defined in its module) decided against the node's facts
+(``decide`` in the verb's module) is a ``NoOp`` with its reason or one of:
 
 * ``NodePatch``: a patch of the Node object (label, unlabel, annotate, cordon, uncordon, taint,
   untaint, patch). Applied with ``KubeAPI.patch_node``, previewed with the same patch as a server-side
@@ -9,8 +9,13 @@ module) is a ``NoOp`` with its reason or one of:
 * ``PodOperation``: evictions or deletions of the node's pods (evict, delete_pods, drain), each with
   kubectl drain's rules (``drain``).
 * ``Wait``: a condition (a check) waited for with a timeout, or the old fixed pause (``wait``).
+* ``BootstrapOperation``: a kubelet's TLS bootstrap, API side (``node_bootstrap``).
 
-Pure data; no I/O here. ``KubeContext`` is what an effect's ``apply`` is handed by the executor.
+The registries: ``@decides(Spec, ...)`` is a verb module's one registration (its specs become verbs
+of the format, ``engine.model.kube_verb``, and the decorated function decides them);
+``@applies(Variant)`` and ``@previews(Variant)`` register the apply and preview of an effect
+variant in the module that carries it out. Pure data otherwise; no I/O here. ``KubeContext`` is what
+an effect's ``apply`` is handed by the executor.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from typing import Any, Literal, TypeVar
 from engine.connectors.base import KubeAPI
 from engine.errors import ActionFailed
 from engine.facts import NodeFacts
-from engine.model import Change
+from engine.model import Change, KubeVerbSpec, kube_verb
 
 # Every cordon runbook makes carries the run that made it; runbook uncordons only nodes that carry it
 # (a node cordoned by a person, NVSentinel or another controller stays cordoned).
@@ -136,18 +141,21 @@ KubeEffect = NodePatch | PodOperation | Wait | BootstrapOperation
 Decide = Callable[[Any, NodeFacts], KubeEffect | NoOp]  # a verb module's decide(verb, node)
 D = TypeVar("D", bound=Decide)
 
-# The registry: a verb's spec class (``engine.model``, ``@kube_verb``) -> its module's decide(verb, node).
+# The registry: a verb's spec class (defined in its module) -> its module's decide(verb, node).
 DECIDE: dict[type, Decide] = {}
 
 
-def decides(*specs: type) -> Callable[[D], D]:
-    """Register the decorated ``decide`` for the kube verbs ``specs`` (a verb module's one
-    registration). A spec decided twice is a programming error."""
+def decides(*specs: type[KubeVerbSpec]) -> Callable[[D], D]:
+    """Register the decorated ``decide`` for the kube verbs ``specs`` and make them verbs of the
+    format (``engine.model.kube_verb``): a verb module's one registration. A spec decided twice, or
+    a key another spec has, is a programming error (nothing is registered then)."""
 
     def register(decide: D) -> D:
         for spec in specs:
             if spec in DECIDE:
                 raise ValueError(f"kube verb {spec.__qualname__} already has a decide ({DECIDE[spec].__qualname__})")
+        for spec in specs:
+            kube_verb(spec)
             DECIDE[spec] = decide
         return decide
 
@@ -178,3 +186,36 @@ class KubeContext:
         if self.api is None:
             raise ActionFailed("no Kubernetes connection")
         return self.api
+
+
+# The effect registries: a variant's class -> the apply and the preview of the module carrying it out.
+Apply = Callable[[Any, KubeContext], dict[str, Any]]
+Preview = Callable[[Any, KubeContext], str]
+APPLY: dict[type, Apply] = {}
+PREVIEW: dict[type, Preview] = {}
+A = TypeVar("A", bound=Apply)
+P = TypeVar("P", bound=Preview)
+
+
+def applies(variant: type) -> Callable[[A], A]:
+    """Register the decorated ``apply(effect, ctx) -> evidence`` for the effect ``variant``."""
+
+    def register(apply: A) -> A:
+        if variant in APPLY:
+            raise ValueError(f"effect {variant.__qualname__} already has an apply ({APPLY[variant].__qualname__})")
+        APPLY[variant] = apply
+        return apply
+
+    return register
+
+
+def previews(variant: type) -> Callable[[P], P]:
+    """Register the decorated ``preview(effect, ctx) -> text`` for the effect ``variant``."""
+
+    def register(preview: P) -> P:
+        if variant in PREVIEW:
+            raise ValueError(f"effect {variant.__qualname__} already has a preview ({PREVIEW[variant].__qualname__})")
+        PREVIEW[variant] = preview
+        return preview
+
+    return register

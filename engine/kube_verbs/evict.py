@@ -7,10 +7,38 @@ operand), every other selected pod is taken. Pure here.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
+from pydantic import Field
+
+from engine.checkkind import FormatModel
 from engine.facts import NodeFacts
 from engine.kube_verbs.effects import PodOperation, PodRules, decides
 from engine.kube_verbs.node_patch import q
-from engine.model import KubeDeletePods, KubeEvict, parse_duration
+from engine.model import Duration, KubeVerbSpec, parse_duration
+
+
+class PodSelectorSpec(FormatModel):
+    selector: str | None = None  # label selector; every pod on the node when omitted
+    namespace: str | None = None  # every namespace when omitted
+    resource: str | None = None  # only pods whose containers request or limit this resource (nvidia.com/gpu)
+    grace_seconds: int | None = Field(default=None, ge=0)  # the pods' termination grace period
+    timeout: Duration = "300s"  # retrying budget refusals (429) and waiting for the pods to be gone
+    # Take DaemonSet-managed pods too (skipped otherwise): restarting an operand such as the device
+    # plugin, whose DaemonSet recreates the pod on the node.
+    daemonset_pods: bool = False
+
+
+class KubeEvict(KubeVerbSpec):
+    KEY: ClassVar[str] = "evict"
+    ORDER: ClassVar[int] = 90
+    evict: PodSelectorSpec
+
+
+class KubeDeletePods(KubeVerbSpec):
+    KEY: ClassVar[str] = "delete_pods"
+    ORDER: ClassVar[int] = 100
+    delete_pods: PodSelectorSpec
 
 
 @decides(KubeEvict, KubeDeletePods)

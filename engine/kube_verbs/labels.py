@@ -5,12 +5,35 @@ Decides from the node's facts only (pure): labels already as wanted are a ``NoOp
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
+
+from pydantic import Field
 
 from engine.facts import NodeFacts
 from engine.kube_verbs.effects import NodePatch, NoOp, decides
 from engine.kube_verbs.node_patch import q, show
-from engine.model import Change, KubeAnnotate, KubeLabel, KubeUnlabel
+from engine.model import Change, KubeVerbSpec
+
+
+class KubeLabel(KubeVerbSpec):
+    KEY: ClassVar[str] = "label"
+    ORDER: ClassVar[int] = 10
+    AUTO_INVERSE: ClassVar[bool] = True
+    label: dict[str, str] = Field(min_length=1)
+
+
+class KubeUnlabel(KubeVerbSpec):
+    KEY: ClassVar[str] = "unlabel"
+    ORDER: ClassVar[int] = 20
+    AUTO_INVERSE: ClassVar[bool] = True
+    unlabel: tuple[str, ...] = Field(min_length=1)
+
+
+class KubeAnnotate(KubeVerbSpec):
+    KEY: ClassVar[str] = "annotate"
+    ORDER: ClassVar[int] = 30
+    AUTO_INVERSE: ClassVar[bool] = True
+    annotate: dict[str, str] = Field(min_length=1)
 
 
 @decides(KubeLabel, KubeAnnotate)

@@ -34,16 +34,18 @@ import hashlib
 import secrets
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar, Literal
 
 from cryptography import x509
 from cryptography.x509.oid import ExtensionOID, NameOID
+from pydantic import Field, model_validator
 
 from engine import secrecy
+from engine.checkkind import FormatModel
 from engine.errors import KubeError
 from engine.facts import NodeFacts
-from engine.kube_verbs.effects import BootstrapOperation, EffectFailed, KubeContext, decides
-from engine.model import KubeApproveNodeCsr, KubeBootstrapToken, KubeDeleteBootstrapTokens, parse_duration
+from engine.kube_verbs.effects import BootstrapOperation, EffectFailed, KubeContext, applies, decides, previews
+from engine.model import Duration, KubeVerbSpec, parse_duration
 
 NAMESPACE = "kube-system"
 TOKEN_TYPE = "bootstrap.kubernetes.io/token"
@@ -58,6 +60,55 @@ KUBELET_USAGES = (frozenset({"digital signature", "key encipherment", "client au
 HANDOFF_KEY = "bootstrap_token"  # KubeContext.handoff -> the playbooks' ``runbook_secret_bootstrap_token``
 _ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"
 POLL_SECONDS = 1.0
+
+
+class BootstrapTokenSpec(FormatModel):
+    """``bootstrap_token: {ttl: 15m}``: a kubelet bootstrap token for the run's node (a Secret of type
+    ``bootstrap.kubernetes.io/token`` in kube-system, expiring after ``ttl``), proved to authenticate
+    (TokenReview) before anything else is done with it (``engine.kube_verbs.node_bootstrap``)."""
+
+    ttl: Duration = "15m"
+    # the group kubeadm binds to system:node-bootstrapper (ClusterRoleBinding kubeadm:kubelet-bootstrap)
+    group: str = Field(default="system:bootstrappers:kubeadm:default-node-token",
+                       pattern=r"^system:bootstrappers:[a-z0-9:-]+$")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _true_is_defaults(cls, v: Any) -> Any:
+        return {} if v is None or v is True else v
+
+
+class ApproveNodeCsrSpec(FormatModel):
+    """``approve_node_csr: {timeout: 2m}``: approve the kubelet client CSR the run's bootstrap token
+    made, only if it asks for exactly the run's node (requestor, signer, usages, subject, no SANs)."""
+
+    timeout: Duration = "120s"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _true_is_defaults(cls, v: Any) -> Any:
+        return {} if v is None or v is True else v
+
+
+class KubeBootstrapToken(KubeVerbSpec):
+    KEY: ClassVar[str] = "bootstrap_token"
+    ORDER: ClassVar[int] = 130
+    SELF_VERIFYING: ClassVar[bool] = True  # the token exists and authenticates, or the step fails
+    bootstrap_token: BootstrapTokenSpec = Field(default_factory=BootstrapTokenSpec)
+
+
+class KubeApproveNodeCsr(KubeVerbSpec):
+    KEY: ClassVar[str] = "approve_node_csr"
+    ORDER: ClassVar[int] = 140
+    SELF_VERIFYING: ClassVar[bool] = True  # approved (and issued) or the step fails
+    approve_node_csr: ApproveNodeCsrSpec = Field(default_factory=ApproveNodeCsrSpec)
+
+
+class KubeDeleteBootstrapTokens(KubeVerbSpec):
+    KEY: ClassVar[str] = "delete_bootstrap_tokens"
+    ORDER: ClassVar[int] = 150
+    SELF_VERIFYING: ClassVar[bool] = True  # none of the node's tokens is left, or the step fails
+    delete_bootstrap_tokens: Literal[True]
 
 
 def node_label_value(node: str) -> str:
@@ -239,6 +290,7 @@ def _delete_tokens(ctx: KubeContext) -> list[str]:
     return deleted
 
 
+@applies(BootstrapOperation)
 def apply(effect: BootstrapOperation, ctx: KubeContext) -> dict[str, Any]:
     if effect.verb == "bootstrap_token":
         return _create_token(effect, ctx)
@@ -348,5 +400,6 @@ def _approve(effect: BootstrapOperation, ctx: KubeContext) -> dict[str, Any]:
     return evidence
 
 
+@previews(BootstrapOperation)
 def preview(effect: BootstrapOperation, ctx: KubeContext) -> str:
     return ""

@@ -15,7 +15,7 @@ from typing import Any
 
 from engine.errors import RunbookError
 from engine.facts import NodeFacts, Taint
-from engine.kube_verbs.effects import KubeContext, NodePatch, cordon_patch
+from engine.kube_verbs.effects import KubeContext, NodePatch, applies, cordon_patch, previews
 
 
 def q(text: str) -> str:
@@ -31,12 +31,14 @@ def stamped(effect: NodePatch, run_id: str) -> Any:
     return cordon_patch(run_id) if effect.verb == "cordon" else effect.patch
 
 
+@applies(NodePatch)
 def apply(effect: NodePatch, ctx: KubeContext) -> dict[str, Any]:
     patch = stamped(effect, ctx.run_id)
     ctx.kube.patch_node(ctx.node, patch, patch_type=effect.patch_type)
     return {"patch": patch, "patch_type": effect.patch_type}
 
 
+@previews(NodePatch)
 def preview(effect: NodePatch, ctx: KubeContext) -> str:
     try:
         ctx.kube.patch_node(ctx.node, stamped(effect, ctx.run_id), patch_type=effect.patch_type, dry_run=True)

@@ -8,12 +8,32 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar, Literal
 
+from pydantic import model_validator
+
+from engine.checkkind import FormatModel
 from engine.facts import NodeFacts
 from engine.kube_verbs.effects import NodePatch, NoOp, decides
 from engine.kube_verbs.node_patch import q, show
-from engine.model import Change, KubePatch
+from engine.model import Change, KubeVerbSpec
+
+
+class PatchSpec(FormatModel):
+    type: Literal["merge", "strategic", "json"] = "merge"
+    body: dict[str, Any] | list[dict[str, Any]]
+
+    @model_validator(mode="after")
+    def _body_matches_type(self) -> PatchSpec:
+        if (self.type == "json") != isinstance(self.body, list):
+            raise ValueError("a json patch body is a list of operations; merge/strategic bodies are mappings")
+        return self
+
+
+class KubePatch(KubeVerbSpec):
+    KEY: ClassVar[str] = "patch"
+    ORDER: ClassVar[int] = 80
+    patch: PatchSpec
 
 
 @decides(KubePatch)

@@ -6,12 +6,40 @@ edit makes the patch fail instead of silently overwriting someone else's taint.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar, Literal
 
+from pydantic import Field
+
+from engine.checkkind import FormatModel
 from engine.facts import NodeFacts, Taint
 from engine.kube_verbs.effects import NodePatch, NoOp, decides
 from engine.kube_verbs.node_patch import q, show
-from engine.model import Change, KubeTaint, KubeUntaint
+from engine.model import Change, KubeVerbSpec
+
+TaintEffect = Literal["NoSchedule", "PreferNoSchedule", "NoExecute"]
+
+
+class TaintSpec(FormatModel):
+    key: str = Field(min_length=1)
+    value: str = ""
+    effect: TaintEffect
+
+
+class UntaintSpec(FormatModel):
+    key: str = Field(min_length=1)
+    effect: TaintEffect | None = None  # every effect of the key when omitted
+
+
+class KubeTaint(KubeVerbSpec):
+    KEY: ClassVar[str] = "taint"
+    ORDER: ClassVar[int] = 60
+    taint: TaintSpec
+
+
+class KubeUntaint(KubeVerbSpec):
+    KEY: ClassVar[str] = "untaint"
+    ORDER: ClassVar[int] = 70
+    untaint: UntaintSpec
 
 
 def _taint_dict(t: Taint) -> dict[str, str]:

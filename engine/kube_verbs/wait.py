@@ -8,14 +8,42 @@ pause, cut short by cancellation). Nothing is changed either way, so a wait is n
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
+from pydantic import Field, model_validator
+
+from engine.checkkind import Check, FormatModel
 from engine.errors import ActionFailed
 from engine.facts import NodeFacts
-from engine.kube_verbs.effects import EffectFailed, KubeContext, Wait, decides
-from engine.model import KubeWait, parse_duration
+from engine.kube_verbs.effects import EffectFailed, KubeContext, Wait, applies, decides, previews
+from engine.model import Duration, KubeVerbSpec, parse_duration
 
 DEFAULT_TIMEOUT = "300s"
+
+
+class WaitSpec(FormatModel):
+    """``wait: {until: <check>, timeout: 5m}`` waits for a condition (watched or polled as a verify
+    check is); the old ``wait: {seconds: N}`` is a fixed pause."""
+
+    seconds: float | None = Field(default=None, gt=0, le=3600)
+    until: Check | None = None
+    timeout: Duration | None = None  # with until; 300s when omitted
+
+    @model_validator(mode="after")
+    def _one_form(self) -> WaitSpec:
+        if (self.seconds is None) == (self.until is None):
+            raise ValueError("wait takes either 'until' (a check, with an optional 'timeout') or 'seconds'")
+        if self.seconds is not None and self.timeout is not None:
+            raise ValueError("'timeout' goes with 'until'; 'seconds' is a fixed pause")
+        return self
+
+
+class KubeWait(KubeVerbSpec):
+    KEY: ClassVar[str] = "wait"
+    ORDER: ClassVar[int] = 110
+    MUTATING: ClassVar[bool] = False  # a wait changes nothing
+    READS_NODE: ClassVar[bool] = False  # it decides from its spec alone
+    wait: WaitSpec
 
 
 @decides(KubeWait)
@@ -32,6 +60,7 @@ def decide(verb: KubeWait, node: NodeFacts) -> Wait:
                 f"# wait up to {timeout:g}s until {text}", until=w.until, timeout=timeout)
 
 
+@applies(Wait)
 def apply(effect: Wait, ctx: KubeContext) -> dict[str, Any]:
     if effect.seconds is not None:
         deadline = ctx.clock() + effect.seconds
@@ -46,5 +75,6 @@ def apply(effect: Wait, ctx: KubeContext) -> dict[str, Any]:
     return {"observed": observed}
 
 
+@previews(Wait)
 def preview(effect: Wait, ctx: KubeContext) -> str:
     return ""

@@ -289,7 +289,7 @@ def test_the_drain_preview_dry_runs_each_eviction_on_the_real_server_and_changes
     from kubernetes import client
 
     from engine import kube_verbs as kv
-    from engine.model import DrainSpec, KubeDrain
+    from engine.kube_verbs.drain import DrainSpec, KubeDrain
 
     make_node(kube_client, "omen2")
     uid = "0d9c0ce0-0000-4000-8000-00000000000"

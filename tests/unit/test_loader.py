@@ -11,6 +11,7 @@ import yaml
 
 from engine.checks import AllCheck, NodeLabelCheck
 from engine.errors import LoadError
+from engine.kube_verbs.labels import KubeLabel
 from engine.loader import (
     default_runbooks_dir,
     find_runbooks,
@@ -21,7 +22,7 @@ from engine.loader import (
     runbook_json_schema,
     validate_paths,
 )
-from engine.model import AnsibleAction, KubeAction, KubeLabel, Rollback
+from engine.model import AnsibleAction, KubeAction, Rollback
 
 DATA = Path(__file__).parent / "data"
 BAD = DATA / "bad"

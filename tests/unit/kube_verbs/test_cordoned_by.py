@@ -8,8 +8,8 @@ from dataclasses import replace
 from types import MappingProxyType
 
 from engine import kube_verbs as kv
+from engine.kube_verbs.cordon import KubeCordon, KubeUncordon
 from engine.kube_verbs.effects import CORDONED_BY_ANNOTATION, NodePatch, NoOp, PodRules
-from engine.model import KubeCordon, KubeUncordon
 from tests.fakes import FakeKube, make_node
 
 

@@ -22,9 +22,9 @@ from engine.connectors.base import PodRef
 from engine.connectors.kube import eviction_version_from_discovery, pod_ref_from_dict
 from engine.errors import KubeError, LoadError
 from engine.execution import Executor
-from engine.kube_verbs.drain import classify
+from engine.kube_verbs.drain import DrainSpec, KubeDrain, classify
 from engine.loader import parse_runbook
-from engine.model import DrainSpec, KubeDrain, Runbook, RunState
+from engine.model import Runbook, RunState
 from engine.planning import plan_run
 from tests.fakes import FakeClock, FakeKube, FakeNodes, RecordingSink, healthy_host, healthy_node
 

@@ -16,8 +16,9 @@ from engine import probes
 from engine.connectors.base import PodRef
 from engine.errors import KubeError, NamespaceTerminating
 from engine.execution import Executor
+from engine.kube_verbs.drain import DrainSpec
 from engine.loader import parse_runbook
-from engine.model import DrainSpec, Runbook, RunState
+from engine.model import Runbook, RunState
 from engine.planning import plan_run
 from tests.fakes import FakeClock, FakeKube, FakeNodes, RecordingSink, healthy_host, healthy_node
 

@@ -16,8 +16,9 @@ from engine.connectors.base import PodRef
 from engine.connectors.kube import pod_ref_from_dict
 from engine.execution import Executor
 from engine.facts import Facts, NodeFacts
+from engine.kube_verbs.evict import KubeDeletePods, KubeEvict, PodSelectorSpec
 from engine.loader import parse_runbook
-from engine.model import KubeDeletePods, KubeEvict, PodSelectorSpec, RunState, StepStatus
+from engine.model import RunState, StepStatus
 from engine.planning import plan_run
 from tests.fakes import FakeClock, FakeKube, FakeNodes, RecordingSink, healthy_host, healthy_node
 
