@@ -252,8 +252,8 @@ class JournalRunStarter:
     def reject(self, run_id: str, reason: str, rejected_by: str) -> Mapping[str, Any]:
         return lifecycle.reject(self.service, run_id, reason, rejected_by).summary()
 
-    def runs(self, limit: int = 100) -> Sequence[Mapping[str, Any]]:
-        return [r.summary() for r in self.journal.list_runs(limit=limit)]
+    def runs(self, limit: int = 100, *, sources: tuple[str, ...] | None = None) -> Sequence[Mapping[str, Any]]:
+        return [r.summary() for r in self.journal.list_runs(limit=limit, sources=sources)]
 
     def run(self, run_id: str) -> Mapping[str, Any]:
         rec = self.journal.get_run(run_id)

@@ -31,11 +31,12 @@ This module holds no HTTP and no parsing; it must never block on a run.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -68,6 +69,7 @@ from engine.serve.worker import WorkerPool
 
 log = logging.getLogger(__name__)
 Outcome = Literal["started", "duplicate", "blocked", "rejected", "ignored"]
+Verdict = Literal["started", "queued", "refused", "duplicate", "ignored"]
 BREAKER_RESET = "breaker.reset"  # event on a run: a person reset the breaker that run held open
 _BREAKER_SCAN = 500  # newest runs read for the shared breaker
 INCIDENT_KEY = "pd-incident-"  # dedup key prefix of runs paged by a PagerDuty incident (triggers.py)
@@ -86,6 +88,19 @@ class Decision:
     warnings: tuple[str, ...] = ()
     alert: str = ""
     transient: bool = False  # blocked for a passing reason: a re-sent page is considered again
+    queue_position: int = 0  # a started run that waits for a worker: its place (1 = next); 0: executing
+
+    @property
+    def verdict(self) -> Verdict:
+        """What became of the node, in the three words of a burst's answer (issue 32): ``started``
+        (a worker executes its run now), ``queued`` (its run is recorded and waits for a worker at
+        ``queue_position``), ``refused`` (blocked or rejected, with the reason); a ``duplicate`` or
+        ``ignored`` page is neither."""
+        if self.outcome == "started":
+            return "queued" if self.queue_position > 0 else "started"
+        if self.outcome in ("blocked", "rejected"):
+            return "refused"
+        return self.outcome
 
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"outcome": self.outcome, "reason": self.reason}
@@ -95,7 +110,20 @@ class Decision:
                 out[key] = value
         if self.warnings:
             out["warnings"] = list(self.warnings)
+        out["decision"] = self.verdict
+        if self.queue_position:
+            out["queue_position"] = self.queue_position
         return out
+
+
+@dataclass
+class _BreakerRead:
+    """The shared breaker's read of the store for one delivery (see ``Dispatcher._delivery``)."""
+
+    runs: list[RunSummary] | None = None
+    at: float = 0.0
+    created: dict[str, int] = field(default_factory=dict)  # ``Dispatcher._auto_created`` at the read
+    not_reset: set[tuple[str, str]] = field(default_factory=set)  # (run id, scope) read and not reset
 
 
 @dataclass
@@ -200,6 +228,8 @@ class Dispatcher:
         self._last_cluster: ClusterSnapshot | None = None
         self._alert_runs: dict[str, str] = {}  # alert dedup key -> the run its firing started
         self._resets: set[tuple[str, str]] = set()  # (run id, scope) known reset in the store (final)
+        self._auto_created: dict[str, int] = {}  # runbook -> automatic runs this replica created (ever)
+        self._reads = threading.local()  # .breaker: the delivery's _BreakerRead (None: read each time)
         self._stop = threading.Event()
         self._wake = threading.Event()  # leadership won: do the singleton duties now
         self._sweeper: threading.Thread | None = None
@@ -290,6 +320,19 @@ class Dispatcher:
         store by the retention (``retention.keep`` / ``retention.max_age``). What was done."""
         if not self.leadership.is_leader():
             return {"leader": False}
+        with self._delivery():  # the readmissions' shared breaker: one read of the store for all
+            queued = self._resume_orphans()
+        pruned: Sequence[str] = ()
+        try:
+            pruned = self.starter.prune(self.config.retention.keep, self.config.retention.max_age)
+        except Exception as e:  # Why: retention failing must not stop the resumption of orphans
+            log.warning("retention pruning failed: %s", e)
+        if pruned:
+            log.info("retention: pruned %d finished runs", len(pruned))
+        return {"leader": True, "resumed": queued, "pruned": list(pruned)}
+
+    def _resume_orphans(self) -> list[str]:
+        """Queue the runs ``RunStarter.recover`` claimed for this replica; the ids queued."""
         queued = []
         for run_id in self.starter.recover():
             with self._lock:
@@ -321,14 +364,7 @@ class Dispatcher:
             else:
                 with self._lock:
                     self._runs.pop(run_id, None)
-        pruned: Sequence[str] = ()
-        try:
-            pruned = self.starter.prune(self.config.retention.keep, self.config.retention.max_age)
-        except Exception as e:  # Why: retention failing must not stop the resumption of orphans
-            log.warning("retention pruning failed: %s", e)
-        if pruned:
-            log.info("retention: pruned %d finished runs", len(pruned))
-        return {"leader": True, "resumed": queued, "pruned": list(pruned)}
+        return queued
 
     def _readmit(self, run_id: str, s: Mapping[str, Any] | None = None) -> Mode | None:
         """A run the leader resumes or takes over passes the rules a new run passes (issue 25 item 4):
@@ -415,7 +451,29 @@ class Dispatcher:
 
     # -- pages --------------------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def _delivery(self) -> Iterator[None]:
+        """One read of the store's automatic runs for the shared breaker per delivery (or sweep),
+        not one per candidate: a burst of 200 alerts in one delivery is one list, not 200.
+
+        What the read cannot see is added back: the automatic runs this replica created after it
+        (``_auto_created``; the runs being created now are the guards' in-flight count), and a node
+        breaker this replica opened after it. What another replica did after it is seen at the next
+        delivery, as two replicas deciding at the same instant (docs/serve.md, the breaker)."""
+        if getattr(self._reads, "breaker", None) is not None:
+            yield  # nested: the outer delivery's read
+            return
+        self._reads.breaker = _BreakerRead()
+        try:
+            yield
+        finally:
+            self._reads.breaker = None
+
     def handle_alerts(self, payload: WebhookPayload, requested_by: str = "alertmanager") -> list[Decision]:
+        with self._delivery():
+            return self._handle_alerts(payload, requested_by)
+
+    def _handle_alerts(self, payload: WebhookPayload, requested_by: str) -> list[Decision]:
         self.flush_refusals()
         decisions: list[Decision] = []
         matched = [(alert, self.index.for_alert(alert) if alert.firing else None) for alert in payload.alerts]
@@ -476,11 +534,13 @@ class Dispatcher:
     def handle_candidates(self, candidates: Sequence[Candidate], label: str, requested_by: str) -> list[Decision]:
         """Runs asked for by something other than a webhook (a RunbookRemediation, a Node condition):
         the same decisions as a page's (dedup, cluster, breaker, mode, approvals, workers)."""
-        return self._decide(Matches(candidates=list(candidates)), _cut(label, 512), requested_by)
+        with self._delivery():
+            return self._decide(Matches(candidates=list(candidates)), _cut(label, 512), requested_by)
 
     def handle_incident(self, incident: Incident) -> list[Decision]:
         self.flush_refusals()
-        return self._decide(self.index.for_incident(incident), f"incident {incident.id[:100]}", "pagerduty")
+        with self._delivery():
+            return self._decide(self.index.for_incident(incident), f"incident {incident.id[:100]}", "pagerduty")
 
     def quick_alerts(self, payload: WebhookPayload) -> list[Decision] | None:
         """The answer when nothing can start (resolved, unmatched, duplicates), computed without
@@ -627,6 +687,8 @@ class Dispatcher:
             raise
         run_id = ticket.run_id
         if auto_slot:
+            with self._lock:  # first: counted after the delivery's read before it leaves the in-flight count
+                self._auto_created[c.runbook] = self._auto_created.get(c.runbook, 0) + 1
             self.guards.auto_created(c.runbook)
         self.guards.bind(claim, run_id)
         if mode == "approve":
@@ -648,14 +710,21 @@ class Dispatcher:
             with self._lock:
                 meta = self._runs[run_id]
             self.notifier.notify(meta.note("started", run_id, reason=c.reason, state="running"))
-        self.worker.submit(lambda: self._execute(run_id))
-        reason = "run created; it executes now" if mode == "auto" else \
-            "run created; a plan is being prepared for approval"
+        place = self.worker.enqueue(lambda: self._execute(run_id)) or 0
+        if place:
+            # Why say so: in a burst the pool holds more runs than workers; the run is recorded
+            # (pending in the store), so a restart or the leader's sweep resumes it (recover).
+            reason = (f"run created; it waits for a worker at place {place} in this replica's queue "
+                      f"({self.worker.workers} workers busy) and then "
+                      + ("executes" if mode == "auto" else "prepares a plan for approval"))
+        else:
+            reason = "run created; it executes now" if mode == "auto" else \
+                "run created; a plan is being prepared for approval"
         if c.require_diagnosis:
             reason += (" if the runbook's diagnosis matches the node (checked first, read-only; "
                        "otherwise the run ends blocked with the evidence and nothing changes)")
         return Decision("started", reason, runbook=c.runbook, node=c.node, run_id=run_id, mode=mode,
-                        warnings=warnings)
+                        warnings=warnings, queue_position=place)
 
     def _undo(self, c: Candidate, auto_slot: bool, mode: Mode) -> None:
         if auto_slot:
@@ -849,8 +918,9 @@ class Dispatcher:
         return self.leadership.describe().get("role") != "single"
 
     def _automatic(self) -> list[RunSummary]:
-        """The store's automatic webhook runs, newest first (one read), typed."""
-        return automatic_runs(self.starter.runs(limit=_BREAKER_SCAN))
+        """The store's automatic webhook runs, newest first (one read, label-selected by source on the
+        Kubernetes store), typed."""
+        return automatic_runs(self.starter.runs(limit=_BREAKER_SCAN, sources=WEBHOOK_SOURCES))
 
     def _was_reset(self, run_id: str, scope: str) -> bool:
         if (run_id, scope) in self._resets:
@@ -868,8 +938,34 @@ class Dispatcher:
         if not self._shared():
             return None
         b = self.config.breaker
-        return shared_verdict(self._automatic(), runbook, node, now=self._clock(), window=b.window,
-                              max_auto_runs=b.max_auto_runs, was_reset=self._was_reset)
+        read: _BreakerRead | None = getattr(self._reads, "breaker", None)
+        if read is None:
+            return shared_verdict(self._automatic(), runbook, node, now=self._clock(), window=b.window,
+                                  max_auto_runs=b.max_auto_runs, was_reset=self._was_reset)
+        if read.runs is None:
+            with self._lock:
+                read.created = dict(self._auto_created)
+            read.at = self._clock()
+            read.runs = self._automatic()
+
+        def was_reset(run_id: str, scope: str) -> bool:
+            if (run_id, scope) in read.not_reset:
+                return False
+            if self._was_reset(run_id, scope):
+                return True
+            read.not_reset.add((run_id, scope))  # Why: a tripped window would read every run per candidate
+            return False
+
+        verdict = shared_verdict(read.runs, runbook, node, now=self._clock(), window=b.window,
+                                 max_auto_runs=b.max_auto_runs, was_reset=was_reset)
+        with self._lock:
+            since = self._auto_created.get(runbook, 0) - read.created.get(runbook, 0)
+        if since:
+            verdict = replace(verdict, auto_runs=verdict.auto_runs + since)
+        local = self.guards.open_breaker(node) if node is not None else None
+        if verdict.open_node is None and local is not None and local.since >= read.at:
+            verdict = replace(verdict, open_node=local)  # opened here after the read: it stays open
+        return verdict
 
     def _reset_in_store(self, node: str | None, runbook: str | None, by: str) -> list[str]:
         runs = self._automatic()

@@ -157,8 +157,9 @@ class RunStarter(Protocol):
         breaker say so now): it waits for a person's approval from now on, recorded with ``reason``."""
         ...
 
-    def runs(self, limit: int = 100) -> Sequence[Mapping[str, Any]]:
-        """Newest first, ``RunRecord.summary()`` dicts."""
+    def runs(self, limit: int = 100, *, sources: tuple[str, ...] | None = None) -> Sequence[Mapping[str, Any]]:
+        """Newest first, ``RunRecord.summary()`` dicts; ``sources``: only runs from those (the shared
+        breaker reads the webhook sources' runs, label-selected on the Kubernetes store)."""
         ...
 
     def run(self, run_id: str) -> Mapping[str, Any]:

@@ -216,9 +216,10 @@ class FakeRunStarter:
             self._cond.notify_all()
             return dict(run)
 
-    def runs(self, limit: int = 100) -> Sequence[Mapping[str, Any]]:
+    def runs(self, limit: int = 100, *, sources: tuple[str, ...] | None = None) -> Sequence[Mapping[str, Any]]:
         with self._cond:
-            return [dict(r) for r in reversed(list(self._runs.values()))][:limit]
+            runs = [dict(r) for r in reversed(list(self._runs.values()))]
+        return [r for r in runs if sources is None or r.get("source") in sources][:limit]
 
     def run(self, run_id: str) -> Mapping[str, Any]:
         with self._cond:
