@@ -247,7 +247,7 @@ class Dispatcher:
             self.cluster.start()
         queue_ids = list(self.starter.recover()) if self.leadership.is_leader() else []
         now = self._clock()
-        for s in self.starter.runs(limit=500):
+        for s in self.starter.runs(limit=500, sources=WEBHOOK_SOURCES):
             if s.get("source") not in WEBHOOK_SOURCES:
                 continue
             run_id, state, node = str(s["id"]), str(s.get("state")), node_of(s)
