@@ -289,8 +289,25 @@ class Dispatcher:
             self.cluster.stop()
         self._wake.set()
         self.worker.shutdown(self.config.shutdown_grace)
+        self._hand_back_queued()
         self.notifier.flush(timeout=2.0)
         self.notifier.close(timeout=2.0)
+
+    def _hand_back_queued(self) -> None:
+        """The runs still queued here (the pool dropped them at shutdown) are given up in the store, so
+        the leader resumes them, on whichever replica (``RunStarter.hand_back``): a burst's queue is
+        not lost when its replica restarts. Runs that started executing are not touched (a run still
+        executing past the grace is the leader's to take over once its node Lease goes silent)."""
+        with self._lock:
+            ids = list(self._runs)
+        handed = 0
+        for run_id in ids:
+            try:
+                handed += self.starter.hand_back(run_id)
+            except Exception as e:  # Why: one unreachable record must not keep the others from the leader
+                log.warning("run %s: not handed back at shutdown (a restart here resumes it): %s", run_id, e)
+        if handed:
+            log.warning("handed %d queued runs back to the store for the leader to resume", handed)
 
     def _sweep_loop(self, interval: float) -> None:
         while True:

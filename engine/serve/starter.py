@@ -189,6 +189,13 @@ class RunStarter(Protocol):
         another process executes it, or the final state it already had). ``UsageError`` if unknown."""
         ...
 
+    def hand_back(self, run_id: str) -> bool:
+        """This server stops and will not execute ``run_id``, queued here and not executing: give it up
+        in the store (no owner), so the leader's ``recover`` takes it, whichever machine it runs on.
+        True when it was handed back; a run that started, ended or belongs to another process is left
+        as it is (False)."""
+        ...
+
     def prune(self, keep: int, max_age: float | None) -> Sequence[str]:
         """Retention (the leader's duty): delete finished runs beyond the ``keep`` newest and those
         finished more than ``max_age`` seconds ago (``RunStore.prune``); the deleted ids."""

@@ -24,10 +24,15 @@ class GatedStarter(FakeRunStarter):
         super().__init__(*args, **kw)
         self.gate = threading.Event()
         self.lists = 0
+        self.began: set[str] = set()
 
     def execute(self, run_id: str) -> Any:
+        self.began.add(run_id)
         self.gate.wait(10)
         return super().execute(run_id)
+
+    def hand_back(self, run_id: str) -> bool:
+        return run_id not in self.began and super().hand_back(run_id)
 
     def runs(self, limit: int = 100, *, sources: tuple[str, ...] | None = None) -> Sequence[Mapping[str, Any]]:
         self.lists += 1
@@ -98,3 +103,15 @@ def test_the_shared_breaker_reads_the_store_once_per_delivery_and_still_counts_e
         # the next delivery reads again and sees the five automatic runs in the store
         nxt = s.post_alerts(alert("omen25")).json()["decisions"][0]
         assert nxt["decision"] == "refused" and starter.lists - before == 2
+
+
+def test_a_replica_that_stops_hands_its_queued_runs_back_to_the_store_for_the_leader() -> None:
+    starter = GatedStarter([TRIGGER])
+    with served(starter=starter, nodes=NODES, workers=1, queue_size=10, shutdown_grace=0.2,
+                breaker={"max_unhealthy_nodes": 100, "max_auto_runs": 100}) as s:
+        body = s.post_alerts(*(alert(f"omen{i}") for i in range(1, 5))).json()
+        assert body["counts"] == {"started": 1, "queued": 3}
+        queued = [d["run_id"] for d in body["decisions"] if d["decision"] == "queued"]
+    # the app stopped (its lifespan ended) while one run executed and three waited
+    assert sorted(starter.handed_back) == sorted(queued)
+    starter.gate.set()
