@@ -470,13 +470,14 @@ class Dispatcher:
 
     @contextlib.contextmanager
     def _delivery(self) -> Iterator[None]:
-        """One read of the store's automatic runs for the shared breaker per delivery (or sweep),
-        not one per candidate: a burst of 200 alerts in one delivery is one list, not 200.
+        """The shared breaker reads the store's automatic runs for a delivery (or a sweep) once to
+        *refuse*: once the breaker is tripped, a burst of 200 alerts in one delivery costs no more
+        lists. Letting an automatic run through reads the store again (``shared_breaker``), so the
+        bound between replicas is the one without this read (one extra run per replica at most).
 
         What the read cannot see is added back: the automatic runs this replica created after it
         (``_auto_created``; the runs being created now are the guards' in-flight count), and a node
-        breaker this replica opened after it. What another replica did after it is seen at the next
-        delivery, as two replicas deciding at the same instant (docs/serve.md, the breaker)."""
+        breaker this replica opened after it."""
         if getattr(self._reads, "breaker", None) is not None:
             yield  # nested: the outer delivery's read
             return
@@ -959,11 +960,28 @@ class Dispatcher:
         if read is None:
             return shared_verdict(self._automatic(), runbook, node, now=self._clock(), window=b.window,
                                   max_auto_runs=b.max_auto_runs, was_reset=self._was_reset)
-        if read.runs is None:
-            with self._lock:
-                read.created = dict(self._auto_created)
-            read.at = self._clock()
-            read.runs = self._automatic()
+        fresh = read.runs is None
+        if fresh:
+            self._read_for_breaker(read)
+        verdict = self._delivery_verdict(read, runbook, node)
+        if not fresh and verdict.open_node is None and verdict.auto_runs < b.max_auto_runs:
+            # Why read again: the delivery's read may only refuse. Letting a run through rests on the
+            # store as it is now, so two replicas' concurrent deliveries exceed the window by at most
+            # one run each, as without the shared read; a tripped breaker (a burst) reads no more.
+            self._read_for_breaker(read)
+            verdict = self._delivery_verdict(read, runbook, node)
+        return verdict
+
+    def _read_for_breaker(self, read: _BreakerRead) -> None:
+        with self._lock:
+            read.created = dict(self._auto_created)
+        read.at = self._clock()
+        read.runs = self._automatic()
+
+    def _delivery_verdict(self, read: _BreakerRead, runbook: str, node: str | None) -> SharedBreaker:
+        """The shared breaker's verdict from the delivery's read, plus what this replica did since."""
+        b = self.config.breaker
+        assert read.runs is not None
 
         def was_reset(run_id: str, scope: str) -> bool:
             if (run_id, scope) in read.not_reset:

@@ -83,7 +83,7 @@ def test_a_burst_in_one_delivery_is_answered_started_queued_with_places_or_refus
         assert sorted(starter.executed) == sorted(body["runs"])  # the queued ones ran in turn
 
 
-def test_the_shared_breaker_reads_the_store_once_per_delivery_and_still_counts_each_run_it_allows() -> None:
+def test_the_shared_breaker_reads_the_store_to_allow_a_run_and_never_again_once_it_tripped() -> None:
     starter = GatedStarter([TRIGGER])
     starter.gate.set()
     with served(starter=starter, nodes=NODES, elector=FakeLeadership(True), workers=4, queue_size=40,
@@ -91,7 +91,7 @@ def test_the_shared_breaker_reads_the_store_once_per_delivery_and_still_counts_e
                                                      "max_pending_approvals": 3}) as s:
         before = starter.lists
         body = s.post_alerts(*(alert(f"omen{i}") for i in range(1, 21))).json()
-        assert starter.lists - before == 1  # one read of the store's runs for twenty pages
+        assert starter.lists - before == 5  # one read per automatic run allowed; none after the trip
         modes = [d.get("mode") for d in body["decisions"]]
         assert modes[:5] == ["auto"] * 5  # the window's five automatic runs
         assert modes[5:8] == ["approve"] * 3  # the breaker tripped: for a person, within the approval budget
@@ -102,7 +102,7 @@ def test_the_shared_breaker_reads_the_store_once_per_delivery_and_still_counts_e
         s.idle()
         # the next delivery reads again and sees the five automatic runs in the store
         nxt = s.post_alerts(alert("omen25")).json()["decisions"][0]
-        assert nxt["decision"] == "refused" and starter.lists - before == 2
+        assert nxt["decision"] == "refused" and starter.lists - before == 6
 
 
 def test_a_replica_that_stops_hands_its_queued_runs_back_to_the_store_for_the_leader() -> None:
