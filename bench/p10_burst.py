@@ -41,9 +41,10 @@ def _node(name: str) -> dict[str, Any]:
 class BudgetWatch:
     """Every version of the budget object, as the API server's watch delivers them: the most claims seen."""
 
-    def __init__(self, plane: Any) -> None:
+    def __init__(self, plane: Any, namespace: str = NAMESPACE) -> None:
         from kubernetes import client, watch
 
+        self.namespace = namespace
         self._api = client.CoordinationV1Api(plane.new_api_client())
         self._watch = watch.Watch()
         self.most, self.versions, self.over = 0, 0, 0
@@ -56,7 +57,7 @@ class BudgetWatch:
         from engine.budget import BUDGET_LEASE, CLAIMS_ANNOTATION
 
         try:
-            for event in self._watch.stream(self._api.list_namespaced_lease, NAMESPACE,
+            for event in self._watch.stream(self._api.list_namespaced_lease, self.namespace,
                                             field_selector=f"metadata.name={BUDGET_LEASE}", timeout_seconds=600):
                 annotations = event["object"].metadata.annotations or {}
                 n = len(json.loads(annotations.get(CLAIMS_ANNOTATION) or "[]"))

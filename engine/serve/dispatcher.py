@@ -98,9 +98,9 @@ class Decision:
         ``ignored`` page is neither."""
         if self.outcome == "started":
             return "queued" if self.queue_position > 0 else "started"
-        if self.outcome in ("blocked", "rejected"):
-            return "refused"
-        return self.outcome
+        if self.outcome == "duplicate" or self.outcome == "ignored":
+            return self.outcome
+        return "refused"  # blocked, rejected
 
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"outcome": self.outcome, "reason": self.reason}
