@@ -273,11 +273,12 @@ class Dispatcher:
                         key = None
                 if isinstance(key, str) and key:
                     self.guards.remember(f"{s.get('runbook')}|{key}", started, run_id)
-        for run_id in queue_ids:
-            if self._readmit(run_id) is None:
-                continue
-            if not self.worker.submit(functools.partial(self._execute, run_id), reserved=False):
-                log.warning("worker pool full at start: run %s stays pending until the next start", run_id)
+        with self._delivery():  # the readmissions' breaker: the store read once for all of them
+            for run_id in queue_ids:
+                if self._readmit(run_id) is None:
+                    continue
+                if not self.worker.submit(functools.partial(self._execute, run_id), reserved=False):
+                    log.warning("worker pool full at start: run %s stays pending until the next start", run_id)
         if sweep_interval > 0:
             self._sweeper = threading.Thread(target=self._sweep_loop, args=(sweep_interval,),
                                              name="runbook-serve-sweeper", daemon=True)
@@ -402,15 +403,25 @@ class Dispatcher:
         if s.get("approval_required") or s.get("approved_by"):
             return "approve"
         reasons: list[str] = []
+        place: int | None = None  # the run's place in the rate window (None: not in it)
         if self.config.mode_for(runbook, "auto") == "approve":
             reasons.append("the configuration (force_mode / mode_overrides) makes this runbook approve-mode")
         else:
             try:
                 snapshot = self.cluster.snapshot()
-                reasons += self.guards.check_auto(runbook, node, snapshot, self.shared_breaker(runbook, node))
+                shared = self.shared_breaker(runbook, node)
+                place = self._place_in_window(run_id, runbook)
+                if place is not None:
+                    # Why: the run took its place in the rate window when it was created; held to the
+                    # window again it would count itself and the runs after it (a burst's queue,
+                    # handed back by a stopped replica, would never resume)
+                    shared = SharedBreaker(self.guards.open_breaker(node) if node else None, place) \
+                        if shared is None else replace(shared, auto_runs=min(shared.auto_runs, place))
+                reasons += self.guards.check_auto(runbook, node, snapshot, shared)
             except Exception as e:  # Why: the breaker fails closed, as for a new run
                 reasons.append(f"breaker: cannot be evaluated ({type(e).__name__}: {str(e)[:200]})")
         if not reasons:
+            self.guards.auto_created(runbook)  # the in-flight slot check_auto took: the run is in the store already
             return "auto"
         why = self.guards.reserve_approval()
         if why is not None:
@@ -424,6 +435,17 @@ class Dispatcher:
         self.guards.bind_approval(run_id)
         self.metrics.runs_blocked.labels(runbook=runbook, reason="breaker").inc()
         return "approve"
+
+    def _place_in_window(self, run_id: str, runbook: str) -> int | None:
+        """How many automatic runs of ``runbook`` in the breaker's window were created before the
+        automatic run ``run_id`` (None: it is not one of them)."""
+        read: _BreakerRead | None = getattr(self._reads, "breaker", None)
+        if read is not None and read.runs is None:
+            self._read_for_breaker(read)
+        runs = read.runs if read is not None and read.runs is not None else self._automatic()
+        recent = in_window(runs, runbook, self._clock(), self.config.breaker.window)  # newest first
+        ids = [r.id for r in recent]
+        return len(ids) - ids.index(run_id) - 1 if run_id in ids else None
 
     def readiness(self) -> dict[str, Any]:
         """``/readyz``: the store answers (one read), and this replica's role (leader or follower)."""
