@@ -36,7 +36,16 @@ import httpx
 import pytest
 import yaml
 
-from bench.p10_burst import BudgetWatch
+from bench.p10_burst import (
+    BURST_LABEL,
+    BURST_RUNBOOK,
+    SENDER_TOKEN,
+    STORE_NAMESPACE,
+    BudgetWatch,
+    burst_delivery,
+    burst_node,
+    serve_config,
+)
 from engine.budget import BUDGET_LEASE
 from engine.connectors.kube import KubeConnector
 from engine.kube_store import KubeRunStore
@@ -50,58 +59,13 @@ pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = ROOT / "deploy" / "kubernetes"
-NS = "runbook-system"
+NS = STORE_NAMESPACE
 NODES = 200
-TEST_LABEL = "runbook.io/test-burst"
-TOKEN = "burst-sender-token-5b9e0c"
+TOKEN = SENDER_TOKEN
 MAX_RUNS, MAX_AUTO, MAX_APPROVALS, WORKERS = 3, 12, 2, 2
 FINAL = ("succeeded", "failed", "blocked", "cancelled")
 
-RUNBOOK = {
-    "apiVersion": "runbook/v1", "name": "burst-mark", "version": "1.0.0",
-    "description": "Mark a node that went NotReady (API-only: the burst test's runbook).",
-    "params": {"node": {"type": "node", "required": True, "description": "The node"}},
-    "preconditions": [{"id": "node-exists", "check": {"node_exists": True}, "message": "no such node"}],
-    "steps": [{
-        "id": "mark", "rollback": "auto", "why": "Say in the API that the burst reached this node.",
-        "action": {"kube": {"label": {"runbook.io/burst": "marked"}}},
-        "skip_if": [{"node_label": {"key": "runbook.io/burst", "equals": "marked"}}],
-        "verify": [{"check": {"node_label": {"key": "runbook.io/burst", "equals": "marked"}}, "timeout": "30s"}],
-    }],
-    "triggers": [{"alert": "KubeNodeNotReady", "matchers": ['node=~"burst-.+"'], "mode": "auto",
-                  "params": {"node": "{{ labels.node }}"}}],
-}
-
-CONFIG = {
-    "workers": WORKERS, "queue_size": 100, "shutdown_grace": "2s", "cluster_refresh": "1s",
-    "replicas": {"lease_duration": 3},
-    "dedup": {"node_cooldown": 0},
-    "breaker": {"max_unhealthy_nodes": 100000, "max_unhealthy_gpus": 10000000, "max_auto_runs": MAX_AUTO,
-                "max_pending_approvals": MAX_APPROVALS, "window": "1h"},
-    "guards": {"concurrency": {"max_runs": MAX_RUNS}},
-}
-
-
-def _node(i: int) -> dict[str, Any]:
-    return {"apiVersion": "v1", "kind": "Node",
-            "metadata": {"name": f"burst-{i:03d}", "labels": {TEST_LABEL: "true", "nvidia.com/gpu.count": "8"}},
-            "status": {"capacity": {"nvidia.com/gpu": "8"}, "allocatable": {"nvidia.com/gpu": "8"},
-                       "conditions": [{"type": "Ready", "status": "False", "reason": "KubeletNotReady"}]}}
-
-
-def _alert(i: int) -> dict[str, Any]:
-    node = f"burst-{i:03d}"
-    return {"status": "firing", "labels": {"alertname": "KubeNodeNotReady", "node": node, "severity": "warning"},
-            "annotations": {"summary": f"{node} is NotReady"}, "startsAt": "2026-12-07T14:00:00.000Z",
-            "endsAt": "0001-01-01T00:00:00Z", "generatorURL": "http://prometheus.example/graph",
-            "fingerprint": f"fp-burst-{i:03d}"}
-
-
-def _delivery(first: int, count: int) -> dict[str, Any]:
-    return {"receiver": "runbook", "status": "firing", "alerts": [_alert(i) for i in range(first, first + count)],
-            "groupLabels": {"alertname": "KubeNodeNotReady"}, "commonLabels": {"alertname": "KubeNodeNotReady"},
-            "commonAnnotations": {}, "externalURL": "http://alertmanager.example", "version": "4",
-            "groupKey": f'{{}}:{{alertname="KubeNodeNotReady",batch="{first}"}}', "truncatedAlerts": 0}
+CONFIG = serve_config(max_runs=MAX_RUNS, max_auto=MAX_AUTO, max_approvals=MAX_APPROVALS, workers=WORKERS)
 
 
 @pytest.fixture(scope="module")
@@ -110,10 +74,10 @@ def burst_cluster(control_plane: ControlPlane, kubectl: Kubectl) -> Iterator[Kub
     kubectl("wait", "--for=condition=established", "--timeout=60s", "crd/remediationruns.runbook.io")
     kube = KubeConnector(kubeconfig=str(control_plane.kubeconfig))
     for i in range(NODES):
-        kube.create_object("v1", "nodes", "", _node(i))
+        kube.create_object("v1", "nodes", "", burst_node(f"burst-{i:03d}"))
     yield kube
     kubectl("delete", "rr", "--all", "-n", NS, "--wait=false", check=False)
-    kubectl("delete", "nodes", "-l", TEST_LABEL, "--wait=false", check=False)
+    kubectl("delete", "nodes", "-l", BURST_LABEL, "--wait=false", check=False)
     kubectl("delete", "lease", BUDGET_LEASE, "runbook-serve", "-n", NS, "--ignore-not-found", check=False)
 
 
@@ -164,7 +128,7 @@ def _until(predicate: Any, timeout: float, what: str, seen: Any = None) -> None:
 def test_a_burst_of_200_pages_is_answered_node_by_node_within_the_budget_and_a_stopped_leaders_queue_resumes(
         control_plane: ControlPlane, burst_cluster: KubeConnector, tmp_path: Path) -> None:
     (tmp_path / "runbooks").mkdir()
-    (tmp_path / "runbooks" / "burst-mark.yaml").write_text(yaml.safe_dump(RUNBOOK, sort_keys=False))
+    (tmp_path / "runbooks" / "burst-mark.yaml").write_text(yaml.safe_dump(BURST_RUNBOOK, sort_keys=False))
     replicas = [_replica(control_plane, tmp_path / name, name) for name in ("replica-a", "replica-b")]
     watch = BudgetWatch(control_plane, NS)
     try:
@@ -178,7 +142,7 @@ def test_a_burst_of_200_pages_is_answered_node_by_node_within_the_budget_and_a_s
 
         def deliver(target: tuple[Server, int]) -> tuple[Server, dict[str, Any], float]:
             server, first = target
-            r = httpx.post(server.url + "/hooks/alertmanager", json=_delivery(first, 50),
+            r = httpx.post(server.url + "/hooks/alertmanager", json=burst_delivery(first, 50),
                            headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
             assert r.status_code in (200, 202), r.text
             return server, r.json(), time.monotonic()
