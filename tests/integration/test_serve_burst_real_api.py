@@ -65,7 +65,9 @@ TOKEN = SENDER_TOKEN
 MAX_RUNS, MAX_AUTO, MAX_APPROVALS, WORKERS = 3, 12, 2, 2
 FINAL = ("succeeded", "failed", "blocked", "cancelled")
 
-CONFIG = serve_config(max_runs=MAX_RUNS, max_auto=MAX_AUTO, max_approvals=MAX_APPROVALS, workers=WORKERS)
+# a snapshot of the cluster that outlives a loaded machine's slow answers (a stale one refuses every page)
+CONFIG = {**serve_config(max_runs=MAX_RUNS, max_auto=MAX_AUTO, max_approvals=MAX_APPROVALS, workers=WORKERS),
+          "cluster_cache_ttl": "30s", "cluster_refresh": "2s"}
 
 
 @pytest.fixture(scope="module")
@@ -216,6 +218,9 @@ def test_a_burst_of_200_pages_is_answered_node_by_node_within_the_budget_and_a_s
                 reasons = [str(e.data.get("reason")) for e in store.events(rid) if e.kind == "run.blocked"]
                 assert any("guard concurrency" in r for r in reasons), (rid, reasons)
         assert any(s == "succeeded" for s, _ in end.values()), end
+    except AssertionError as e:
+        tails = "\n".join(f"--- {r.log_path.parent.name}:\n{r.log_tail(15)}" for r in replicas)
+        raise AssertionError(f"{e}\n{tails}") from None
     finally:
         watch.stop()
         for r in replicas:
