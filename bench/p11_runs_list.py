@@ -6,7 +6,8 @@ engine records a run (labels node, runbook, phase, trigger; a status with a few 
 finished, 20 active. Then, each timed ``runs`` times:
 
 * ``runbook runs --store kubernetes``: the command a person types, as a process (start included);
-* the breaker's read: ``KubeRunStore.list_runs(limit=500)`` in-process, what ``runbook serve``'s shared
+* the breaker's read: ``KubeRunStore.list_runs(limit=500, sources=WEBHOOK_SOURCES)`` (label-selected by
+  ``runbook.io/trigger``) in-process, what ``runbook serve``'s shared
   breaker reads (``Dispatcher._automatic``);
 * the recovery's read: ``list_runs(states=active+interrupted)``, label-selected.
 
@@ -60,6 +61,7 @@ def run(ctx: Context) -> list[Metric]:
     from engine.kube_store import KubeRunStore
     from engine.lab.assets import find_assets
     from engine.lab.controlplane import ControlPlane
+    from engine.serve.starter import WEBHOOK_SOURCES
     from engine.store import ACTIVE_STATES
 
     count = 500 if ctx.quick else 10_000
@@ -88,7 +90,7 @@ def run(ctx: Context) -> list[Metric]:
                 subprocess.run(cli, env=env, check=True, capture_output=True, text=True)
 
             command = _timed(runs_command, ctx.runs)
-            breaker = _timed(lambda: store.list_runs(limit=500), ctx.runs)
+            breaker = _timed(lambda: store.list_runs(limit=500, sources=WEBHOOK_SOURCES), ctx.runs)
             recovery = _timed(lambda: store.list_runs(limit=1000, states=(*ACTIVE_STATES, "interrupted")),
                               ctx.runs)
         finally:

@@ -335,12 +335,19 @@ class Journal(StoreBase):
             raise UsageError(f"unknown run id {run_id!r}")
         return self._record(dict(zip(cols, row, strict=True)))
 
-    def list_runs(self, *, limit: int = 100, states: tuple[str, ...] | None = None) -> list[RunRecord]:
+    def list_runs(self, *, limit: int = 100, states: tuple[str, ...] | None = None,
+                  sources: tuple[str, ...] | None = None) -> list[RunRecord]:
         q = "SELECT * FROM runs"
         args: list[Any] = []
+        where = []
         if states:
-            q += f" WHERE state IN ({','.join('?' * len(states))})"
+            where.append(f"state IN ({','.join('?' * len(states))})")
             args.extend(run_state(s).value for s in states)
+        if sources:
+            where.append(f"source IN ({','.join('?' * len(sources))})")
+            args.extend(sources)
+        if where:
+            q += " WHERE " + " AND ".join(where)
         q += " ORDER BY created DESC LIMIT ?"
         args.append(limit)
         with self._reading("list runs") as db:

@@ -291,11 +291,15 @@ class KubeRunStore(StoreBase):
         def init(status: dict[str, Any]) -> tuple[bool, None]:
             status.update({"phase": state.phase, "createdAt": now, "heartbeatAt": now,
                            "owner": {"host": host, "pid": pid, "start": start}, "claimedBy": f"{host}/{pid}"})
+            # Why in the same write: the server creates runs on its webhook path; a burst of 200
+            # pages would otherwise cost five writes per run (object, status, one per first event)
+            recorded = {e.get("kind") for e in status.get("events") or ()}  # a conflict re-applies this
+            for kind, data in events:
+                if kind not in recorded:
+                    self._event(status, kind, None, data)
             return True, None
 
         self._update(run_id, init)
-        for kind, data in events:
-            self.append(run_id, kind, **dict(data))
         return run_id
 
     def claim(self, run_id: str) -> bool:
@@ -400,25 +404,39 @@ class KubeRunStore(StoreBase):
     def get_run(self, run_id: str) -> RunRecord:
         return self._record(self._read(run_id))
 
-    def _selected(self, states: tuple[str, ...] | None) -> list[dict[str, Any]]:
-        """The RemediationRuns that may be in ``states`` (all of them for None), read by label
-        (``runbook.io/phase``; the connector reads in pages): the phases asked for, plus those a
-        label can lag behind (active, interrupted: the label follows the status by one write), plus
-        the runs recorded before the labels existed. The status decides afterwards."""
-        if not states:
+    def _selected(self, states: tuple[str, ...] | None,
+                  sources: tuple[str, ...] | None = None) -> list[dict[str, Any]]:
+        """The RemediationRuns that may be in ``states`` (all of them for None) and come from one of
+        ``sources`` (any for None), read by label (``runbook.io/phase``, ``runbook.io/trigger``; the
+        connector reads in pages): the phases asked for, plus those a label can lag behind (active,
+        interrupted: the label follows the status by one write), plus the runs recorded before the
+        labels existed. The status and spec decide afterwards."""
+        selectors: list[str] = []
+        if states:
+            phases = sorted({PHASES[run_state(s).value] for s in states}
+                            | {PHASES[s] for s in ACTIVE_STATES} | {RunState.INTERRUPTED.phase})
+            selectors.append(f"{PHASE_LABEL} in ({','.join(phases)})")
+        if sources:
+            labelled = sorted(v for v in sources if _label_value(v))
+            if len(labelled) < len(sources):  # a source no label can name: read them all (spec decides)
+                selectors = selectors[:1]
+            elif labelled:
+                selectors.append(f"{TRIGGER_LABEL} in ({','.join(labelled)})")
+        if not selectors:
             return [dict(o) for o in self.api.list_objects(API_VERSION, PLURAL, namespace=self.namespace)]
-        phases = sorted({PHASES[run_state(s).value] for s in states}
-                        | {PHASES[s] for s in ACTIVE_STATES} | {RunState.INTERRUPTED.phase})
         out: dict[str, dict[str, Any]] = {}
-        for selector in (f"{PHASE_LABEL} in ({','.join(phases)})", UNLABELLED):
+        for selector in (",".join(selectors), UNLABELLED):
             for o in self.api.list_objects(API_VERSION, PLURAL, namespace=self.namespace, label_selector=selector):
                 out[(o.get("metadata") or {}).get("name", "")] = dict(o)
         return list(out.values())
 
-    def list_runs(self, *, limit: int = 100, states: tuple[str, ...] | None = None) -> list[RunRecord]:
-        items = self._selected(states)
+    def list_runs(self, *, limit: int = 100, states: tuple[str, ...] | None = None,
+                  sources: tuple[str, ...] | None = None) -> list[RunRecord]:
+        items = self._selected(states, sources)
         if states:
             items = [o for o in items if _stored_state(o) in states]
+        if sources:
+            items = [o for o in items if (o.get("spec") or {}).get("source", "cli") in sources]
         items.sort(key=lambda o: (_created(o), (o.get("metadata") or {}).get("name", "")), reverse=True)
         return [self._record(o) for o in items[:limit]]
 

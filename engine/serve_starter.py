@@ -252,8 +252,8 @@ class JournalRunStarter:
     def reject(self, run_id: str, reason: str, rejected_by: str) -> Mapping[str, Any]:
         return lifecycle.reject(self.service, run_id, reason, rejected_by).summary()
 
-    def runs(self, limit: int = 100) -> Sequence[Mapping[str, Any]]:
-        return [r.summary() for r in self.journal.list_runs(limit=limit)]
+    def runs(self, limit: int = 100, *, sources: tuple[str, ...] | None = None) -> Sequence[Mapping[str, Any]]:
+        return [r.summary() for r in self.journal.list_runs(limit=limit, sources=sources)]
 
     def run(self, run_id: str) -> Mapping[str, Any]:
         rec = self.journal.get_run(run_id)
@@ -297,6 +297,25 @@ class JournalRunStarter:
 
     def prune(self, keep: int, max_age: float | None) -> Sequence[str]:
         return self.journal.prune(keep=keep, max_age=max_age)
+
+    def hand_back(self, run_id: str) -> bool:
+        """``RunStarter.hand_back``: a pending run this process owns and does not execute is disowned.
+        Why: ``recover`` leaves a pending run whose owner is a process on another machine to that
+        process (it cannot tell a queue from a dead one); a run with no owner is anyone's to resume."""
+        with self._guard:
+            if run_id in self._executing:
+                return False
+        try:
+            rec = self.journal.get_run(run_id)
+        except RunbookError:
+            return False
+        if rec.state is not RunState.PENDING or \
+                (rec.owner_host, rec.owner_pid) != (socket.gethostname(), os.getpid()):
+            return False
+        self.journal.disown(run_id)
+        self.journal.append(run_id, "run.handed_back", reason="the server that queued it stopped before "
+                            "executing it; the leader resumes it")
+        return True
 
     def recover(self) -> Sequence[str]:
         """Runs a previous server left: the ids to execute (pending, interrupted, or approved while

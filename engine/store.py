@@ -379,8 +379,10 @@ class RunStore(Protocol):
         """``UsageError`` for an unknown run."""
         ...
 
-    def list_runs(self, *, limit: int = 100, states: tuple[str, ...] | None = None) -> list[RunRecord]:
-        """Newest first."""
+    def list_runs(self, *, limit: int = 100, states: tuple[str, ...] | None = None,
+                  sources: tuple[str, ...] | None = None) -> list[RunRecord]:
+        """Newest first; ``states``/``sources``: only runs in one of those states / from one of those
+        sources (``alertmanager``, ``cli``, ...)."""
         ...
 
     def prune(self, *, keep: int, max_age: float | None = None, now: float | None = None) -> list[str]:

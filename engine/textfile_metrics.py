@@ -52,7 +52,7 @@ class _JournalRuns(Collector):
         self.journal, self.now = journal, now
 
     def collect(self) -> Iterator[Metric]:
-        runs = [r for r in self.journal.list_runs(limit=_MAX_RUNS) if r.source == SOURCE]
+        runs = [r for r in self.journal.list_runs(limit=_MAX_RUNS, sources=(SOURCE,)) if r.source == SOURCE]
         finished = CounterMetricFamily("runbook_cli_runs_finished", "CLI runs that ended, by final state",
                                        labels=["runbook", "state"])
         counts: dict[tuple[str, str], int] = {}

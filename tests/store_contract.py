@@ -140,6 +140,17 @@ def test_runs_list_newest_first_and_filter_by_state(store: RunStore) -> None:
         store.get_run("r-nope")
 
 
+def test_runs_list_filters_by_source_and_by_state_and_source(store: RunStore) -> None:
+    paged = [store.create_run("rb", {}, [f"gpu-{i}"], source=src)
+             for i, src in enumerate(("alertmanager", "cli", "pagerduty", "alertmanager"))]
+    store.set_state(paged[0], "failed", exit_code=1)
+    webhook = ("alertmanager", "pagerduty")
+    assert [r.id for r in store.list_runs(sources=webhook)] == [paged[3], paged[2], paged[0]]
+    assert [r.id for r in store.list_runs(sources=("cli",))] == [paged[1]]
+    assert [r.id for r in store.list_runs(states=("failed",), sources=webhook)] == [paged[0]]
+    assert store.list_runs(states=("failed",), sources=("cli",)) == []
+
+
 def test_a_run_whose_owner_is_gone_reads_interrupted_and_a_live_owner_keeps_it(store: RunStore) -> None:
     run_id = store.create_run("rb", {}, ["omen2"], state="running")
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])

@@ -143,8 +143,11 @@ def _forbidden_role(who: Identity, needs: str) -> JSONResponse:
 
 def _answer(decisions: list[Decision], **extra: Any) -> tuple[JSONResponse, str]:
     status, outcome = summarize(decisions)
+    counts: dict[str, int] = {}
+    for d in decisions:
+        counts[d.verdict] = counts.get(d.verdict, 0) + 1
     body = {"status": outcome, "runs": [d.run_id for d in decisions if d.run_id],
-            "decisions": [d.as_dict() for d in decisions], **extra}
+            "decisions": [d.as_dict() for d in decisions], "counts": counts, **extra}
     return JSONResponse(body, status_code=status), outcome
 
 

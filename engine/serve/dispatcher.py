@@ -31,11 +31,12 @@ This module holds no HTTP and no parsing; it must never block on a run.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -68,6 +69,7 @@ from engine.serve.worker import WorkerPool
 
 log = logging.getLogger(__name__)
 Outcome = Literal["started", "duplicate", "blocked", "rejected", "ignored"]
+Verdict = Literal["started", "queued", "refused", "duplicate", "ignored"]
 BREAKER_RESET = "breaker.reset"  # event on a run: a person reset the breaker that run held open
 _BREAKER_SCAN = 500  # newest runs read for the shared breaker
 INCIDENT_KEY = "pd-incident-"  # dedup key prefix of runs paged by a PagerDuty incident (triggers.py)
@@ -86,6 +88,19 @@ class Decision:
     warnings: tuple[str, ...] = ()
     alert: str = ""
     transient: bool = False  # blocked for a passing reason: a re-sent page is considered again
+    queue_position: int = 0  # a started run that waits for a worker: its place (1 = next); 0: executing
+
+    @property
+    def verdict(self) -> Verdict:
+        """What became of the node, in the three words of a burst's answer (issue 32): ``started``
+        (a worker executes its run now), ``queued`` (its run is recorded and waits for a worker at
+        ``queue_position``), ``refused`` (blocked or rejected, with the reason); a ``duplicate`` or
+        ``ignored`` page is neither."""
+        if self.outcome == "started":
+            return "queued" if self.queue_position > 0 else "started"
+        if self.outcome == "duplicate" or self.outcome == "ignored":
+            return self.outcome
+        return "refused"  # blocked, rejected
 
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"outcome": self.outcome, "reason": self.reason}
@@ -95,7 +110,20 @@ class Decision:
                 out[key] = value
         if self.warnings:
             out["warnings"] = list(self.warnings)
+        out["decision"] = self.verdict
+        if self.queue_position:
+            out["queue_position"] = self.queue_position
         return out
+
+
+@dataclass
+class _BreakerRead:
+    """The shared breaker's read of the store for one delivery (see ``Dispatcher._delivery``)."""
+
+    runs: list[RunSummary] | None = None
+    at: float = 0.0
+    created: dict[str, int] = field(default_factory=dict)  # ``Dispatcher._auto_created`` at the read
+    not_reset: set[tuple[str, str]] = field(default_factory=set)  # (run id, scope) read and not reset
 
 
 @dataclass
@@ -200,6 +228,8 @@ class Dispatcher:
         self._last_cluster: ClusterSnapshot | None = None
         self._alert_runs: dict[str, str] = {}  # alert dedup key -> the run its firing started
         self._resets: set[tuple[str, str]] = set()  # (run id, scope) known reset in the store (final)
+        self._auto_created: dict[str, int] = {}  # runbook -> automatic runs this replica created (ever)
+        self._reads = threading.local()  # .breaker: the delivery's _BreakerRead (None: read each time)
         self._stop = threading.Event()
         self._wake = threading.Event()  # leadership won: do the singleton duties now
         self._sweeper: threading.Thread | None = None
@@ -217,7 +247,7 @@ class Dispatcher:
             self.cluster.start()
         queue_ids = list(self.starter.recover()) if self.leadership.is_leader() else []
         now = self._clock()
-        for s in self.starter.runs(limit=500):
+        for s in self.starter.runs(limit=500, sources=WEBHOOK_SOURCES):
             if s.get("source") not in WEBHOOK_SOURCES:
                 continue
             run_id, state, node = str(s["id"]), str(s.get("state")), node_of(s)
@@ -243,11 +273,12 @@ class Dispatcher:
                         key = None
                 if isinstance(key, str) and key:
                     self.guards.remember(f"{s.get('runbook')}|{key}", started, run_id)
-        for run_id in queue_ids:
-            if self._readmit(run_id) is None:
-                continue
-            if not self.worker.submit(functools.partial(self._execute, run_id), reserved=False):
-                log.warning("worker pool full at start: run %s stays pending until the next start", run_id)
+        with self._delivery():  # the readmissions' breaker: the store read once for all of them
+            for run_id in queue_ids:
+                if self._readmit(run_id) is None:
+                    continue
+                if not self.worker.submit(functools.partial(self._execute, run_id), reserved=False):
+                    log.warning("worker pool full at start: run %s stays pending until the next start", run_id)
         if sweep_interval > 0:
             self._sweeper = threading.Thread(target=self._sweep_loop, args=(sweep_interval,),
                                              name="runbook-serve-sweeper", daemon=True)
@@ -259,8 +290,25 @@ class Dispatcher:
             self.cluster.stop()
         self._wake.set()
         self.worker.shutdown(self.config.shutdown_grace)
+        self._hand_back_queued()
         self.notifier.flush(timeout=2.0)
         self.notifier.close(timeout=2.0)
+
+    def _hand_back_queued(self) -> None:
+        """The runs still queued here (the pool dropped them at shutdown) are given up in the store, so
+        the leader resumes them, on whichever replica (``RunStarter.hand_back``): a burst's queue is
+        not lost when its replica restarts. Runs that started executing are not touched (a run still
+        executing past the grace is the leader's to take over once its node Lease goes silent)."""
+        with self._lock:
+            ids = list(self._runs)
+        handed = 0
+        for run_id in ids:
+            try:
+                handed += self.starter.hand_back(run_id)
+            except Exception as e:  # Why: one unreachable record must not keep the others from the leader
+                log.warning("run %s: not handed back at shutdown (a restart here resumes it): %s", run_id, e)
+        if handed:
+            log.warning("handed %d queued runs back to the store for the leader to resume", handed)
 
     def _sweep_loop(self, interval: float) -> None:
         while True:
@@ -290,6 +338,19 @@ class Dispatcher:
         store by the retention (``retention.keep`` / ``retention.max_age``). What was done."""
         if not self.leadership.is_leader():
             return {"leader": False}
+        with self._delivery():  # the readmissions' shared breaker: one read of the store for all
+            queued = self._resume_orphans()
+        pruned: Sequence[str] = ()
+        try:
+            pruned = self.starter.prune(self.config.retention.keep, self.config.retention.max_age)
+        except Exception as e:  # Why: retention failing must not stop the resumption of orphans
+            log.warning("retention pruning failed: %s", e)
+        if pruned:
+            log.info("retention: pruned %d finished runs", len(pruned))
+        return {"leader": True, "resumed": queued, "pruned": list(pruned)}
+
+    def _resume_orphans(self) -> list[str]:
+        """Queue the runs ``RunStarter.recover`` claimed for this replica; the ids queued."""
         queued = []
         for run_id in self.starter.recover():
             with self._lock:
@@ -321,14 +382,7 @@ class Dispatcher:
             else:
                 with self._lock:
                     self._runs.pop(run_id, None)
-        pruned: Sequence[str] = ()
-        try:
-            pruned = self.starter.prune(self.config.retention.keep, self.config.retention.max_age)
-        except Exception as e:  # Why: retention failing must not stop the resumption of orphans
-            log.warning("retention pruning failed: %s", e)
-        if pruned:
-            log.info("retention: pruned %d finished runs", len(pruned))
-        return {"leader": True, "resumed": queued, "pruned": list(pruned)}
+        return queued
 
     def _readmit(self, run_id: str, s: Mapping[str, Any] | None = None) -> Mode | None:
         """A run the leader resumes or takes over passes the rules a new run passes (issue 25 item 4):
@@ -349,15 +403,25 @@ class Dispatcher:
         if s.get("approval_required") or s.get("approved_by"):
             return "approve"
         reasons: list[str] = []
+        place: int | None = None  # the run's place in the rate window (None: not in it)
         if self.config.mode_for(runbook, "auto") == "approve":
             reasons.append("the configuration (force_mode / mode_overrides) makes this runbook approve-mode")
         else:
             try:
                 snapshot = self.cluster.snapshot()
-                reasons += self.guards.check_auto(runbook, node, snapshot, self.shared_breaker(runbook, node))
+                shared = self.shared_breaker(runbook, node)
+                place = self._place_in_window(run_id, runbook)
+                if place is not None:
+                    # Why: the run took its place in the rate window when it was created; held to the
+                    # window again it would count itself and the runs after it (a burst's queue,
+                    # handed back by a stopped replica, would never resume)
+                    shared = SharedBreaker(self.guards.open_breaker(node) if node else None, place) \
+                        if shared is None else replace(shared, auto_runs=min(shared.auto_runs, place))
+                reasons += self.guards.check_auto(runbook, node, snapshot, shared)
             except Exception as e:  # Why: the breaker fails closed, as for a new run
                 reasons.append(f"breaker: cannot be evaluated ({type(e).__name__}: {str(e)[:200]})")
         if not reasons:
+            self.guards.auto_created(runbook)  # the in-flight slot check_auto took: the run is in the store already
             return "auto"
         why = self.guards.reserve_approval()
         if why is not None:
@@ -371,6 +435,17 @@ class Dispatcher:
         self.guards.bind_approval(run_id)
         self.metrics.runs_blocked.labels(runbook=runbook, reason="breaker").inc()
         return "approve"
+
+    def _place_in_window(self, run_id: str, runbook: str) -> int | None:
+        """How many automatic runs of ``runbook`` in the breaker's window were created before the
+        automatic run ``run_id`` (None: it is not one of them)."""
+        read: _BreakerRead | None = getattr(self._reads, "breaker", None)
+        if read is not None and read.runs is None:
+            self._read_for_breaker(read)
+        runs = read.runs if read is not None and read.runs is not None else self._automatic()
+        recent = in_window(runs, runbook, self._clock(), self.config.breaker.window)  # newest first
+        ids = [r.id for r in recent]
+        return len(ids) - ids.index(run_id) - 1 if run_id in ids else None
 
     def readiness(self) -> dict[str, Any]:
         """``/readyz``: the store answers (one read), and this replica's role (leader or follower)."""
@@ -415,7 +490,30 @@ class Dispatcher:
 
     # -- pages --------------------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def _delivery(self) -> Iterator[None]:
+        """The shared breaker reads the store's automatic runs for a delivery (or a sweep) once to
+        *refuse*: once the breaker is tripped, a burst of 200 alerts in one delivery costs no more
+        lists. Letting an automatic run through reads the store again (``shared_breaker``), so the
+        bound between replicas is the one without this read (one extra run per replica at most).
+
+        What the read cannot see is added back: the automatic runs this replica created after it
+        (``_auto_created``; the runs being created now are the guards' in-flight count), and a node
+        breaker this replica opened after it."""
+        if getattr(self._reads, "breaker", None) is not None:
+            yield  # nested: the outer delivery's read
+            return
+        self._reads.breaker = _BreakerRead()
+        try:
+            yield
+        finally:
+            self._reads.breaker = None
+
     def handle_alerts(self, payload: WebhookPayload, requested_by: str = "alertmanager") -> list[Decision]:
+        with self._delivery():
+            return self._handle_alerts(payload, requested_by)
+
+    def _handle_alerts(self, payload: WebhookPayload, requested_by: str) -> list[Decision]:
         self.flush_refusals()
         decisions: list[Decision] = []
         matched = [(alert, self.index.for_alert(alert) if alert.firing else None) for alert in payload.alerts]
@@ -476,11 +574,13 @@ class Dispatcher:
     def handle_candidates(self, candidates: Sequence[Candidate], label: str, requested_by: str) -> list[Decision]:
         """Runs asked for by something other than a webhook (a RunbookRemediation, a Node condition):
         the same decisions as a page's (dedup, cluster, breaker, mode, approvals, workers)."""
-        return self._decide(Matches(candidates=list(candidates)), _cut(label, 512), requested_by)
+        with self._delivery():
+            return self._decide(Matches(candidates=list(candidates)), _cut(label, 512), requested_by)
 
     def handle_incident(self, incident: Incident) -> list[Decision]:
         self.flush_refusals()
-        return self._decide(self.index.for_incident(incident), f"incident {incident.id[:100]}", "pagerduty")
+        with self._delivery():
+            return self._decide(self.index.for_incident(incident), f"incident {incident.id[:100]}", "pagerduty")
 
     def quick_alerts(self, payload: WebhookPayload) -> list[Decision] | None:
         """The answer when nothing can start (resolved, unmatched, duplicates), computed without
@@ -627,6 +727,8 @@ class Dispatcher:
             raise
         run_id = ticket.run_id
         if auto_slot:
+            with self._lock:  # first: counted after the delivery's read before it leaves the in-flight count
+                self._auto_created[c.runbook] = self._auto_created.get(c.runbook, 0) + 1
             self.guards.auto_created(c.runbook)
         self.guards.bind(claim, run_id)
         if mode == "approve":
@@ -648,14 +750,21 @@ class Dispatcher:
             with self._lock:
                 meta = self._runs[run_id]
             self.notifier.notify(meta.note("started", run_id, reason=c.reason, state="running"))
-        self.worker.submit(lambda: self._execute(run_id))
-        reason = "run created; it executes now" if mode == "auto" else \
-            "run created; a plan is being prepared for approval"
+        place = self.worker.enqueue(lambda: self._execute(run_id)) or 0
+        if place:
+            # Why say so: in a burst the pool holds more runs than workers; the run is recorded
+            # (pending in the store), so a restart or the leader's sweep resumes it (recover).
+            reason = (f"run created; it waits for a worker at place {place} in this replica's queue "
+                      f"({self.worker.workers} workers busy) and then "
+                      + ("executes" if mode == "auto" else "prepares a plan for approval"))
+        else:
+            reason = "run created; it executes now" if mode == "auto" else \
+                "run created; a plan is being prepared for approval"
         if c.require_diagnosis:
             reason += (" if the runbook's diagnosis matches the node (checked first, read-only; "
                        "otherwise the run ends blocked with the evidence and nothing changes)")
         return Decision("started", reason, runbook=c.runbook, node=c.node, run_id=run_id, mode=mode,
-                        warnings=warnings)
+                        warnings=warnings, queue_position=place)
 
     def _undo(self, c: Candidate, auto_slot: bool, mode: Mode) -> None:
         if auto_slot:
@@ -849,8 +958,9 @@ class Dispatcher:
         return self.leadership.describe().get("role") != "single"
 
     def _automatic(self) -> list[RunSummary]:
-        """The store's automatic webhook runs, newest first (one read), typed."""
-        return automatic_runs(self.starter.runs(limit=_BREAKER_SCAN))
+        """The store's automatic webhook runs, newest first (one read, label-selected by source on the
+        Kubernetes store), typed."""
+        return automatic_runs(self.starter.runs(limit=_BREAKER_SCAN, sources=WEBHOOK_SOURCES))
 
     def _was_reset(self, run_id: str, scope: str) -> bool:
         if (run_id, scope) in self._resets:
@@ -868,8 +978,51 @@ class Dispatcher:
         if not self._shared():
             return None
         b = self.config.breaker
-        return shared_verdict(self._automatic(), runbook, node, now=self._clock(), window=b.window,
-                              max_auto_runs=b.max_auto_runs, was_reset=self._was_reset)
+        read: _BreakerRead | None = getattr(self._reads, "breaker", None)
+        if read is None:
+            return shared_verdict(self._automatic(), runbook, node, now=self._clock(), window=b.window,
+                                  max_auto_runs=b.max_auto_runs, was_reset=self._was_reset)
+        fresh = read.runs is None
+        if fresh:
+            self._read_for_breaker(read)
+        verdict = self._delivery_verdict(read, runbook, node)
+        if not fresh and verdict.open_node is None and verdict.auto_runs < b.max_auto_runs:
+            # Why read again: the delivery's read may only refuse. Letting a run through rests on the
+            # store as it is now, so two replicas' concurrent deliveries exceed the window by at most
+            # one run each, as without the shared read; a tripped breaker (a burst) reads no more.
+            self._read_for_breaker(read)
+            verdict = self._delivery_verdict(read, runbook, node)
+        return verdict
+
+    def _read_for_breaker(self, read: _BreakerRead) -> None:
+        with self._lock:
+            read.created = dict(self._auto_created)
+        read.at = self._clock()
+        read.runs = self._automatic()
+
+    def _delivery_verdict(self, read: _BreakerRead, runbook: str, node: str | None) -> SharedBreaker:
+        """The shared breaker's verdict from the delivery's read, plus what this replica did since."""
+        b = self.config.breaker
+        assert read.runs is not None
+
+        def was_reset(run_id: str, scope: str) -> bool:
+            if (run_id, scope) in read.not_reset:
+                return False
+            if self._was_reset(run_id, scope):
+                return True
+            read.not_reset.add((run_id, scope))  # Why: a tripped window would read every run per candidate
+            return False
+
+        verdict = shared_verdict(read.runs, runbook, node, now=self._clock(), window=b.window,
+                                 max_auto_runs=b.max_auto_runs, was_reset=was_reset)
+        with self._lock:
+            since = self._auto_created.get(runbook, 0) - read.created.get(runbook, 0)
+        if since:
+            verdict = replace(verdict, auto_runs=verdict.auto_runs + since)
+        local = self.guards.open_breaker(node) if node is not None else None
+        if verdict.open_node is None and local is not None and local.since >= read.at:
+            verdict = replace(verdict, open_node=local)  # opened here after the read: it stays open
+        return verdict
 
     def _reset_in_store(self, node: str | None, runbook: str | None, by: str) -> list[str]:
         runs = self._automatic()

@@ -423,6 +423,11 @@ class Guards:
         with self._lock:
             return list(self._open)
 
+    def open_breaker(self, node: str) -> NodeBreaker | None:
+        """The node's open breaker as this replica knows it (None: closed here)."""
+        with self._lock:
+            return self._open.get(node)
+
     def rate_tripped(self) -> Mapping[str, bool]:
         with self._lock:
             now = self._clock()

@@ -157,8 +157,9 @@ class RunStarter(Protocol):
         breaker say so now): it waits for a person's approval from now on, recorded with ``reason``."""
         ...
 
-    def runs(self, limit: int = 100) -> Sequence[Mapping[str, Any]]:
-        """Newest first, ``RunRecord.summary()`` dicts."""
+    def runs(self, limit: int = 100, *, sources: tuple[str, ...] | None = None) -> Sequence[Mapping[str, Any]]:
+        """Newest first, ``RunRecord.summary()`` dicts; ``sources``: only runs from those (the shared
+        breaker reads the webhook sources' runs, label-selected on the Kubernetes store)."""
         ...
 
     def run(self, run_id: str) -> Mapping[str, Any]:
@@ -186,6 +187,13 @@ class RunStarter(Protocol):
         its step in flight (verified) and starts nothing new; a pending or waiting run ends
         ``cancelled`` at once. Returns what was done (``cancelling``, ``cancelled``, ``requested``:
         another process executes it, or the final state it already had). ``UsageError`` if unknown."""
+        ...
+
+    def hand_back(self, run_id: str) -> bool:
+        """This server stops and will not execute ``run_id``, queued here and not executing: give it up
+        in the store (no owner), so the leader's ``recover`` takes it, whichever machine it runs on.
+        True when it was handed back; a run that started, ended or belongs to another process is left
+        as it is (False)."""
         ...
 
     def prune(self, keep: int, max_age: float | None) -> Sequence[str]:

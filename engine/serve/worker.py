@@ -2,7 +2,9 @@
 
 At most ``workers`` runs execute at once and at most ``queue_size`` more wait; ``try_reserve``
 takes a place *before* a run is created, so a full pool refuses work instead of piling it up
-(the journal still has every run that was accepted). On shutdown, queued jobs that have not
+(the journal still has every run that was accepted). ``enqueue`` says where a job went: 0, a worker
+takes it now; N, it waits with N - 1 jobs ahead of it (first in, first out), which the webhook answer
+reports as the run's ``queue_position``. On shutdown, queued jobs that have not
 started are dropped (they stay ``pending`` in the journal and are queued again by the next
 server's ``recover``); running jobs get ``grace`` seconds to finish. This module runs callables;
 it knows nothing of runs or guards.
@@ -26,6 +28,7 @@ class WorkerPool:
         self._lock = threading.Lock()
         self._outstanding = 0  # reserved + queued + running
         self._running = 0
+        self._waiting = 0  # submitted jobs no worker has taken yet
         self._closed = False
         self._idle = threading.Condition(self._lock)
 
@@ -45,15 +48,23 @@ class WorkerPool:
 
     def submit(self, job: Callable[[], None], *, reserved: bool = True) -> bool:
         """Run ``job`` in a worker. Without a prior reservation, one is taken (False if full)."""
+        return self.enqueue(job, reserved=reserved) is not None
+
+    def enqueue(self, job: Callable[[], None], *, reserved: bool = True) -> int | None:
+        """``submit``, answering where the job went: 0 when a worker takes it at once, N >= 1 when it
+        waits at place N (N - 1 jobs ahead of it); None when the pool is full or closed."""
         if not reserved and not self.try_reserve():
-            return False
+            return None
         with self._lock:
             if self._closed:
                 self._outstanding = max(0, self._outstanding - 1)
-                return False
+                return None
+            position = max(0, self._running + self._waiting + 1 - self.workers)
+            self._waiting += 1
 
         def run() -> None:
             with self._lock:
+                self._waiting -= 1
                 self._running += 1
             try:
                 job()
@@ -67,12 +78,13 @@ class WorkerPool:
 
         fut: Future[None] = self._pool.submit(run)
         del fut
-        return True
+        return position
 
     def stats(self) -> dict[str, int]:
         with self._lock:
             return {"workers": self.workers, "running": self._running,
-                    "queued": max(0, self._outstanding - self._running), "capacity": self.capacity}
+                    "queued": max(0, self._outstanding - self._running), "capacity": self.capacity,
+                    "waiting": self._waiting}
 
     def wait_idle(self, timeout: float) -> bool:
         """Wait until nothing is reserved, queued or running (tests). True when idle."""

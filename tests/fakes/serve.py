@@ -116,6 +116,7 @@ class FakeRunStarter:
         self.previews: list[tuple[str, dict[str, str], str]] = []  # preview() calls: nothing recorded
         self.executed: list[str] = []
         self.cancels: list[tuple[str, str]] = []  # cancel() calls
+        self.handed_back: list[str] = []  # hand_back() calls that gave a queued run up
         self._runs: dict[str, dict[str, Any]] = {dict(r)["id"]: dict(r) for r in preload}
         self._recover = list(recover_ids)
         self._ids = itertools.count(1)
@@ -219,9 +220,10 @@ class FakeRunStarter:
             self._cond.notify_all()
             return dict(run)
 
-    def runs(self, limit: int = 100) -> Sequence[Mapping[str, Any]]:
+    def runs(self, limit: int = 100, *, sources: tuple[str, ...] | None = None) -> Sequence[Mapping[str, Any]]:
         with self._cond:
-            return [dict(r) for r in reversed(list(self._runs.values()))][:limit]
+            runs = [dict(r) for r in reversed(list(self._runs.values()))]
+        return [r for r in runs if sources is None or r.get("source") in sources][:limit]
 
     def run(self, run_id: str) -> Mapping[str, Any]:
         with self._cond:
@@ -235,6 +237,15 @@ class FakeRunStarter:
                 raise UsageError(f"unknown run id {run_id!r}")
             self._runs[run_id].setdefault("events", []).append({"kind": kind, **dict(data)})
             self._cond.notify_all()
+
+    def hand_back(self, run_id: str) -> bool:
+        """A pending fake run is handed back (``handed_back`` records it); others are left as they are."""
+        with self._cond:
+            run = self._runs.get(run_id)
+            if run is None or run["state"] != "pending" or run_id in self.executed:
+                return False
+            self.handed_back.append(run_id)
+            return True
 
     def cancel(self, run_id: str, reason: str) -> str:
         """A pending, waiting or running fake run ends ``cancelled`` at once (``cancels`` records it)."""

@@ -57,3 +57,38 @@ def test_a_label_that_cannot_be_written_leaves_the_run_recorded() -> None:
     kube.replace_object = no_main_writes  # type: ignore[method-assign]
     store.set_state(run_id, "running")
     assert store.get_run(run_id).state == "running" and labels(kube, run_id)[PHASE_LABEL] == "Pending"
+
+
+def test_the_breakers_read_of_webhook_runs_is_selected_by_trigger_label() -> None:
+    kube = FakeKube()
+    store = KubeRunStore(kube, NS)
+    store.create_run("x", {}, ["gpu-1"], source="alertmanager")
+    store.create_run("x", {}, ["gpu-2"], source="cli")
+    kube.calls.clear()
+    assert [r.source for r in store.list_runs(sources=("pagerduty", "alertmanager"))] == ["alertmanager"]
+    store.list_runs(states=("failed",), sources=("alertmanager",))
+    selectors = [args[3] for name, args in kube.calls if name == "list_objects"]
+    assert selectors == [f"{TRIGGER_LABEL} in (alertmanager,pagerduty)", f"!{PHASE_LABEL}",
+                         f"{PHASE_LABEL} in (Failed,Interrupted,Pending,Running,WaitingApproval),"
+                         f"{TRIGGER_LABEL} in (alertmanager)", f"!{PHASE_LABEL}"]
+
+
+def test_a_source_no_label_can_name_reads_by_phase_only_and_the_spec_decides() -> None:
+    kube = FakeKube()
+    store = KubeRunStore(kube, NS)
+    store.create_run("x", {}, ["gpu-1"], source="a source with spaces")
+    kube.calls.clear()
+    assert len(store.list_runs(sources=("a source with spaces",))) == 1
+    assert [args[3] for name, args in kube.calls if name == "list_objects"] == [None]
+
+
+def test_a_new_run_and_its_first_events_cost_two_writes() -> None:
+    kube = FakeKube()
+    store = KubeRunStore(kube, NS)
+    kube.calls.clear()
+    run_id = store.create_run("x", {}, ["gpu-1"], source="alertmanager",
+                              events=[("run.requested", {"by": "alertmanager"}), ("run.note", {"mode": "auto"}),
+                                      ("run.seal", {"mac": "m"})])
+    writes = [name for name, _ in kube.calls if name in ("create_object", "replace_object")]
+    assert writes == ["create_object", "replace_object"]
+    assert [(e.seq, e.kind) for e in store.events(run_id)] == [(1, "run.requested"), (2, "run.note"), (3, "run.seal")]

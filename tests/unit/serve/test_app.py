@@ -269,10 +269,10 @@ def test_reads_can_be_protected_by_the_token_too() -> None:
 class _StoreDown(FakeRunStarter):
     broken = False
 
-    def runs(self, limit: int = 100) -> list[dict[str, object]]:
+    def runs(self, limit: int = 100, *, sources: tuple[str, ...] | None = None) -> list[dict[str, object]]:
         if self.broken:
             raise OSError("the store went away")
-        return list(super().runs(limit))
+        return list(super().runs(limit, sources=sources))
 
 
 def test_readyz_is_ready_while_the_store_answers_and_503_naming_the_cause_when_it_does_not() -> None:

@@ -155,3 +155,32 @@ def test_a_run_this_replica_planned_and_another_replica_executed_is_resumed_here
         starter._recover = [run_id]  # claimed by recover() once its executor elsewhere went silent
         leadership.win()
         assert starter.wait_until(lambda st: st.executed == [run_id, run_id], timeout=5), starter.executed
+
+
+def test_a_run_queued_at_a_replica_on_another_machine_is_the_leaders_once_that_replica_handed_it_back(
+        tmp_path: Any) -> None:
+    import sqlite3
+    from pathlib import Path
+
+    from engine.params import prepare_run
+    from engine.serve_starter import JournalRunStarter
+    from engine.settings import Settings
+
+    repo = Path(__file__).resolve().parents[3]
+
+    def replica() -> JournalRunStarter:
+        return JournalRunStarter(Settings(journal=tmp_path / "shared.sqlite", runbooks_dir=repo / "runbooks"),
+                                 shared_dedup_window=3600)
+
+    stopping, leader = replica(), replica()
+    prepared = prepare_run(stopping._runbooks["gpu-node-recovery"], {"node": "omen2"})
+    queued = stopping.service.create(prepared, None, source="alertmanager")  # pending: queued, never executed
+    other = stopping.service.create(prepare_run(stopping._runbooks["gpu-node-recovery"], {"node": "omen3"}),
+                                    None, source="alertmanager")
+    assert stopping.hand_back(queued)  # the replica stops: it gives its queued run up
+    with sqlite3.connect(tmp_path / "shared.sqlite") as db:  # both were queued at a pod on another machine
+        db.execute("UPDATE runs SET owner_host='runbook-7d9f-a' WHERE id IN (?, ?)", (queued, other))
+    assert leader.recover() == [queued]  # the handed-back one is the leader's; the other is its owner's queue
+    assert [e.kind for e in leader.journal.events(queued)].count("run.handed_back") == 1
+    stopping.service.journal.set_state(other, "failed", exit_code=1)
+    assert not stopping.hand_back(other)  # ended: nothing to hand back

@@ -55,3 +55,16 @@ def test_an_orphan_nothing_objects_to_resumes_automatically_and_its_node_stays_d
         assert "escalations" not in starter.run("r-orphan-omen2")
         again = s.post_alerts(alert("omen2", fingerprint="fp-orphan")).json()["decisions"][0]
         assert again["outcome"] == "duplicate", again
+
+
+def test_orphans_keep_their_places_in_the_rate_window_only_those_past_its_limit_wait_for_approval() -> None:
+    # A burst's queue handed back by a stopped replica: four automatic runs, created in this order,
+    # all in the window; with max_auto_runs 3 the first three had their places, the fourth had none.
+    orphans = [_orphan(f"omen{i}", state="pending") for i in range(1, 5)]
+    starter = FakeRunStarter([trigger_spec(mode="auto", matchers=('node=~"omen.*"',))], preload=orphans,
+                             recover_ids=[o["id"] for o in orphans])
+    with served(starter=starter, breaker={"max_auto_runs": 3, "max_unhealthy_nodes": 100}) as s:
+        s.idle()
+        assert sorted(starter.executed) == ["r-orphan-omen1", "r-orphan-omen2", "r-orphan-omen3", "r-orphan-omen4"]
+        assert [r for r in ("omen1", "omen2", "omen3") if "escalations" in starter.run(f"r-orphan-{r}")] == []
+        assert "automatic runs of gpu-node-recovery" in starter.run("r-orphan-omen4")["escalations"][0]

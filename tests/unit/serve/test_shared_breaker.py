@@ -22,11 +22,11 @@ class CountingStarter(FakeRunStarter):
         self.lists = 0
         self.down = False
 
-    def runs(self, limit: int = 100) -> Sequence[Mapping[str, Any]]:
+    def runs(self, limit: int = 100, *, sources: tuple[str, ...] | None = None) -> Sequence[Mapping[str, Any]]:
         if self.down:
             raise ConnectionError("the API server does not answer")
         self.lists += 1
-        return super().runs(limit)
+        return super().runs(limit, sources=sources)
 
 
 def _store(fail: Sequence[str] = ()) -> CountingStarter:
