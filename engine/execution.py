@@ -67,6 +67,7 @@ from engine.model import (
     KubeAction,
     KubeWait,
     Plan,
+    PlannedStep,
     PlanState,
     Runbook,
     RunResult,
@@ -294,7 +295,8 @@ class Executor:
             resumed = step.id == started_without_outcome
             emit("step.start", step=step.id, planned=planned.kind, why=planned.why, resumed=resumed)
             outcome = self._run_step(step, planned.kind, planned.reason, resumed, confirm_rerun,
-                                     action_finished=resumed and interrupted_action_finished)
+                                     action_finished=resumed and interrupted_action_finished,
+                                     skipped_by_plan=planned_skip_held(planned))
             outcomes.append(outcome)
             emit("step.outcome", step=step.id, status=outcome.status.value, reason=outcome.reason,
                  attempts=outcome.attempts, started_at=outcome.started_at, finished_at=outcome.finished_at,
@@ -371,12 +373,14 @@ class Executor:
         return facts
 
     def _run_step(self, step: Step, planned_kind: str, planned_reason: str, resumed: bool,
-                  confirm_rerun: ConfirmRerun | None, *, action_finished: bool = False) -> StepOutcome:
+                  confirm_rerun: ConfirmRerun | None, *, action_finished: bool = False,
+                  skipped_by_plan: bool = False) -> StepOutcome:
         started = self.wall()
         attempts = 0
         try:
             status, reason, evidence, attempts = self._step_body(step, planned_kind, planned_reason, resumed,
-                                                                 confirm_rerun, action_finished)
+                                                                 confirm_rerun, action_finished,
+                                                                 skipped_by_plan=skipped_by_plan)
         except _StepEnd as end:
             status, reason, evidence, attempts = end.status, end.reason, end.evidence, end.attempts
         except LockLost as e:  # the fence refused the action: nothing was done, the run stops
@@ -386,8 +390,8 @@ class Executor:
                            finished_at=self.wall(), evidence=jsonable(evidence))
 
     def _step_body(self, step: Step, planned_kind: str, planned_reason: str, resumed: bool,
-                   confirm_rerun: ConfirmRerun | None,
-                   action_finished: bool = False) -> tuple[StepStatus, str, dict[str, Any], int]:
+                   confirm_rerun: ConfirmRerun | None, action_finished: bool = False, *,
+                   skipped_by_plan: bool = False) -> tuple[StepStatus, str, dict[str, Any], int]:
         params = self._params
         probes = chk.required_probes([*step.skip_if, *step.guards], params)
         if isinstance(step.action, KubeAction) and not isinstance(step.action.kube, KubeWait):
@@ -423,10 +427,14 @@ class Executor:
                 if not confirm_rerun(step.id, why):
                     return StepStatus.CANCELLED, "re-run of a non-idempotent step refused", evidence, 0
 
-        if planned_kind == "no-op" and isinstance(step.action, CheckAction) and not step.skip_if:
+        if planned_kind == "no-op" and isinstance(step.action, CheckAction) and not skipped_by_plan:
             # A check step is a no-op when its verify already held at plan time: it only waits and
             # changes nothing, so it is re-checked live (no waiting): still holds -> skipped; no longer
             # holds -> it waits for its verify like a planned wait (there is nothing to improvise).
+            # Why the plan's no-op reason decides, not whether the step has a skip_if: a check step
+            # with a skip_if that did not hold at plan time (gpu-fallen-off-bus's gpus-back after the
+            # reboot: "not a repeat") was planned a no-op by its verify, and its skip_if not holding
+            # live is no news; only a no-op the plan took from its skip_if is refused once that changed.
             if self._verify_all(step, None, wait=False) is None:
                 return StepStatus.SKIPPED, planned_reason, evidence, 0
         elif planned_kind == "no-op":
@@ -832,3 +840,7 @@ def _playbook_error(result: PlaybookResult) -> str:
         parts.append(f"playbook {result.status} (rc {result.rc})")
     return "; ".join(parts)
 
+
+def planned_skip_held(planned: PlannedStep) -> bool:
+    """Whether the plan made this step a no-op because every one of its ``skip_if`` held."""
+    return planned.kind == "no-op" and bool(planned.skip_if) and all(e.holds is True for e in planned.skip_if)
