@@ -761,8 +761,8 @@ class Executor:
 
             def predicate(node: NodeFacts | None) -> bool:
                 nf = node if node is not None else NodeFacts(name=self._node, exists=False)
-                r = chk.evaluate(v.check, Facts(node_name=self._node, node=nf, host=fixed_host), params,
-                                 baseline=self._baseline)
+                r = chk.evaluate(v.check, Facts(node_name=self._node, node=nf, host=fixed_host,
+                                                gathered_at=self.wall()), params, baseline=self._baseline)
                 seen.append(r)
                 return r.holds is True
 
@@ -783,8 +783,8 @@ class Executor:
                 if seen:
                     last = seen[-1]
                 elif node is not None:
-                    last = chk.evaluate(v.check, Facts(node_name=self._node, node=node, host=fixed_host), params,
-                                        baseline=self._baseline)
+                    last = chk.evaluate(v.check, Facts(node_name=self._node, node=node, host=fixed_host,
+                                                       gathered_at=self.wall()), params, baseline=self._baseline)
                 report(last, "watch")
                 if ok:
                     return done(True, False)

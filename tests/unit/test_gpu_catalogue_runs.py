@@ -117,3 +117,94 @@ def test_a_check_step_the_plan_skipped_by_its_skip_if_is_still_refused_once_that
     result = executor.execute(plan, rb, values)
     assert result.state is RunState.BLOCKED
     assert "live facts show work is needed" in result.outcomes[0].reason
+
+
+# -- the Xid 79 repeat window, on a fake clock ------------------------------------------------------
+
+AT = "runbook.io/gpu-fallen-off-bus-at"
+HOUR = 3600.0
+
+
+def lost(slot: str) -> HostFacts:
+    from engine.facts import XidEvent
+
+    line = f"NVRM: Xid (PCI:0000:{slot[:5]}): 79, GPU has fallen off the bus."
+    return quad_host(GpuHealth(smi_rc=15, lost=(slot,), xids=(XidEvent(slot, 79, line),)))
+
+
+def first_loss(clock: FakeClock) -> tuple[FakeKube, FakeNodes, RunResult]:
+    rb = load_runbook(default_runbooks_dir() / "gpu-fallen-off-bus.yaml")
+    kube = FakeKube([quad_node(allocatable=3)], clock=clock)
+    nodes = FakeNodes({NODE: lost("02:00.0")}, clock=clock)
+    _, result = execute(rb, kube, nodes, clock, {"gpu_check_timeout": 1})
+    return kube, nodes, result
+
+
+def test_the_first_loss_records_the_gpu_and_the_time_of_the_clock() -> None:
+    clock = FakeClock()
+    kube, _, result = first_loss(clock)
+    assert outcomes(result)["record-lost-gpu"] is StepStatus.SUCCEEDED
+    assert outcomes(result)["gpus-back"] is StepStatus.TIMED_OUT  # the GPU is not back: escalate
+    recorded = kube.nodes[NODE].annotations
+    assert recorded[KEY] == "02:00.0 Xid 79"
+    written = datetime.fromisoformat(recorded[AT].replace("Z", "+00:00")).timestamp()
+    assert abs(written - clock.wall()) < 10  # the run's own (fake) time, not this machine's
+
+
+def repeat_after(hours: float, window: str | None = None) -> tuple[FakeKube, RunResult]:
+    """The first loss, then (the GPU back, the node uncordoned) another GPU lost ``hours`` later."""
+    clock = FakeClock()
+    kube, nodes, _ = first_loss(clock)
+    recorded = dict(kube.nodes[NODE].annotations)
+    clock.advance_to(clock.t + hours * HOUR)
+    kube.set_node(quad_node(allocatable=3, annotations={k: v for k, v in recorded.items()
+                                                         if k != "runbook.io/cordoned-by"}))
+    nodes.set_facts(NODE, lost("41:00.0"))
+    rb = load_runbook(default_runbooks_dir() / "gpu-fallen-off-bus.yaml")
+    params: dict[str, Any] = {"gpu_check_timeout": 1} | ({"repeat_window": window} if window else {})
+    _, result = execute(rb, kube, nodes, clock, params)
+    return kube, result
+
+
+def test_a_second_loss_within_the_window_cordons_and_says_contact_support() -> None:
+    kube, result = repeat_after(hours=30)
+    assert result.state is RunState.SUCCEEDED, result.reason
+    got = outcomes(result)
+    assert (got["cordon"], got["record-lost-gpu"], got["gpus-back"], got["uncordon"]) == (
+        StepStatus.SUCCEEDED, StepStatus.SKIPPED, StepStatus.SKIPPED, StepStatus.SKIPPED)
+    assert "hardware: contact support" in result.report and "02:00.0 Xid 79 at " in result.report
+    assert kube.nodes[NODE].unschedulable is True
+
+
+def test_a_second_loss_after_the_window_is_a_new_loss_recorded_anew_and_escalated() -> None:
+    kube, result = repeat_after(hours=200)  # the default window is 168h
+    got = outcomes(result)
+    assert (got["record-lost-gpu"], got["gpus-back"]) == (StepStatus.SUCCEEDED, StepStatus.TIMED_OUT)
+    assert "contact support" not in result.report
+    assert kube.nodes[NODE].annotations[KEY] == "41:00.0 Xid 79"  # the new loss, with its own time
+
+
+def test_the_window_is_a_param() -> None:
+    _, short = repeat_after(hours=2, window="1h")
+    assert outcomes(short)["record-lost-gpu"] is StepStatus.SUCCEEDED and "contact support" not in short.report
+    _, long = repeat_after(hours=300, window="720h")
+    assert outcomes(long)["gpus-back"] is StepStatus.SKIPPED and "hardware: contact support" in long.report
+
+
+def test_node_annotation_time_judges_the_record_against_the_facts_time() -> None:
+    from pydantic import TypeAdapter
+
+    from engine.checks import Check, evaluate
+    from engine.facts import Facts
+
+    chk = TypeAdapter(Check).validate_python({"node_annotation_time": {"key": AT, "within": "2h"}})
+    t0 = datetime(2026, 12, 7, 12, 0, tzinfo=UTC).timestamp()
+    node = quad_node(annotations={AT: "2026-12-07T12:00:00Z"})
+
+    def at(seconds: float, n: NodeFacts = node) -> bool | None:
+        return evaluate(chk, Facts(node_name=NODE, node=n, gathered_at=t0 + seconds)).holds
+
+    assert (at(0), at(2 * HOUR), at(2 * HOUR + 1), at(-60)) == (True, True, False, True)
+    assert at(0, quad_node()) is False  # no record
+    assert at(0, quad_node(annotations={AT: "last tuesday"})) is None  # not a time: unknown, fails closed
+    assert evaluate(chk, Facts(node_name=NODE, node=node)).holds is None  # no time of the facts
