@@ -78,7 +78,7 @@ from engine.model import (
     Verify,
     parse_duration,
 )
-from engine.planning import jsonable, render_text, verify_timeout
+from engine.planning import NOTHING_TO_DO, jsonable, render_text, verify_timeout
 from engine.probes import gather_probes
 
 
@@ -427,7 +427,12 @@ class Executor:
                 if not confirm_rerun(step.id, why):
                     return StepStatus.CANCELLED, "re-run of a non-idempotent step refused", evidence, 0
 
-        if planned_kind == "no-op" and isinstance(step.action, CheckAction) and not skipped_by_plan:
+        check_noop = planned_kind == "no-op" and isinstance(step.action, CheckAction)
+        if check_noop and planned_reason.startswith(NOTHING_TO_DO):
+            # The plan found nothing to do (a nothing_to_do precondition): a check step changes nothing and
+            # has nothing to verify in a run that did nothing; waiting for it would only fail that run.
+            return StepStatus.SKIPPED, planned_reason, evidence, 0
+        if check_noop and not skipped_by_plan:
             # A check step is a no-op when its verify already held at plan time: it only waits and
             # changes nothing, so it is re-checked live (no waiting): still holds -> skipped; no longer
             # holds -> it waits for its verify like a planned wait (there is nothing to improvise).

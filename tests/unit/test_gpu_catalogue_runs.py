@@ -208,3 +208,17 @@ def test_node_annotation_time_judges_the_record_against_the_facts_time() -> None
     assert at(0, quad_node()) is False  # no record
     assert at(0, quad_node(annotations={AT: "last tuesday"})) is None  # not a time: unknown, fails closed
     assert evaluate(chk, Facts(node_name=NODE, node=node)).holds is None  # no time of the facts
+
+
+def test_a_node_with_no_lost_gpu_has_nothing_to_do_and_its_check_step_does_not_wait() -> None:
+    # nothing lost, not cordoned: nothing to do, even while the device plugin withholds a GPU (another
+    # runbook's fault); gpus-back must not wait its 180 s for allocatable and fail the run
+    rb = load_runbook(default_runbooks_dir() / "gpu-fallen-off-bus.yaml")
+    clock = FakeClock()
+    kube = FakeKube([quad_node(allocatable=3)], clock=clock)
+    nodes = FakeNodes({NODE: quad_host(GpuHealth(smi_rc=0))}, clock=clock)
+    start = clock.t
+    state, result = execute(rb, kube, nodes, clock)
+    assert state is PlanState.NOTHING_TO_DO
+    assert result.state is RunState.SUCCEEDED and set(outcomes(result).values()) == {StepStatus.SKIPPED}
+    assert outcomes(result)["gpus-back"] is StepStatus.SKIPPED and clock.t - start < 5
