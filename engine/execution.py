@@ -66,6 +66,7 @@ from engine.model import (
     CheckAction,
     KubeAction,
     Plan,
+    PlannedStep,
     PlanState,
     Runbook,
     RunResult,
@@ -76,7 +77,7 @@ from engine.model import (
     Verify,
     parse_duration,
 )
-from engine.planning import jsonable, render_text, verify_timeout
+from engine.planning import NOTHING_TO_DO, jsonable, render_text, verify_timeout
 from engine.probes import gather_probes
 
 
@@ -293,7 +294,8 @@ class Executor:
             resumed = step.id == started_without_outcome
             emit("step.start", step=step.id, planned=planned.kind, why=planned.why, resumed=resumed)
             outcome = self._run_step(step, planned.kind, planned.reason, resumed, confirm_rerun,
-                                     action_finished=resumed and interrupted_action_finished)
+                                     action_finished=resumed and interrupted_action_finished,
+                                     skipped_by_plan=planned_skip_held(planned))
             outcomes.append(outcome)
             emit("step.outcome", step=step.id, status=outcome.status.value, reason=outcome.reason,
                  attempts=outcome.attempts, started_at=outcome.started_at, finished_at=outcome.finished_at,
@@ -370,12 +372,14 @@ class Executor:
         return facts
 
     def _run_step(self, step: Step, planned_kind: str, planned_reason: str, resumed: bool,
-                  confirm_rerun: ConfirmRerun | None, *, action_finished: bool = False) -> StepOutcome:
+                  confirm_rerun: ConfirmRerun | None, *, action_finished: bool = False,
+                  skipped_by_plan: bool = False) -> StepOutcome:
         started = self.wall()
         attempts = 0
         try:
             status, reason, evidence, attempts = self._step_body(step, planned_kind, planned_reason, resumed,
-                                                                 confirm_rerun, action_finished)
+                                                                 confirm_rerun, action_finished,
+                                                                 skipped_by_plan=skipped_by_plan)
         except _StepEnd as end:
             status, reason, evidence, attempts = end.status, end.reason, end.evidence, end.attempts
         except LockLost as e:  # the fence refused the action: nothing was done, the run stops
@@ -385,8 +389,8 @@ class Executor:
                            finished_at=self.wall(), evidence=jsonable(evidence))
 
     def _step_body(self, step: Step, planned_kind: str, planned_reason: str, resumed: bool,
-                   confirm_rerun: ConfirmRerun | None,
-                   action_finished: bool = False) -> tuple[StepStatus, str, dict[str, Any], int]:
+                   confirm_rerun: ConfirmRerun | None, action_finished: bool = False, *,
+                   skipped_by_plan: bool = False) -> tuple[StepStatus, str, dict[str, Any], int]:
         params = self._params
         probes = chk.required_probes([*step.skip_if, *step.guards], params)
         if isinstance(step.action, KubeAction) and step.action.kube.READS_NODE:
@@ -422,10 +426,19 @@ class Executor:
                 if not confirm_rerun(step.id, why):
                     return StepStatus.CANCELLED, "re-run of a non-idempotent step refused", evidence, 0
 
-        if planned_kind == "no-op" and isinstance(step.action, CheckAction) and not step.skip_if:
+        check_noop = planned_kind == "no-op" and isinstance(step.action, CheckAction)
+        if check_noop and planned_reason.startswith(NOTHING_TO_DO):
+            # The plan found nothing to do (a nothing_to_do precondition): a check step changes nothing and
+            # has nothing to verify in a run that did nothing; waiting for it would only fail that run.
+            return StepStatus.SKIPPED, planned_reason, evidence, 0
+        if check_noop and not skipped_by_plan:
             # A check step is a no-op when its verify already held at plan time: it only waits and
             # changes nothing, so it is re-checked live (no waiting): still holds -> skipped; no longer
             # holds -> it waits for its verify like a planned wait (there is nothing to improvise).
+            # Why the plan's no-op reason decides, not whether the step has a skip_if: a check step
+            # with a skip_if that did not hold at plan time (gpu-fallen-off-bus's gpus-back after the
+            # reboot: "not a repeat") was planned a no-op by its verify, and its skip_if not holding
+            # live is no news; only a no-op the plan took from its skip_if is refused once that changed.
             if self._verify_all(step, None, wait=False) is None:
                 return StepStatus.SKIPPED, planned_reason, evidence, 0
         elif planned_kind == "no-op":
@@ -752,8 +765,8 @@ class Executor:
 
             def predicate(node: NodeFacts | None) -> bool:
                 nf = node if node is not None else NodeFacts(name=self._node, exists=False)
-                r = chk.evaluate(v.check, Facts(node_name=self._node, node=nf, host=fixed_host), params,
-                                 baseline=self._baseline)
+                r = chk.evaluate(v.check, Facts(node_name=self._node, node=nf, host=fixed_host,
+                                                gathered_at=self.wall()), params, baseline=self._baseline)
                 seen.append(r)
                 return r.holds is True
 
@@ -774,8 +787,8 @@ class Executor:
                 if seen:
                     last = seen[-1]
                 elif node is not None:
-                    last = chk.evaluate(v.check, Facts(node_name=self._node, node=node, host=fixed_host), params,
-                                        baseline=self._baseline)
+                    last = chk.evaluate(v.check, Facts(node_name=self._node, node=node, host=fixed_host,
+                                                       gathered_at=self.wall()), params, baseline=self._baseline)
                 report(last, "watch")
                 if ok:
                     return done(True, False)
@@ -831,3 +844,7 @@ def _playbook_error(result: PlaybookResult) -> str:
         parts.append(f"playbook {result.status} (rc {result.rc})")
     return "; ".join(parts)
 
+
+def planned_skip_held(planned: PlannedStep) -> bool:
+    """Whether the plan made this step a no-op because every one of its ``skip_if`` held."""
+    return planned.kind == "no-op" and bool(planned.skip_if) and all(e.holds is True for e in planned.skip_if)

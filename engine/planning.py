@@ -251,7 +251,7 @@ class _Planner:
             return PlannedStep(kind="no-op", summary=f"no-op: {reason}", reason=reason, **base)
 
         if nothing_to_do is not None:
-            return noop(f"nothing to do: {nothing_to_do}")
+            return noop(f"{NOTHING_TO_DO}{nothing_to_do}")
         if skip and all(r.holds is True for r in skip):
             return noop("already done: " + "; ".join(r.observed for r in skip))
         if problems:
@@ -327,6 +327,11 @@ def _with_node(facts: Facts, node: Any) -> Facts:
     from dataclasses import replace
 
     return replace(facts, node=node)
+
+
+# The reason of every step's no-op when a ``nothing_to_do`` precondition does not hold (execution
+# reads it: a check step of such a plan is skipped, not verified).
+NOTHING_TO_DO = "nothing to do: "
 
 
 def jsonable(value: Any) -> Any:

@@ -33,6 +33,7 @@ import re
 import sys
 import time
 from collections.abc import Callable, Mapping
+from datetime import UTC, datetime
 from types import FrameType, MappingProxyType
 from typing import Any
 
@@ -56,10 +57,11 @@ _MAX_REPEAT = 100_000
 _MAX_EXPONENT = 1000
 _MAX_POWER_BITS = 100_000
 _TEMPLATE_CODE = "<template>"  # the file name Jinja gives code compiled from strings
-FACT_ROOTS = frozenset({"node_name", "node", "host", "objects", "errors"})
+FACT_ROOTS = frozenset({"node_name", "node", "host", "objects", "errors", "now"})
 BASELINE_ROOTS = frozenset({"node_name", "node", "host", "errors"})  # objects are not kept in plans
 # Readings that change on their own (journal lines): never recorded as what a plan depends on.
-VOLATILE_KEYS = frozenset({"journal_tail"})
+# ``now`` (when the facts were gathered) is the clock's: a record of a time, never a fact a plan depends on.
+VOLATILE_KEYS = frozenset({"journal_tail", "now"})
 
 
 class TemplateError(RunbookError):
@@ -520,6 +522,10 @@ def facts_data(facts: Facts | None) -> dict[str, Any]:
         "host": host,
         "objects": {k: [_plain(o) for o in v] for k, v in facts.objects.items()},
         "errors": [{"probe": e.probe, "message": e.message} for e in facts.errors],
+        # when these facts were gathered (the injected clock), RFC 3339 UTC: what a runbook writes
+        # into a record (gpu-fallen-off-bus's runbook.io/gpu-fallen-off-bus-at); None when unknown
+        "now": (datetime.fromtimestamp(facts.gathered_at, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+                if facts.gathered_at else None),
     }
 
 

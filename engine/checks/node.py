@@ -10,6 +10,7 @@ Pure: no I/O.
 from __future__ import annotations
 
 from dataclasses import replace
+from datetime import UTC, datetime
 from decimal import Decimal
 from types import MappingProxyType
 from typing import Annotated, Any, ClassVar, Literal
@@ -30,6 +31,7 @@ from engine.checkkind import (
     unknown,
 )
 from engine.facts import Condition, Facts, HostFacts, NodeFacts, Taint
+from engine.model import Duration, parse_duration
 from engine.resources import parse_quantity
 
 
@@ -160,6 +162,68 @@ class NodeLabelCheck(NodeCheck):
         else:
             labels.setdefault(s.key, "")
         return node.with_labels(labels)
+
+
+class AnnotationTimeSpec(FormatModel):
+    key: str = Field(min_length=1)  # an annotation holding an RFC 3339 time (``{{ facts.now }}`` wrote it)
+    within: Duration  # "168h": the time is at most this long before the facts were gathered
+    # Read the annotation as the plan found it (``Plan.baseline``), not live: a record the run itself
+    # (re)writes must not count as an earlier one.
+    baseline: bool = False
+
+
+def parse_time(text: str) -> datetime | None:
+    """An RFC 3339 time (``2026-12-07T14:00:00Z``) as an aware datetime; None when it is not one."""
+    try:
+        t = datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return t if t.tzinfo is not None else t.replace(tzinfo=UTC)
+
+
+@register_check
+class NodeAnnotationTimeCheck(CheckKind):
+    """Whether a node annotation records a time within a window before now (the facts' gathering time,
+    from the injected clock): "this node lost a GPU less than 7 days ago" (gpu-fallen-off-bus)."""
+
+    KEY: ClassVar[str] = "node_annotation_time"
+    READS: ClassVar[Reads] = "node"
+    node_annotation_time: AnnotationTimeSpec
+
+    def describe(self) -> str:
+        s = self.node_annotation_time
+        return f"annotation {s.key}{' (at plan time)' if s.baseline else ''} records a time within {s.within}"
+
+    def uses_baseline(self) -> bool:
+        return self.node_annotation_time.baseline
+
+    def evaluate(self, facts: Facts, env: Env) -> CheckResult:
+        s = self.node_annotation_time
+        if s.baseline:
+            node = (env.baseline or {}).get("node")
+            if not env.baseline or node is None:
+                return CheckResult(None, "no plan-time node facts (baseline) to read the record from",
+                                   {"error": "no baseline"})
+            value, where = (node.get("annotations") or {}).get(s.key), f"baseline.node.annotations[{s.key}]"
+        else:
+            if facts.node is None:
+                return unknown("node", facts, NODE)
+            value, where = facts.node.annotations.get(s.key), f"node.annotations[{s.key}]"
+        if not facts.gathered_at:
+            return CheckResult(None, "the time of the facts is unknown", {"error": "no gathering time"})
+        if value is None:
+            return result(False, f"no annotation {s.key}", {where: None})
+        t = parse_time(str(value))
+        if t is None:
+            return CheckResult(None, f"annotation {s.key}={value!r} is not an RFC 3339 time",
+                               {"error": "not a time"}, {where: value})
+        age = facts.gathered_at - t.timestamp()
+        window = parse_duration(s.within)
+        # a record "from the future" (clock skew between writers) counts as recent
+        holds = age <= window
+        ago = f"{age / 3600:.1f}h ago" if age >= 0 else "in the future"
+        return result(holds, f"annotation {s.key}={value} ({ago}; window {s.within})", {where: value},
+                      age_seconds=round(age, 3), window_seconds=window)
 
 
 class NodeTaintSpec(FormatModel):

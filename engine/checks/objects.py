@@ -40,6 +40,9 @@ class ObjectsSpec(FormatModel):
     resource: str | None = None  # only objects asking for this extended resource (pods, VMs, VMIs)
     field: str | None = None  # dotted path into each object; all listed objects match when omitted
     equals: str | int | bool | None = None
+    # more field = value conditions, all of which one object must meet to be counted (the device
+    # plugin pod on THIS node that crash-loops: ``spec.nodeName`` and a waiting reason together)
+    where: dict[str, str | int | bool] = Field(default_factory=dict)
     count: int | None = Field(default=None, ge=0)
     min: int | None = Field(default=None, ge=0)
     max: int | None = Field(default=None, ge=0)
@@ -65,7 +68,14 @@ class ObjectsSpec(FormatModel):
         """Whether a listed object is one of the objects counted."""
         if self.resource and not asks_for(obj, self.resource):
             return False
-        return self.field is None or field_value(obj, self.field) == self.equals
+        if self.field is not None and field_value(obj, self.field) != self.equals:
+            return False
+        return all(field_value(obj, path) == want for path, want in self.where.items())
+
+    def conditions(self, sep: str = " = ") -> str:
+        """`` with a = b and c = d``: the field conditions, for descriptions; "" without any."""
+        pairs = ([(self.field, self.equals)] if self.field else []) + list(self.where.items())
+        return " with " + " and ".join(f"{k}{sep}{v}" for k, v in pairs) if pairs else ""
 
 
 def field_value(obj: Mapping[str, Any], path: str) -> Any:
@@ -94,7 +104,7 @@ class ObjectsCheck(CheckKind):
 
     def describe(self) -> str:
         s = self.objects
-        where = f" with {s.field} = {s.equals}" if s.field else ""
+        where = s.conditions()
         ns = f" in {s.namespace}" if s.namespace else ""
         sel = f" matching {s.selector}" if s.selector else ""
         if s.resource:
@@ -131,7 +141,7 @@ class ObjectsCheck(CheckKind):
         else:
             lo = s.min if s.min is not None else (0 if s.max is not None else 1)
             holds = n >= lo and (s.max is None or n <= s.max)
-        where = (f" asking for {s.resource}" if s.resource else "") + (f" with {s.field}={s.equals}" if s.field else "")
+        where = (f" asking for {s.resource}" if s.resource else "") + s.conditions("=")
         observed = f"{n} of {len(objs)} {s.kind}{where}"
         if matching:
             observed += ": " + ", ".join(_name(o) for o in matching[:5]) + (" ..." if n > 5 else "")

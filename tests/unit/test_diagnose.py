@@ -78,8 +78,8 @@ def test_the_packaged_catalogue_loads_and_names_three_causes() -> None:
     assert CATALOGUE_PROBLEMS == []
     # (the GPU catalogue's causes: tests/unit/test_diagnose_gpu_faults.py)
     assert {rb.name: rb.diagnosis.cause.id for rb in CATALOGUE if rb.diagnosis}.items() >= {
-        "gpu-node-recovery": "swap", "containerd-recovery": "containerd-down",
-        "kubelet-client-cert-expired": "kubelet-client-cert-expired"}.items()
+        "gpu-node-recovery": "swap", "containerd-recovery": "containerd",
+        "kubelet-client-cert-expired": "kubelet-cert-expired"}.items()
 
 
 def test_the_incident_is_explained_as_swap_with_the_recovery_command() -> None:
@@ -106,7 +106,7 @@ def test_swap_already_off_but_refused_in_the_journal_is_still_swap() -> None:
 def test_containerd_down_names_containerd_recovery_and_not_swap() -> None:
     host = with_containerd(make_host("gpu-3090-2", kubelet="activating", journal=CRI_ERROR), "failed")
     d = diagnose("gpu-3090-2", make_node("gpu-3090-2", ready=False), host)
-    assert d.cause == "containerd-down" and d.runbook == "containerd-recovery" and d.confidence == "high"
+    assert d.cause == "containerd" and d.runbook == "containerd-recovery" and d.confidence == "high"
     assert d.fix == "runbook run containerd-recovery --node gpu-3090-2"
     assert "containerd-recovery" in render_text(d) and "+ containerd-not-running" in render_text(d)
 
@@ -128,7 +128,7 @@ def test_a_swap_refusal_excludes_containerd_even_with_containerd_down() -> None:
 def test_an_expired_client_certificate_names_its_runbook() -> None:
     host = with_containerd(make_host("gpu-3090-3", kubelet="activating", journal=CERT_ERROR), "active")
     d = diagnose("gpu-3090-3", make_node("gpu-3090-3", ready=False), host)
-    assert d.cause == "kubelet-client-cert-expired" and d.confidence == "high"
+    assert d.cause == "kubelet-cert-expired" and d.confidence == "high"
     assert d.fix == "runbook run kubelet-client-cert-expired --node gpu-3090-3"
 
 

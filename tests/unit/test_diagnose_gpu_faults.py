@@ -159,3 +159,29 @@ steps:
     with pytest.raises(LoadError) as e:
         parse_runbook(text.encode(), "r.yaml")
     assert "r.yaml:9: diagnoses[0].cause.id: cause 'c' is declared twice" in str(e.value)
+
+
+def plugin_pod(node: str, reason: str) -> dict[str, object]:
+    return {"metadata": {"namespace": "gpu-operator", "name": f"nvidia-device-plugin-{node}",
+                         "labels": {"app": "nvidia-device-plugin-daemonset"}},
+            "spec": {"nodeName": node},
+            "status": {"containerStatuses": [{"name": "plugin", "state": {"waiting": {"reason": reason}}}]}}
+
+
+def test_the_device_plugin_crash_loop_counts_only_for_the_plugin_pod_of_that_node() -> None:
+    from engine.checkkind import ObjectsQuery
+
+    key = ObjectsQuery("v1", "pods", "gpu-operator", "app=nvidia-device-plugin-daemonset").key
+    node, host = quad_node(allocatable=0), quad_host()
+
+    def with_pods(*pods: dict[str, object]) -> Diagnosis:
+        return explain(Facts(node_name=node.name, node=node, host=host, objects={key: pods}), CATALOGUE,
+                       fleet=FLEET)
+
+    elsewhere = with_pods(plugin_pod("gpu-other", "CrashLoopBackOff"), plugin_pod("gpu-quad", "ContainerCreating"))
+    assert (elsewhere.cause, elsewhere.confidence) == ("device-plugin", "low")  # another node's crash loop
+    here = with_pods(plugin_pod("gpu-other", "ContainerCreating"), plugin_pod("gpu-quad", "CrashLoopBackOff"))
+    assert (here.cause, here.confidence) == ("device-plugin", "high")
+    (looping,) = [e for e in here.matches[0].evidence if e.id == "plugin-crash-looping"]
+    assert looping.holds is True and "gpu-operator/nvidia-device-plugin-gpu-quad" in looping.observed
+    assert "spec.nodeName=gpu-quad" in looping.observed

@@ -35,8 +35,8 @@ def plan(name: str, h: HostFacts, n: NodeFacts | None = None, **params: Any) -> 
     rb = load_runbook(default_runbooks_dir() / f"{name}.yaml")
     values = {k: p.default for k, p in rb.params.items() if p.default is not None}
     values.update(node="gpu-quad", **params)
-    return plan_run(rb, values, Facts(node_name="gpu-quad", node=n or node(), host=h), runbook_digest="f" * 64,
-                    now=NOW)
+    return plan_run(rb, values, Facts(node_name="gpu-quad", node=n or node(), host=h, gathered_at=NOW.timestamp()),
+                    runbook_digest="f" * 64, now=NOW)
 
 
 XID48 = GpuHealth(smi_rc=0, xids=(XidEvent("02:00.0", 48),))
@@ -87,7 +87,8 @@ def test_a_lost_gpu_plans_cordon_record_and_a_check_that_escalates() -> None:
 
 def test_a_repeat_cordons_only_and_leaves_the_node_cordoned() -> None:
     lost = GpuHealth(smi_rc=15, lost=("41:00.0",), xids=(XidEvent("41:00.0", 79),))
-    recorded = replace(node(), annotations=MappingProxyType({KEY: "02:00.0 Xid 79"}))
+    recorded = replace(node(), annotations=MappingProxyType({KEY: "02:00.0 Xid 79",
+                                                             KEY + "-at": "2026-12-02T08:00:00Z"}))  # a day ago
     p = plan("gpu-fallen-off-bus", host(lost), recorded)
     assert p.state is PlanState.READY, p.blocked_reasons
     assert {s.id: s.kind for s in p.steps} == {"cordon": "change", "evict-gpu-pods": "change",

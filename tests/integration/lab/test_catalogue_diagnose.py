@@ -37,8 +37,8 @@ def test_diagnose_all_names_every_sick_node_with_its_runbook_and_command_read_on
     assert found == {
         "omen2": ("swap", "gpu-node-recovery", "runbook run gpu-node-recovery --node omen2"),
         "gpu-3090-1": ("swap", "gpu-node-recovery", "runbook run gpu-node-recovery --node gpu-3090-1"),
-        "gpu-3090-2": ("containerd-down", "containerd-recovery", "runbook run containerd-recovery --node gpu-3090-2"),
-        "gpu-3090-3": ("kubelet-client-cert-expired", "kubelet-client-cert-expired",
+        "gpu-3090-2": ("containerd", "containerd-recovery", "runbook run containerd-recovery --node gpu-3090-2"),
+        "gpu-3090-3": ("kubelet-cert-expired", "kubelet-client-cert-expired",
                        "runbook run kubelet-client-cert-expired --node gpu-3090-3"),
     }
     assert all(d["state"].startswith("NotReady") and d["confidence"] == "high" for d in doc["nodes"])
@@ -46,7 +46,7 @@ def test_diagnose_all_names_every_sick_node_with_its_runbook_and_command_read_on
     table = runbook(sh, "diagnose --all")
     assert table.returncode == 0, table.stdout + table.stderr
     rows = {ln.split()[0]: ln.split() for ln in table.stdout.splitlines()[1:]}
-    assert rows["gpu-3090-2"][2:5] == ["containerd-down", "containerd-recovery", "high"]
+    assert rows["gpu-3090-2"][2:5] == ["containerd", "containerd-recovery", "high"]
     assert set(rows) == set(GPU_NODES)  # the Ready nodes are not listed
     picked = json.loads(runbook(sh, "diagnose -l nvidia.com/gpu.workload.config=vm-passthrough -o json").stdout)
     assert [(d["node"], d["cause"]) for d in picked["nodes"]] == [("omen2", "swap")]
@@ -64,7 +64,7 @@ def test_diagnose_a_healthy_node_says_nothing_is_wrong(incident: Any, sh: Any) -
 def test_diagnose_one_node_shows_the_matched_evidence_of_containerd_down(incident: Any, sh: Any) -> None:
     r = runbook(sh, "diagnose --node gpu-3090-2")
     assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.startswith("node gpu-3090-2: root cause: containerd-down")
+    assert r.stdout.startswith("node gpu-3090-2: root cause: containerd")
     assert "+ containerd-not-running (required)" in r.stdout and "+ kubelet-cannot-reach-cri" in r.stdout
     assert "fix: runbook run containerd-recovery --node gpu-3090-2" in r.stdout
 

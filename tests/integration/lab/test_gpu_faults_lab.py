@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from engine.lab.assets import find_assets
+from engine.lab.controlplane import ControlPlane
 from engine.lab.hoststate import HostState
 from engine.lab.manager import Lab
 from engine.lab.nodehosts import node_host_prerequisite_problems
@@ -110,6 +111,26 @@ def mutating_calls(flab: Lab, since: int) -> list[tuple[str, list[str]]]:
     return [(c["cmd"], c["argv"]) for c in host(flab).calls()[since:]]
 
 
+def plane(flab: Lab) -> ControlPlane:
+    return ControlPlane.from_state(flab.record()["controlplane_dir"])
+
+
+def api_changes(flab: Lab, mark: int) -> list[str]:
+    """The engine's writes to the API server since ``mark`` (the audit log), but a run's own bookkeeping
+    (its node Lease, its Events): what a second run must not do."""
+    return [f"{e['verb']} {e['requestURI']}" for e in plane(flab).mutations(mark)
+            if "/leases" not in e["requestURI"] and "/events" not in e["requestURI"]]
+
+
+def assert_second_run_changes_nothing(flab: Lab, fsh: Any, args: str, journal: Path) -> None:
+    """Done when: running it again changes nothing (no host call, no API write), every step skipped."""
+    calls, mark = len(host(flab).calls()), plane(flab).audit_mark()
+    again = run_json(fsh, args, journal)
+    assert again["state"] == "succeeded" and all(o["status"] == "skipped" for o in again["outcomes"]), again
+    assert mutating_calls(flab, calls) == []
+    assert api_changes(flab, mark) == []
+
+
 def test_inject_lists_every_fault_and_refuses_bad_input(flab: Lab, fsh: Any) -> None:
     listing = runbook(fsh, "lab inject --list")
     assert listing.returncode == 0, listing.stderr
@@ -142,10 +163,7 @@ def test_xid48_resets_only_its_gpu_and_every_other_gpus_job_lives(flab: Lab, fsh
     assert allocatable(fsh) == "4"
     assert diagnose(fsh)["cause"] == "healthy"
 
-    calls = len(host(flab).calls())
-    again = run_json(fsh, "gpu-reset -p gpu=02:00.0", journal)
-    assert again["state"] == "succeeded" and all(o["status"] == "skipped" for o in again["outcomes"]), again
-    assert mutating_calls(flab, calls) == []
+    assert_second_run_changes_nothing(flab, fsh, "gpu-reset -p gpu=02:00.0", journal)
 
 
 @pytest.mark.timeout(900)
@@ -166,6 +184,7 @@ def test_a_pending_remap_waits_for_its_gpus_job_then_the_reset_applies_it(flab: 
     assert jobs(flab) == survivor and allocatable(fsh) == "4"
     state = host(flab).read()["gpu_health"]["41:00.0"]
     assert "remap_pending" not in state and state["rows_remapped"] == 1
+    assert_second_run_changes_nothing(flab, fsh, "gpu-reset -p gpu=41:00.0", journal)
     assert runbook(fsh, f"lab job start {NODE} --gpu 41:00.0").returncode == 0
 
 
@@ -182,8 +201,7 @@ def test_a_crash_looping_device_plugin_is_restarted_until_every_gpu_is_allocatab
     result = run_json(fsh, "device-plugin-restart", journal)
     assert outcome(result, "restart-device-plugin") == "succeeded"
     assert allocatable(fsh) == "4" and jobs(flab) == before
-    again = run_json(fsh, "device-plugin-restart", journal)
-    assert again["state"] == "succeeded" and all(o["status"] == "skipped" for o in again["outcomes"]), again
+    assert_second_run_changes_nothing(flab, fsh, "device-plugin-restart", journal)
 
 
 @pytest.mark.timeout(900)
@@ -207,6 +225,7 @@ def test_a_driver_mismatch_escalates_while_jobs_hold_the_module_and_reloads_once
     result = run_json(fsh, "gpu-driver-reload", tmp_path / "j2.sqlite")
     assert (outcome(result, "reload-modules"), outcome(result, "restart-device-plugin")) == ("succeeded", "succeeded")
     assert allocatable(fsh) == "4" and diagnose(fsh)["cause"] == "healthy"
+    assert_second_run_changes_nothing(flab, fsh, "gpu-driver-reload", tmp_path / "j2.sqlite")
     for gpu in ("01:00.0", "41:00.0"):
         assert runbook(fsh, f"lab job start {NODE} --gpu {gpu}").returncode == 0
 
@@ -235,8 +254,7 @@ def test_the_fabric_manager_restarts_only_when_its_version_is_the_drivers(
     result = run_json(fsh, "fabric-manager-restart", journal)
     assert outcome(result, "restart-fabric-manager") == "succeeded"
     assert host(flab).read()["units"]["nvidia-fabricmanager"]["active"] == "active" and jobs(flab) == before
-    again = run_json(fsh, "fabric-manager-restart", journal)
-    assert all(o["status"] == "skipped" for o in again["outcomes"]), again
+    assert_second_run_changes_nothing(flab, fsh, "fabric-manager-restart", journal)
 
     def no_nvswitch(state: dict[str, Any]) -> None:  # back to a plain node for the tests after this one
         state["nvidia"]["nvswitch"] = False
@@ -268,20 +286,31 @@ def test_xid79_cordons_evicts_records_and_escalates_to_an_approved_reboot(
 
 
 @pytest.mark.timeout(900)
+def test_inject_containerd_is_diagnosed_as_containerd_and_its_runbook_brings_the_node_back_once(
+        flab: Lab, fsh: Any, tmp_path: Path) -> None:
+    before = jobs(flab)
+    assert "containerd failed" in inject(fsh, "containerd")
+    wait_for(lambda: not ready(kube_node(fsh, NODE)), 120, f"{NODE} NotReady")
+    d = diagnose(fsh)
+    assert "containerd" in {m["cause"] for m in d["matches"]}, d["matches"]  # the cause id is the inject word
+    journal = tmp_path / "j.sqlite"
+    calls = len(host(flab).calls())
+    result = run_json(fsh, "containerd-recovery", journal)
+    assert result["state"] == "succeeded", result
+    assert ready(kube_node(fsh, NODE)) and jobs(flab) == before
+    starts = [argv for cmd, argv in mutating_calls(flab, calls) if cmd == "systemctl" and "containerd" in argv]
+    assert len(starts) == 1, starts  # containerd started once
+    assert_second_run_changes_nothing(flab, fsh, "containerd-recovery", journal)
+
+
+@pytest.mark.timeout(900)
 def test_a_gpu_fault_plus_swap_gets_both_causes(flab: Lab, fsh: Any) -> None:
     if not diagnose(fsh)["evidence"]["per_gpu"]["02:00.0"]["lost"]:  # run alone: the Xid 79 test's fault
         inject(fsh, "xid79", "02:00.0")
-
-    def swap_on(state: dict[str, Any]) -> None:  # what `runbook lab inject swap` does (kcert's word)
-        state["swap"]["devices"]["/swapfile"] = {"type": "file", "size": 8 << 30, "used": 0, "in_fstab": False,
-                                                 "unit_file": False}
-        state["swap"]["active"] = ["/swapfile"]
-        state["units"]["kubelet"]["generation"] = int(state["units"]["kubelet"].get("generation", 0)) + 1
-
-    host(flab).update(swap_on)
+    assert "swap on" in inject(fsh, "swap")  # the game-day word; kubelet restarted refuses swap
     wait_for(lambda: not ready(kube_node(fsh, NODE)), 120, f"{NODE} NotReady")
     d = diagnose(fsh)
-    assert {m["cause"] for m in d["matches"]} >= {"swap", "xid79"}, d["matches"]
+    assert {m["cause"] for m in d["matches"]} >= {"swap", "xid79"}, d["matches"]  # the cause id is the word
     table = runbook(fsh, "diagnose --all")
     causes = {ln.split()[2] for ln in table.stdout.splitlines()[1:] if ln.split()[0] == NODE}
     assert {"swap", "xid79"} <= causes, table.stdout
@@ -308,15 +337,20 @@ def test_xid79_full_cycle_reboot_uncordon_and_a_repeat_says_contact_support(
     assert kube_node(fsh, NODE)["spec"].get("unschedulable") is True  # node-reboot leaves it as it found it
 
     back = run_json(fsh, "gpu-fallen-off-bus", journal)
-    assert (outcome(back, "gpus-back"), outcome(back, "uncordon")) == ("succeeded", "succeeded")
+    # every GPU back at plan time: the check step is a no-op by its verify, re-checked live (not refused
+    # because its "repeat" skip_if does not hold), then the node is uncordoned
+    assert (outcome(back, "gpus-back"), outcome(back, "uncordon")) == ("skipped", "succeeded"), back
+    gpus_back = next(o for o in back["outcomes"] if o["step"] == "gpus-back")
+    assert gpus_back["reason"].startswith("already holds: nvidia-smi exit 0"), gpus_back
     assert not kube_node(fsh, NODE)["spec"].get("unschedulable")
-    again = runbook(fsh, f"run gpu-fallen-off-bus --node {NODE} --yes" + BUDGET, journal=journal)
-    assert again.returncode == 0 and "nothing to do" in again.stdout, again.stdout
+    assert_second_run_changes_nothing(flab, fsh, "gpu-fallen-off-bus", journal)
 
     inject(fsh, "xid79", "41:00.0")  # the same node loses a GPU again: hardware
     repeat = run_json(fsh, "gpu-fallen-off-bus", journal)
-    assert [outcome(repeat, s) for s in ("cordon", "gpus-back", "uncordon")] == ["succeeded", "skipped", "skipped"]
+    assert [outcome(repeat, s) for s in ("cordon", "record-lost-gpu", "gpus-back", "uncordon")] == \
+        ["succeeded", "skipped", "skipped", "skipped"]  # within the window (168h) of the first loss's record
     assert "hardware: contact support" in repeat["report"] and "Xid (PCI:0000:41:00): 79" in repeat["report"]
+    assert "02:00.0 Xid 79 at " in " ".join(repeat["report"].split())  # the record of the first loss, its time
     assert kube_node(fsh, NODE)["spec"].get("unschedulable") is True
     assert not [c for c in json.loads(runbook(fsh, f"runs show {repeat['run_id']} -o json",
                                                 journal=journal).stdout)["children"]]  # no reboot this time

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import json
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from engine.lab import kubelet_certs
 from engine.lab.controlplane import ControlPlane
 from engine.lab.hoststate import HostState
 from tests.integration.lab.flagship_cli import kube_node, ready, runbook
-from tests.integration.lab.lab_helpers import kubectl_json
+from tests.integration.lab.lab_helpers import kubectl_json, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.lab]
 
@@ -36,7 +37,7 @@ def test_the_expired_certificate_is_renewed_through_a_bootstrap_token_for_exactl
     layers = record["nodes"][NODE]["layers_dir"]
     plane = ControlPlane.from_state(record["controlplane_dir"])
     diagnosis = json.loads(runbook(sh, "diagnose --node gpu-3090-3 -o json").stdout)
-    assert diagnosis["cause"] == "kubelet-client-cert-expired", diagnosis
+    assert diagnosis["cause"] == "kubelet-cert-expired", diagnosis
     assert kubelet_certs.host_file(layers, kubelet_certs.CLIENT_PEM) is not None  # kubeadm's expired certificate
     journal = tmp_path / "j.sqlite"
     restarts_before = len(state.calls("systemctl"))
@@ -91,3 +92,90 @@ def test_the_expired_certificate_is_renewed_through_a_bootstrap_token_for_exactl
     # (the run's node Lease and its Events are the run's own bookkeeping, not changes to the node)
     assert [e["requestURI"] for e in plane.mutations(mark) if "/leases" not in e["requestURI"]
             and "/events" not in e["requestURI"]] == []
+
+
+BASE = Path(__file__).resolve().parents[3] / "deploy" / "kubernetes"
+OPT_IN = BASE / "kubelet-cert-rbac.yaml"
+SA_NS, SA = "runbook-system", "runbook"
+KUBELET_SIGNER = "kubernetes.io/kube-apiserver-client-kubelet"
+# The renewal's reads (the lab's audit policy logs no reads; engine/kube_verbs/node_bootstrap.py makes
+# them): the node's tokens listed by label, the CSRs listed, the node read (facts, verification).
+READS = [("", "secrets", "", "list", "kube-system", ""),
+         ("certificates.k8s.io", "certificatesigningrequests", "", "list", "", ""),
+         ("", "nodes", "", "get", "", NODE)]
+# Approving a CSR is also an `approve` on its signer (the API server's second authorization check).
+APPROVE_SIGNER = ("certificates.k8s.io", "signers", "", "approve", "", KUBELET_SIGNER)
+
+
+def _allowed(sh: Any, attrs: tuple[str, str, str, str, str, str]) -> bool:
+    """A SubjectAccessReview: may the ServiceAccount runbook do ``attrs`` (group, resource, subresource,
+    verb, namespace, name)? Asked as the lab's admin; the API server's RBAC authorizer answers."""
+    group, resource, sub, verb, ns, name = attrs
+    spec = {"user": f"system:serviceaccount:{SA_NS}:{SA}",
+            "groups": ["system:serviceaccounts", f"system:serviceaccounts:{SA_NS}", "system:authenticated"],
+            "resourceAttributes": {k: v for k, v in (("group", group), ("resource", resource), ("subresource", sub),
+                                                     ("verb", verb), ("namespace", ns), ("name", name)) if v}}
+    body = json.dumps({"apiVersion": "authorization.k8s.io/v1", "kind": "SubjectAccessReview", "spec": spec})
+    r = sh(f"echo {shlex.quote(body)} | kubectl create -f - -o json", check=True)
+    return bool(json.loads(r.stdout)["status"].get("allowed"))
+
+
+def _calls(events: list[dict[str, Any]]) -> set[tuple[str, str, str, str, str, str]]:
+    """What the renewal asked of the API server (its writes, from the audit log), as SubjectAccessReview
+    attributes; the run's own bookkeeping (its node Lease and Events: the base's, tested in
+    test_cluster_rbac.py) left out."""
+    out = set()
+    for e in events:
+        ref = e.get("objectRef") or {}
+        if ref.get("resource") in ("leases", "events") or not ref.get("resource"):
+            continue
+        name = ref.get("name", "") if e["verb"] not in ("create",) else ""
+        out.add((ref.get("apiGroup", ""), ref["resource"], ref.get("subresource", ""), e["verb"],
+                 ref.get("namespace", ""), name))
+    return out
+
+
+@pytest.mark.timeout(900)
+def test_inject_kubelet_cert_expired_and_the_opt_in_rbac_as_shipped_allows_every_call_of_the_renewal(
+        lab: Any, sh: Any, tmp_path: Path) -> None:
+    lab.dirty = True
+    record = lab.lab.record()
+    plane = ControlPlane.from_state(record["controlplane_dir"])
+    # the game-day word on the node the test above renewed (or, run alone, whose certificate is expired)
+    put = runbook(sh, f"lab inject kubelet-cert-expired --node {NODE}")
+    assert put.returncode == 0 and "client certificate expired" in put.stdout, put.stdout + put.stderr
+    wait_for(lambda: not ready(kube_node(sh, NODE)), 120, f"{NODE} NotReady")
+    diagnosis = json.loads(runbook(sh, f"diagnose --node {NODE} -o json").stdout)
+    assert diagnosis["cause"] == "kubelet-cert-expired", diagnosis  # the cause id is the inject word
+
+    mark = plane.audit_mark()
+    r = runbook(sh, f"run kubelet-client-cert-expired --node {NODE} --yes -o json", journal=tmp_path / "j.sqlite")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert ready(kube_node(sh, NODE))
+    calls = _calls(plane.mutations(mark))
+    # what the audit log must show: the token created and deleted, proved, the CSR approved
+    assert {c[:4] for c in calls} >= {
+        ("", "secrets", "", "create"), ("", "secrets", "", "delete"),
+        ("authentication.k8s.io", "tokenreviews", "", "create"),
+        ("certificates.k8s.io", "certificatesigningrequests", "approval", "update")}, calls
+    wanted = sorted(calls | set(READS) | {APPROVE_SIGNER})
+
+    admin = f"kubectl --kubeconfig {plane.kubeconfig}"
+    for name in ("namespace.yaml", "serviceaccount.yaml", "rbac.yaml"):  # the base's RBAC, as shipped
+        sh(f"{admin} apply -f {BASE / name}", check=True)
+    sh(f"{admin} delete --ignore-not-found -f {OPT_IN}", check=True)
+    # the base alone: the token and the approval are not granted (that is what the opt-in file is for)
+    assert not _allowed(sh, ("", "secrets", "", "create", "kube-system", ""))
+    assert not _allowed(sh, ("certificates.k8s.io", "certificatesigningrequests", "approval", "update", "", ""))
+    assert not _allowed(sh, APPROVE_SIGNER)
+    try:
+        sh(f"{admin} apply -f {OPT_IN}", check=True)  # the file as shipped
+        wait_for(lambda: _allowed(sh, APPROVE_SIGNER), 30, "the opt-in RBAC in force")
+        denied = [c for c in wanted if not _allowed(sh, c)]
+        assert denied == [], f"calls of the renewal the base + {OPT_IN.name} do not grant: {denied}"
+        # and no more than the kubelet signer: another signer's CSRs stay unapprovable
+        other_signer = ("certificates.k8s.io", "signers", "", "approve", "", "kubernetes.io/kube-apiserver-client")
+        assert not _allowed(sh, other_signer)
+        assert not _allowed(sh, ("", "secrets", "", "get", "default", ""))
+    finally:
+        sh(f"{admin} delete --ignore-not-found -f {OPT_IN}", check=True)
