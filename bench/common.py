@@ -306,6 +306,37 @@ def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 
 
 
 @contextlib.contextmanager
+def started_server(cmd: Sequence[str], *, env: Mapping[str, str], log: Path, ready_url: str,
+                   timeout: float = 60, new_session: bool = True) -> Iterator[subprocess.Popen[bytes]]:
+    """A server process (``cmd``, output appended to ``log``) once ``ready_url`` answers 200; SIGTERM
+    on exit, SIGKILL after 40 s. A process that dies or never answers within ``timeout`` is an
+    error quoting the end of its log."""
+    import httpx
+
+    with log.open("ab") as out:
+        proc = subprocess.Popen(list(cmd), env=dict(env), cwd=ENGINE_ROOT, stdin=subprocess.DEVNULL, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=new_session)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(ready_url, timeout=2).status_code == 200:
+                    break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{' '.join(cmd[:4])} did not start: {log.read_text(errors='replace')[-1500:]}")
+            time.sleep(0.1)
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(40)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@contextlib.contextmanager
 def ssh_control_dir() -> Iterator[Path]:
     """A fresh SSH control-path folder for one baseline run (a cold start, as the engine has), whose
     control masters are ended afterwards through their own sockets (``ssh -O exit``)."""

@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import signal
 import subprocess
 import tempfile
 import threading
@@ -34,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from bench.common import ENGINE_ROOT, Context, Metric, base_env, log, runbook_cmd, summary
+from bench.common import ENGINE_ROOT, Context, Metric, base_env, log, runbook_cmd, started_server, summary
 
 NAMESPACE = "kube-node-lease"
 REPLICAS, WORKERS = 2, 8
@@ -147,7 +145,6 @@ def serve_replica(plane: Any, work: Path, config: Mapping[str, Any], *,
     """``runbook serve --store kubernetes`` on 127.0.0.1 over ``work/runbooks`` (base URL, process),
     ready once ``/readyz`` answers; SIGTERM on exit. ``host``: in a UTS namespace of its own with that
     host name (root, ``unshare``), as a pod of its own is."""
-    import httpx
     import yaml
 
     from engine.lab.ports import free_port
@@ -161,28 +158,9 @@ def serve_replica(plane: Any, work: Path, config: Mapping[str, Any], *,
     cmd = runbook_cmd("serve", "--listen", f"127.0.0.1:{port}", "--config", str(work / "serve.yaml"))
     if host is not None:
         cmd = ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', host, *cmd]
-    with (work / "serve.log").open("ab") as out:
-        proc = subprocess.Popen(cmd, env=env, cwd=ENGINE_ROOT, stdin=subprocess.DEVNULL, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(base + "/readyz", timeout=2).status_code == 200:
-                    break
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"runbook serve did not start: {(work / 'serve.log').read_text()[-1500:]}")
-            time.sleep(0.1)
+    with started_server(cmd, env=env, log=work / "serve.log", ready_url=base + "/readyz", timeout=90) as proc:
         yield base, proc
-    finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(40)
-            except subprocess.TimeoutExpired:
-                os.kill(proc.pid, signal.SIGKILL)
-                proc.wait()
 
 
 def _wait(predicate: Callable[[], bool], timeout: float) -> bool:

@@ -28,7 +28,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from bench.common import ENGINE_ROOT, Context, Metric, base_env, log, summary
+from bench.common import ENGINE_ROOT, Context, Metric, base_env, log, started_server, summary
 
 TOKEN = "bench-p10-sender-token-0123456789"
 REVIEW_SECONDS = 0.02
@@ -80,30 +80,14 @@ def _free_port() -> int:
 
 @contextlib.contextmanager
 def _server(ctx: Context) -> Iterator[str]:
-    import httpx
 
     listen = f"127.0.0.1:{_free_port()}"
     env = base_env({"RUNBOOK_WEBHOOK_TOKEN": TOKEN, "PYTHONPATH": str(ENGINE_ROOT)})
-    with open(ctx.log_path("p10-serve.log"), "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "bench.p10_floods", "--serve", listen], env=env,
-                                cwd=ENGINE_ROOT, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
-        base = f"http://{listen}"
-        try:
-            deadline = time.monotonic() + 30
-            while True:
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(base + "/healthz", timeout=2).status_code == 200:
-                        break
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise RuntimeError(f"the P10 server did not start: see {ctx.log_path('p10-serve.log')}")
-                time.sleep(0.2)
-            yield base
-        finally:
-            proc.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(10)
-            if proc.poll() is None:
-                proc.kill()
+    base = f"http://{listen}"
+    with started_server([sys.executable, "-m", "bench.p10_floods", "--serve", listen], env=env,
+                        log=ctx.log_path("p10-serve.log"), ready_url=base + "/healthz", timeout=30,
+                        new_session=False):
+        yield base
 
 
 def _webhook_latencies(base: str, count: int, stop: threading.Event | None = None) -> list[float]:

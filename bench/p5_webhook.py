@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -31,7 +29,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import ENGINE_ROOT, Context, Metric, base_env, loadavg, log, median, runbook_cmd, summary
+from bench.common import (
+    Context,
+    Metric,
+    base_env,
+    loadavg,
+    log,
+    median,
+    runbook_cmd,
+    started_server,
+    summary,
+)
 
 TOKEN = "bench-p5-sender-token-0123456789"  # the Alertmanager sender (>= 16 bytes)
 CONNECTIONS = 8
@@ -144,28 +152,9 @@ def server(ctx: Context, fake: bool, work: Path) -> Any:
     else:
         env = {**ctx.lab_env(), "RUNBOOK_WEBHOOK_TOKEN": TOKEN, "RUNBOOK_JOURNAL": str(work / "serve.sqlite")}
         cmd = runbook_cmd("serve", "--listen", listen)
-    with open(work / "serve.log", "wb") as out:
-        proc = subprocess.Popen(cmd, env=env, cwd=ENGINE_ROOT, stdin=subprocess.DEVNULL, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://{listen}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            with contextlib.suppress(Exception):
-                _get(base, "/healthz")
-                break
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"server did not start: {(work / 'serve.log').read_text()[-1500:]}")
-            time.sleep(0.2)
+    with started_server(cmd, env=env, log=work / "serve.log", ready_url=base + "/healthz") as proc:
         yield base, proc
-    finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(40)
-            except subprocess.TimeoutExpired:
-                os.kill(proc.pid, signal.SIGKILL)
-                proc.wait()
 
 
 def run(ctx: Context, *, fake: bool = False) -> list[Metric]:

@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import socket
-import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
@@ -35,7 +33,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from bench.common import ENGINE_ROOT, Context, Metric, loadavg, log, runbook_cmd, summary
+from bench.common import Context, Metric, loadavg, log, runbook_cmd, started_server, summary
 
 SENDER = "bench-p9-sender-token-0123456789"
 APPROVER = "bench-p9-approver-token-0123456789"
@@ -84,31 +82,10 @@ def _serve(ctx: Context, work: Path) -> Iterator[str]:
     port = _free_port()
     env = {**ctx.lab_env(), "RUNBOOK_WEBHOOK_TOKEN": SENDER, "RUNBOOK_APPROVER_TOKEN_BENCH": APPROVER,
            "RUNBOOK_JOURNAL": str(work / "serve.sqlite")}
-    with open(work / "serve.log", "wb") as out:
-        proc = subprocess.Popen(runbook_cmd("serve", "--listen", f"127.0.0.1:{port}"), env=env, cwd=ENGINE_ROOT,
-                                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
     base = f"http://127.0.0.1:{port}"
-    try:
-        import httpx
-
-        deadline = time.monotonic() + 60
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(base + "/healthz", timeout=2).status_code == 200:
-                    break
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"runbook serve did not start: {(work / 'serve.log').read_text()[-1500:]}")
-            time.sleep(0.2)
+    with started_server(runbook_cmd("serve", "--listen", f"127.0.0.1:{port}"), env=env, log=work / "serve.log",
+                        ready_url=base + "/healthz"):
         yield base
-    finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(40)
-            except subprocess.TimeoutExpired:
-                os.kill(proc.pid, signal.SIGKILL)
-                proc.wait()
 
 
 @contextlib.contextmanager
