@@ -197,13 +197,17 @@ A = TypeVar("A", bound=Apply)
 P = TypeVar("P", bound=Preview)
 
 
+def _register(table: dict[type, Any], variant: type, what: str, func: Any) -> None:
+    if variant in table:
+        raise ValueError(f"effect {variant.__qualname__} already has {what} ({table[variant].__qualname__})")
+    table[variant] = func
+
+
 def applies(variant: type) -> Callable[[A], A]:
     """Register the decorated ``apply(effect, ctx) -> evidence`` for the effect ``variant``."""
 
     def register(apply: A) -> A:
-        if variant in APPLY:
-            raise ValueError(f"effect {variant.__qualname__} already has an apply ({APPLY[variant].__qualname__})")
-        APPLY[variant] = apply
+        _register(APPLY, variant, "an apply", apply)
         return apply
 
     return register
@@ -213,9 +217,7 @@ def previews(variant: type) -> Callable[[P], P]:
     """Register the decorated ``preview(effect, ctx) -> text`` for the effect ``variant``."""
 
     def register(preview: P) -> P:
-        if variant in PREVIEW:
-            raise ValueError(f"effect {variant.__qualname__} already has a preview ({PREVIEW[variant].__qualname__})")
-        PREVIEW[variant] = preview
+        _register(PREVIEW, variant, "a preview", preview)
         return preview
 
     return register
