@@ -294,7 +294,7 @@ def apply(settings: Settings, plan_file: Path, *, yes: bool, output: str,
 def approve(settings: Settings, run_id: str, digest: str, approved_by: str | None) -> int:
     from engine.runs import current_user
 
-    if settings.store == "kubernetes":
+    if settings.cluster_mode:
         # Cluster mode: RBAC decides (verb approve on the run) and the approver is the identity the
         # API server authenticates the kubeconfig as, never a typed name (engine.cluster_auth).
         from engine.cluster_auth import authorize_approval
@@ -313,7 +313,7 @@ def approve(settings: Settings, run_id: str, digest: str, approved_by: str | Non
             raise UsageError(f"--by {approved_by}: the approver recorded is you ({who}); --by may only name "
                              "approvals.cli_identity of the guards configuration")
         who = approved_by or who
-    if settings.store == "kubernetes":
+    if settings.cluster_mode:
         from engine.integrity import IntegrityError, RunIntegrity
 
         journal = settings.open_journal()

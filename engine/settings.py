@@ -160,7 +160,7 @@ class Settings:
 
         if self.namespace:
             return self.namespace
-        return self.store_namespace if self.store == "kubernetes" else DEFAULT_NAMESPACE
+        return self.store_namespace if self.cluster_mode else DEFAULT_NAMESPACE
 
     def approval_config(self) -> ApprovalConfig:
         """The approval policy: the serve configuration's ``approvals:`` (set by serve), else the
@@ -175,15 +175,23 @@ class Settings:
         """The run store of this command (``--store``, one of ``STORES``): the SQLite journal, or
         RemediationRuns."""
         if "journal" not in self._cache:
-            opener = STORES.get(self.store)
-            if opener is None:
-                raise UsageError(f"--store {self.store}: unknown store ({_either(STORES)})")
-            j = opener(self)
+            j = self._store_kind().open(self)
             j.add_secret(self.become_password() if "become" in self._cache else
                          os.environ.get("RUNBOOK_BECOME_PASSWORD"))
             wrap = self._cache.pop("journal_wrap", None)
             self._cache["journal"] = wrap(j) if wrap is not None else j
         return self._cache["journal"]
+
+    @property
+    def cluster_mode(self) -> bool:
+        """Runs are recorded in the cluster (``StoreKind.in_cluster``): cluster mode."""
+        return self._store_kind().in_cluster
+
+    def _store_kind(self) -> StoreKind:
+        kind = STORES.get(self.store)
+        if kind is None:
+            raise UsageError(f"--store {self.store}: unknown store ({_either(STORES)})")
+        return kind
 
     def wrap_journal(self, wrap: Callable[[RunStore], RunStore]) -> None:
         """Use ``wrap(store)`` as this command's run store (``open_journal``) from now on, opened when
@@ -226,12 +234,23 @@ def _open_kubernetes(settings: Settings) -> RunStore:
     return KubeRunStore(settings.objects(), settings.store_namespace)
 
 
-# ``--store NAME`` -> how a command opens that store (the CLI's choices and the messages read this).
-# A new store is its module (a ``RunStore`` on ``store.StoreBase``), its opener and entry here, and
-# its ``StoreBed`` in tests/unit/test_store_contract.py (docs/design.md, "How to add a store").
-STORES: dict[str, Callable[[Settings], RunStore]] = {
-    "sqlite": _open_sqlite,
-    "kubernetes": _open_kubernetes,
+@dataclass(frozen=True)
+class StoreKind:
+    """A run store a command can open: how, and what recording there means for the rest of the
+    engine. ``in_cluster``: the runs live in the cluster's API (cluster mode), so every replica and
+    CLI shares them (serve's replicas elect a leader and share the webhook dedup), the API server's
+    RBAC names approvers (never a typed name), and node Leases live in the store namespace."""
+
+    open: Callable[[Settings], RunStore]
+    in_cluster: bool = False
+
+
+# ``--store NAME`` -> that store (the CLI's choices and the messages read this). A new store is its
+# module (a ``RunStore`` on ``store.StoreBase``), its opener and entry here, and its ``StoreBed`` in
+# tests/unit/test_store_contract.py (docs/design.md, "How to add a store").
+STORES: dict[str, StoreKind] = {
+    "sqlite": StoreKind(_open_sqlite),
+    "kubernetes": StoreKind(_open_kubernetes, in_cluster=True),
 }
 
 

@@ -31,7 +31,7 @@ def load_run_starter(settings: Settings, config: ServeConfig) -> RunStarter:
     """The engine's ``RunStarter``: automatic runs through the run service, under the run guards
     of the server's configuration (never overridden). Replicas sharing a store (``--store
     kubernetes``) share the webhook dedup through it."""
-    shared = config.dedup.fingerprint_window if settings.store == "kubernetes" else None
+    shared = config.dedup.fingerprint_window if settings.cluster_mode else None
     settings._cache["approvals"] = config.approvals  # the serve configuration's approval policy
     return JournalRunStarter(settings, guards=config.run_guards(), shared_dedup_window=shared)
 
@@ -71,14 +71,14 @@ def build_app(settings: Settings, config_file: Path | None, listen: str | None, 
         if host in ("0.0.0.0", "::", "") and not config.auth.allowed_hosts:
             raise UsageError(f"listening on {host or 'every address'} needs auth.allowed_hosts: the names "
                              "clients use to reach this server (requests for any other Host are refused)")
-    if settings.store == "kubernetes" and config.console.live_poll_seconds is None:
+    if settings.cluster_mode and config.console.live_poll_seconds is None:
         # each read of a followed run is an API request: once a second, not ten times
         config = config.model_copy(update={"console": config.console.model_copy(update={"live_poll_seconds": 1.0})})
     starter = load_run_starter(settings, config)
     cluster = KubeClusterView(settings.kube, config.run_guards(), ttl=config.cluster_cache_ttl,
                               refresh=config.cluster_refresh)
     identity = kube_identity(settings, config)
-    if settings.store != "kubernetes":
+    if not settings.cluster_mode:
         return create_app(config, starter, cluster=cluster, identity=identity, kube=settings.kube), config
     from engine.serve.leader import LeaderElector
 

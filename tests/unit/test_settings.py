@@ -36,7 +36,7 @@ def test_a_new_store_is_opened_through_its_entry_alone(tmp_path: Path, monkeypat
         opened.append(Journal(tmp_path / f"{s.store}.sqlite"))
         return opened[-1]
 
-    monkeypatch.setitem(settings_module.STORES, "memory", open_memory)
+    monkeypatch.setitem(settings_module.STORES, "memory", settings_module.StoreKind(open_memory))
     monkeypatch.setenv("RUNBOOK_BECOME_PASSWORD", "hunter2-secret")
     store = Settings(store="memory").open_journal()
     try:
@@ -47,3 +47,15 @@ def test_a_new_store_is_opened_through_its_entry_alone(tmp_path: Path, monkeypat
         store.close()
     with pytest.raises(UsageError, match=r"unknown store \(sqlite, kubernetes or memory\)"):
         Settings(store="etcd").open_journal()
+
+
+def test_cluster_mode_is_the_store_kinds_flag_not_its_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What cluster mode changes (node Leases in the store namespace, ...) follows ``in_cluster``."""
+    assert Settings(store="kubernetes").cluster_mode and not Settings(store="sqlite").cluster_mode
+    monkeypatch.setitem(settings_module.STORES, "etcd-direct",
+                        settings_module.StoreKind(lambda s: Journal(tmp_path / "x.sqlite"), in_cluster=True))
+    shared = Settings(store="etcd-direct", store_namespace="runs-here")
+    assert shared.cluster_mode and shared.lease_namespace == "runs-here"
+    assert Settings(store="sqlite", store_namespace="runs-here").lease_namespace == "kube-system"
+    with pytest.raises(UsageError, match="unknown store"):
+        _ = Settings(store="etcd").cluster_mode
