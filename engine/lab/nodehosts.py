@@ -163,8 +163,12 @@ class NodeHost:
             if self._popen is not None:
                 self._popen.poll()
             if self.ref is None or not self.ref.alive():
-                raise LabError(f"node host {self.name} ({self.address}) exited during start-up:\n"
-                               + _tail(self.host_dir / "sshd.log"))
+                status = self._popen.returncode if self._popen is not None else None
+                how = (f"killed by signal {-status}" if status is not None and status < 0
+                       else f"exit status {status}" if status is not None else "exit status unknown")
+                raise LabError(f"node host {self.name} ({self.address}) exited during start-up ({how}); "
+                               f"{self.host_dir / 'sshd.log'}:\n" + (_tail(self.host_dir / "sshd.log")
+                                                                    or "(empty)"))
             if _accepts(self.address, self.port):
                 with contextlib.suppress(OSError):
                     self.mount_namespace = os.readlink(f"/proc/{self.ref.pid}/ns/mnt")
@@ -227,6 +231,7 @@ class NodeHost:
         q = shlex.quote
         lines = [
             "set -e",
+            "trap 'st=$?; [ $st -eq 0 ] || echo \"runbook-lab: host init exited (status $st)\"' EXIT",
             "mount -t tmpfs -o mode=755 tmpfs /run",
             f"mkdir -p /run/sshd {STATE_MOUNT} {HOST_FILES_MOUNT}",
             f"mount --bind {q(str(self.state_dir))} {STATE_MOUNT}",
@@ -252,8 +257,8 @@ class NodeHost:
             "while :; do",
             f"  rm -f {REBOOT_FLAG}",
             f"  /usr/sbin/sshd -D -e -f {HOST_FILES_MOUNT}/sshd_config &",
-            "  wait $! || true",
-            f"  [ -e {REBOOT_FLAG} ] || exit 1",
+            "  status=0; wait $! || status=$?",
+            f"  [ -e {REBOOT_FLAG} ] || {{ echo \"runbook-lab: sshd exited (status $status)\"; exit 1; }}",
             f"  while [ \"$(cat {REBOOT_FLAG} 2>/dev/null)\" != down ]; do sleep 0.1 || true; done",
             "  echo \"runbook-lab: host rebooting (sshd gone)\"",
             f"  /usr/bin/python3 /{HELPER_DIR}/_reboot.py boot || true",
