@@ -21,9 +21,11 @@ CI must run every test, so there a skip of any kind is turned into a failure, an
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import sys
+import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -57,6 +59,12 @@ def require(problem: str | None) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "keep_cluster: keep Nodes/Pods/Leases between the tests of a module")
+    # runbook's caches (the inventory listings, engine.connectors.inventory_cache) in a folder of this
+    # session (each xdist worker has its own), inherited by every runbook command the tests start
+    if "RUNBOOK_CACHE_DIR" not in os.environ:
+        folder = tempfile.mkdtemp(prefix="runbook-test-cache-")
+        os.environ["RUNBOOK_CACHE_DIR"] = folder
+        atexit.register(shutil.rmtree, folder, True)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

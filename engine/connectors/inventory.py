@@ -4,12 +4,14 @@ Whatever ``ansible-playbook -i`` accepts is accepted here, because Ansible reads
 and TOML files, a folder of inventory sources, host ranges (``gpu[01:03]``), ``group_vars/``
 and ``host_vars/`` beside the inventory, executable inventory scripts and inventory plugin
 configs (``plugin: ansible.builtin.constructed``, ``amazon.aws.aws_ec2``, ...). One
-``ansible-inventory --list`` run per load, in a child process with the environment runbook's
-playbook runs get (a private ``ANSIBLE_HOME`` and an empty ``ansible.cfg``, so the user's own
-Ansible config is not read here either; ``allowed_environment``: an allow-list, never the engine's
-environment minus a deny-list, so an inventory script or plugin never sees the server's tokens or
-secrets, while the variables the operator names in ``RUNBOOK_ANSIBLE_ENV`` reach it and the
-playbook runs alike); a source Ansible cannot parse fails the load instead of being skipped with a
+``ansible-inventory --list`` run per load (for a static inventory whose files did not change since
+the last read, the listing that read kept: engine.connectors.inventory_cache), in a child process
+with the environment runbook's playbook runs get (a private ``ANSIBLE_HOME`` and an empty
+``ansible.cfg``, so the user's own Ansible config is not read here either;
+``allowed_environment``: an allow-list, never the engine's environment minus a deny-list, so an
+inventory script or plugin never sees the server's tokens or secrets, while the variables the
+operator names in ``RUNBOOK_ANSIBLE_ENV`` reach it and the playbook runs alike); a source Ansible
+cannot parse fails the load instead of being skipped with a
 warning. Measured against ansible-core's ``InventoryManager`` +
 ``VariableManager`` in-process (docs/inventory.md): the child costs ~0.3 s more per run but keeps
 ansible-core's global config, plugin loader and vars-plugin caches out of a long-lived
@@ -45,6 +47,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from engine.connectors import inventory_cache
 from engine.errors import HostError, LoadError, Location
 
 NODE_VAR = "k8s_node_name"
@@ -151,9 +154,30 @@ def read_listing(path: Path, *, timeout: float = READ_TIMEOUT) -> tuple[Mapping[
     if not path.exists():
         _discard(path)
         raise LoadError([(Location(str(path)), "inventory not found")])
+    resolved = path.resolve()
+    key = _cache_key(resolved)
+    if key is not None and (kept := inventory_cache.load(resolved, key)) is not None:
+        _discard(path)  # a read begun early is not needed
+        return kept
     started = _take_started(path)
     child = started if started is not None else _spawn(path)
-    return _collect(path, child, timeout)
+    listing, warnings = _collect(path, child, timeout)
+    if key is not None and _cache_key(resolved, child.stamp) == key == _cache_key(resolved):
+        inventory_cache.store(resolved, key, listing, warnings)  # the sources did not change meanwhile
+    return listing, warnings
+
+
+def _cache_key(resolved: Path, stamp: tuple[Any, ...] | None = None) -> str | None:
+    """The key under which a read of ``resolved`` (its sources as ``stamp``, else as they are now)
+    is kept (engine.connectors.inventory_cache); None for a dynamic inventory, or when it cannot be
+    told."""
+    try:
+        if not is_static(resolved):
+            return None
+        env = allowed_environment(os.environ)
+        return inventory_cache.cache_key(resolved, stamp if stamp is not None else _stamp(resolved), env)
+    except (LoadError, OSError):
+        return None
 
 
 @dataclass
@@ -183,6 +207,9 @@ def start_reading(path: Path | None) -> None:
         key = Path(path).resolve()
         if not key.exists() or not is_static(key):
             return
+        cache_key = _cache_key(key)
+        if cache_key is not None and inventory_cache.load(key, cache_key) is not None:
+            return  # the load takes the kept listing: no child needed
         with _started_lock:
             if key in _started:
                 return
