@@ -44,6 +44,7 @@ from engine.store import (
     ACTIVE_STATES,
     FINAL_STATES,
     EventRecord,
+    Owner,
     RunRecord,
     RunStore,
     StoreBase,
@@ -302,12 +303,15 @@ class KubeRunStore(StoreBase):
         self._update(run_id, init)
         return run_id
 
-    def claim(self, run_id: str) -> bool:
+    def claim(self, run_id: str, *, from_owner: Owner | None = None) -> bool:
         me = current_owner()
 
         def take(status: dict[str, Any]) -> tuple[bool, bool]:
             owner = status.get("owner") or {}
-            if owned_by_another((owner.get("host"), owner.get("pid"), owner.get("start"))):
+            recorded = (owner.get("host"), owner.get("pid"), owner.get("start"))
+            if from_owner is not None and recorded != tuple(from_owner):
+                return False, False  # adopted (or resumed) by someone else since it was read
+            if owned_by_another(recorded):
                 return False, False
             status["owner"] = {"host": me[0], "pid": me[1], "start": me[2]}
             status["claimedBy"] = f"{me[0]}/{me[1]}"
