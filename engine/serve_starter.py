@@ -312,8 +312,9 @@ class JournalRunStarter:
         Why: ``recover`` leaves a pending run whose owner is a process on another machine to that
         process (it cannot tell a queue from a dead one); a run with no owner is anyone's to resume."""
         with self._guard:
-            if run_id in self._executing:
-                return False
+            executing = run_id in self._executing
+        if executing and not self.service.hand_back_waiting(run_id):
+            return False  # executing (a run waiting for room in the budget is not: it stops waiting)
         try:
             rec = self.journal.get_run(run_id)
         except RunbookError:

@@ -6,8 +6,8 @@ A gets four pages: one run executes at A (its verification waits for a label), t
 in A's queue. A is killed with SIGKILL: no hand-back. Its liveness Lease (``runbook-replica-...``) goes
 unrenewed; the leader sees it unchanged for its duration and adopts the three queued runs (each with one
 ``run.adopted`` event naming A), then executes them through the one road for a recorded run: once the
-nodes carry the label the verification waits for, they succeed. The run A was executing is not adopted (a running run is the takeover's,
-by its node Lease).
+nodes carry the label the verification waits for, they succeed. The run A was executing is not
+adopted (a running run is the takeover's, by its node Lease).
 
 And the store's guarded claim that makes an adoption happen once: two clients adopting one run at the
 same instant (each its own ``KubeRunStore``), exactly one succeeds.
