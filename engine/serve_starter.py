@@ -365,7 +365,23 @@ class JournalRunStarter:
                 out.append(rec.id)
         for gone in set(self._watching) - running:
             del self._watching[gone]
+        self._forget_dead_replicas(leases)
         return list(reversed(out))
+
+    def _forget_dead_replicas(self, leases: dict[str, Any]) -> None:
+        """Delete the liveness Leases of replicas judged dead in this call (their queues adopted), at
+        the version observed: one that renewed meanwhile (a 409) keeps its Lease. A Lease held by
+        another process (a reused host and pid) is that process's and is left alone."""
+        for name, lease in leases.items():
+            seen = self._replicas.get(name)
+            if lease is None or seen is None or seen.unchanged_for(lease) < max(1, lease.duration_seconds):
+                continue
+            try:
+                self._kube().delete_lease(lease)
+            except Exception as e:  # Why: a Lease left behind only costs an object; the next sweep retries
+                log.warning("liveness Lease %s/%s of a dead replica not deleted: %s", lease.namespace, name, e)
+                continue
+            self._replicas.pop(name, None)
 
     def _ingest_store_approvals(self) -> None:
         """Approvals made with ``runbook approve --store kubernetes`` (engine.store_approvals): each
