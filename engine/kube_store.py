@@ -446,8 +446,9 @@ class KubeRunStore(StoreBase):
 
     def _newest(self, limit: int, sources: tuple[str, ...] | None) -> list[dict[str, Any]]:
         """At least the ``limit`` newest RemediationRuns (of ``sources``), read newest bucket first
-        (``CREATED_LEVELS``) from the API server's watch cache, never every object: buckets of one
-        second back from now, as many per list as the runs found so far say are needed (up to
+        (``CREATED_LEVELS``) from the API server's watch cache, never every object: the seconds a
+        writer's clock may be ahead of ours in one list, then buckets of one second back from now, as
+        many per list as the runs found so far say are needed (doubling after an empty list, up to
         ``BUCKETS_PER_LIST``); a list that finds none moves to the next width once aligned with it
         (minutes, hours, days), so a sparse history costs a dozen small lists and a dense one reads
         about ``limit`` runs. Every run of a bucket is read, so the ``limit`` newest of what was read
@@ -471,7 +472,9 @@ class KubeRunStore(StoreBase):
         read([*base, NOT_BUCKETED])
         legacy = len(found)
         now = self.clock()
-        t = int(now) + CLOCK_AHEAD  # every bucket from t on has been read (aligned to the level's width)
+        t = int(now) + 1  # every bucket from t on has been read (aligned to the level's width)
+        ahead = [time.strftime(CREATED_LEVELS[0][2], time.gmtime(t + i)) for i in range(CLOCK_AHEAD)]
+        read([*base, f"{CREATED_LEVELS[0][0]} in ({','.join(ahead)})"])  # writers whose clock is ahead: one list
         level, k = 0, 4
         while t > now - NEWEST_HORIZON:
             label, width, fmt = CREATED_LEVELS[level]
@@ -486,11 +489,11 @@ class KubeRunStore(StoreBase):
             if got == 0:
                 if coarser and t % coarser == 0:
                     level, k = level + 1, 1
-                else:
-                    k = min(BUCKETS_PER_LIST, k * 4)
+                else:  # doubling: a dense stretch after an empty one costs at most twice what it needs
+                    k = min(BUCKETS_PER_LIST, k * 2)
             else:
                 need = limit - (len(found) - legacy)
-                k = max(1, min(BUCKETS_PER_LIST, k * 4, k * need // got))
+                k = max(1, min(BUCKETS_PER_LIST, k * 2, k * need // got))
         read(base)  # the runs older than the horizon (and all of them with an unreadable clock)
         return list(found.values())
 
