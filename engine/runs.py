@@ -72,7 +72,7 @@ from engine.run_guards import (
     read_guard_facts,
 )
 from engine.run_windows import run_window_verdict
-from engine.store import JournalSink, RunStore, StepProgress, new_run_id
+from engine.store import JournalSink, RunStore, StepProgress, current_owner, new_run_id
 from engine.windows import Clock, clock_from_env
 
 if TYPE_CHECKING:
@@ -82,7 +82,8 @@ if TYPE_CHECKING:
 
 APPROVAL_POLL_SECONDS = 0.5
 BUDGET_POLL_SECONDS = 2.0  # a run waiting for room in the cluster's budget looks this often (a read, no write)
-BUDGET_HANDED_BACK = "handed back: the server stopped while the run waited for room in the cluster's budget"
+BUDGET_HANDED_BACK = ("left to another process: the server stopped (it handed the run back) or the leader "
+                      "adopted it while it waited for room in the cluster's budget")
 
 
 def needs_hosts(loaded: LoadedRunbook, params: Mapping[str, Any]) -> bool:
@@ -585,6 +586,9 @@ class RunService:
                             "budget and none came")
                 if not self._budget_has_room(node):
                     continue
+                rec = self.journal.get_run(run_id)
+                if (rec.owner_host, rec.owner_pid, rec.owner_start) != current_owner():
+                    return BUDGET_HANDED_BACK  # adopted by the leader meanwhile (this replica was silent)
                 with self._guard_lock:
                     if handed_back.is_set():
                         return BUDGET_HANDED_BACK

@@ -273,3 +273,32 @@ def test_a_person_s_run_does_not_wait_for_room(tmp_path: Path, monkeypatch: pyte
     assert result.state is RunState.BLOCKED and "budget_wait" not in result.reason
     assert "budget.waiting" not in [e.kind for e in service.journal.events(run_id)]
     service.journal.close()
+
+
+def test_a_run_waiting_for_room_when_the_server_stops_is_handed_back_pending_and_writes_nothing_more(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+    import time as real_time
+
+    from engine.runs import BUDGET_HANDED_BACK
+
+    kube, service, (prep, p, run_id) = _automatic_run(tmp_path, monkeypatch, wait=30.0)
+    assert service.hand_back_waiting(run_id) is False  # not waiting (yet): nothing to hand back
+
+    def stop_while_it_waits() -> None:
+        deadline = real_time.monotonic() + 10
+        while real_time.monotonic() < deadline:
+            if service.hand_back_waiting(run_id):
+                return
+            real_time.sleep(0.005)
+
+    helper = threading.Thread(target=stop_while_it_waits)
+    helper.start()
+    result = service.execute(run_id, prep, p)
+    helper.join(10)
+    assert (result.state, result.reason) == (RunState.PENDING, BUDGET_HANDED_BACK)
+    assert service.journal.get_run(run_id).state is RunState.PENDING  # for the leader to resume
+    kinds = [e.kind for e in service.journal.events(run_id)]
+    assert kinds[-1] == "budget.waiting"  # nothing written after it: no state, no claim, no Lease
+    assert kube.patches == []
+    service.journal.close()
