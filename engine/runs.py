@@ -279,6 +279,8 @@ class RunService:
         self._in_flight: set[str] = set()  # nodes this service remediates now (the GPU budget counts them)
         self._cluster_budget: ClusterBudget | None = None  # every run in flight in the cluster (engine.budget)
         self._budget_waits: dict[str, threading.Event] = {}  # runs waiting for room: set = handed back
+        self._left: set[str] = set()  # runs whose wait ended handed back (nothing more is written for them)
+        self._stopping = threading.Event()  # the server stops: no wait goes on, none starts
 
     # -- targets and plans ----------------------------------------------------------------------
 
@@ -569,15 +571,20 @@ class RunService:
         handed_back = threading.Event()
         with self._guard_lock:
             self._budget_waits[run_id] = handed_back
+            if self._stopping.is_set():
+                handed_back.set()
         try:
             self.journal.set_state(run_id, RunState.PENDING.value)
             self.journal.append(run_id, "budget.waiting", reason=refused, wait_s=wait,
                                 message=f"the cluster's budget is full: this run waits up to {wait:.0f}s "
                                         "(guards.budget_wait) for room, pending, then ends blocked")
             while True:
-                stop = cancel if cancel is not None else handed_back
-                stop.wait(min(BUDGET_POLL_SECONDS, max(0.0, deadline - time.monotonic())))
+                if not handed_back.is_set():
+                    stop = cancel if cancel is not None else handed_back
+                    stop.wait(min(BUDGET_POLL_SECONDS, max(0.0, deadline - time.monotonic())))
                 if handed_back.is_set():
+                    with self._guard_lock:
+                        self._left.add(run_id)
                     return BUDGET_HANDED_BACK
                 if cancel is not None and cancel.is_set():
                     return f"{refused}; cancelled while it waited for room in the cluster's budget"
@@ -591,6 +598,7 @@ class RunService:
                     return BUDGET_HANDED_BACK  # adopted by the leader meanwhile (this replica was silent)
                 with self._guard_lock:
                     if handed_back.is_set():
+                        self._left.add(run_id)
                         return BUDGET_HANDED_BACK
                     self._budget_waits.pop(run_id, None)  # from here on it is executing: not handed back
                 self.journal.set_state(run_id, RunState.RUNNING.value)
@@ -598,22 +606,36 @@ class RunService:
                 if again is None or not full:
                     return again
                 refused = again
+                self.journal.set_state(run_id, RunState.PENDING.value)
                 with self._guard_lock:  # another process took the room first: wait on
                     self._budget_waits[run_id] = handed_back
-                self.journal.set_state(run_id, RunState.PENDING.value)
+                    if self._stopping.is_set():
+                        handed_back.set()
         finally:
             with self._guard_lock:
                 self._budget_waits.pop(run_id, None)
 
     def hand_back_waiting(self, run_id: str) -> bool:
         """The server stops: a run waiting for room in the budget stops waiting and writes nothing
-        more (the caller disowns it for the leader). False when it is not waiting (any more)."""
+        more (the caller disowns it for the leader). True also when its wait already ended so
+        (``stop_waiting``); False when it is not waiting (it executes, or never waited)."""
         with self._guard_lock:
+            if run_id in self._left:
+                return True
             event = self._budget_waits.pop(run_id, None)
             if event is None:
                 return False
             event.set()
+            self._left.add(run_id)
             return True
+
+    def stop_waiting(self) -> None:
+        """The server begins to stop: every run waiting for room in the budget stops waiting (and
+        writes nothing more), and a run whose turn comes from now on does not wait (handed back)."""
+        with self._guard_lock:
+            self._stopping.set()
+            for event in self._budget_waits.values():
+                event.set()
 
     def _release_budget(self, run_id: str) -> None:
         """Give the run's place in the cluster's budget back (best effort: a claim left behind is

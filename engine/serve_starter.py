@@ -307,6 +307,10 @@ class JournalRunStarter:
     def prune(self, keep: int, max_age: float | None) -> Sequence[str]:
         return self.journal.prune(keep=keep, max_age=max_age)
 
+    def stopping(self) -> None:
+        """``RunStarter.stopping``: runs waiting for room in the cluster's budget stop waiting."""
+        self.service.stop_waiting()
+
     def hand_back(self, run_id: str) -> bool:
         """``RunStarter.hand_back``: a pending run this process owns and does not execute is disowned.
         Why: ``recover`` leaves a pending run whose owner is a process on another machine to that

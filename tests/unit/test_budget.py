@@ -302,3 +302,16 @@ def test_a_run_waiting_for_room_when_the_server_stops_is_handed_back_pending_and
     assert kinds[-1] == "budget.waiting"  # nothing written after it: no state, no claim, no Lease
     assert kube.patches == []
     service.journal.close()
+
+
+def test_a_run_whose_turn_comes_after_the_server_began_to_stop_does_not_wait_it_is_handed_back(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.runs import BUDGET_HANDED_BACK
+
+    kube, service, (prep, p, run_id) = _automatic_run(tmp_path, monkeypatch, wait=30.0)
+    service.stop_waiting()  # the server's stop began (its grace: workers still take their runs)
+    result = service.execute(run_id, prep, p)
+    assert (result.state, result.reason) == (RunState.PENDING, BUDGET_HANDED_BACK)
+    assert service.hand_back_waiting(run_id) is True  # its wait ended handed back: the caller disowns it
+    assert kube.patches == []
+    service.journal.close()
