@@ -281,6 +281,8 @@ class RunService:
         self._budget_waits: dict[str, threading.Event] = {}  # runs waiting for room: set = handed back
         self._left: set[str] = set()  # runs whose wait ended handed back (nothing more is written for them)
         self._stopping = threading.Event()  # the server stops: no wait goes on, none starts
+        # waiting runs wake when a run of this service gives its place back (others': the next look)
+        self._budget_cond = threading.Condition(self._guard_lock)
 
     # -- targets and plans ----------------------------------------------------------------------
 
@@ -562,7 +564,8 @@ class RunService:
                          attempt: Callable[[], tuple[str | None, bool]]) -> str | None:
         """A queued (automatic, never started) run whose turn came while the cluster's budget is full
         waits for room instead of ending blocked: ``pending`` again (``budget.waiting``, once), looking
-        every ``BUDGET_POLL_SECONDS`` without writing; when there is room it claims (``attempt``: the
+        every ``BUDGET_POLL_SECONDS`` without writing (at once when a run of this service gives its
+        place back); when there is room it claims (``attempt``: the
         guards and the claim again, journaled). Its worker is held meanwhile, so the runs queued after
         it stay after it. Past ``guards.budget_wait`` seconds: the reason it ends blocked. None: it
         passed. ``BUDGET_HANDED_BACK``: the server stops and handed it back (nothing more is written)."""
@@ -579,9 +582,9 @@ class RunService:
                                 message=f"the cluster's budget is full: this run waits up to {wait:.0f}s "
                                         "(guards.budget_wait) for room, pending, then ends blocked")
             while True:
-                if not handed_back.is_set():
-                    stop = cancel if cancel is not None else handed_back
-                    stop.wait(min(BUDGET_POLL_SECONDS, max(0.0, deadline - time.monotonic())))
+                with self._guard_lock:
+                    if not handed_back.is_set() and not (cancel is not None and cancel.is_set()):
+                        self._budget_cond.wait(min(BUDGET_POLL_SECONDS, max(0.0, deadline - time.monotonic())))
                 if handed_back.is_set():
                     with self._guard_lock:
                         self._left.add(run_id)
@@ -627,6 +630,7 @@ class RunService:
                 return False
             event.set()
             self._left.add(run_id)
+            self._budget_cond.notify_all()
             return True
 
     def stop_waiting(self) -> None:
@@ -636,6 +640,7 @@ class RunService:
             self._stopping.set()
             for event in self._budget_waits.values():
                 event.set()
+            self._budget_cond.notify_all()
 
     def _release_budget(self, run_id: str) -> None:
         """Give the run's place in the cluster's budget back (best effort: a claim left behind is
@@ -643,6 +648,8 @@ class RunService:
         budget = self._cluster_budget
         if budget is not None and budget.release(run_id):
             self.journal.append(run_id, "budget.released")
+            with self._guard_lock:  # a run of this service waiting for room looks now
+                self._budget_cond.notify_all()
 
     # -- execution ------------------------------------------------------------------------------
 
