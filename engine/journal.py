@@ -48,6 +48,7 @@ from engine.store import (  # the store's types; re-exported for callers that na
     RESUMABLE_STATES,
     EventRecord,
     JournalSink,
+    Owner,
     RunRecord,
     RunStore,
     StepProgress,
@@ -271,7 +272,7 @@ class Journal(StoreBase):
                            (run_id, seq, now, kind, None, self._dump(dict(data))))
         return run_id
 
-    def claim(self, run_id: str) -> bool:
+    def claim(self, run_id: str, *, from_owner: Owner | None = None) -> bool:
         """Make this process the run's owner (a resume, a server recovering its runs).
 
         Atomic: returns False, changing nothing, while another live process on this machine owns
@@ -282,6 +283,8 @@ class Journal(StoreBase):
                              (run_id,)).fetchone()
             if row is None:
                 raise UsageError(f"unknown run id {run_id!r}")
+            if from_owner is not None and tuple(row) != tuple(from_owner):
+                return False  # claimed by someone else since it was read
             if owned_by_another(tuple(row)):
                 return False
             db.execute("UPDATE runs SET owner_host=?, owner_pid=?, owner_start=? WHERE id=?", (*me, run_id))

@@ -44,6 +44,7 @@ from engine.store import (
     ACTIVE_STATES,
     FINAL_STATES,
     EventRecord,
+    Owner,
     RunRecord,
     RunStore,
     StoreBase,
@@ -83,6 +84,15 @@ TRIGGER_LABEL = "runbook.io/trigger"  # the run's source: cli, alertmanager, pag
 NODE_LABEL = "runbook.io/node"
 RUNBOOK_LABEL = "runbook.io/runbook"
 UNLABELLED = f"!{PHASE_LABEL}"  # runs recorded before the labels existed: read by a second list
+# When the run was created (UTC), at four widths: ``list_runs`` reads the newest runs first, bucket
+# by bucket, instead of every RemediationRun (label selectors have no ranges; ``in`` lists buckets).
+CREATED_LEVELS: tuple[tuple[str, int, str], ...] = (
+    ("runbook.io/created-second", 1, "%Y%m%d%H%M%S"), ("runbook.io/created-minute", 60, "%Y%m%d%H%M"),
+    ("runbook.io/created-hour", 3600, "%Y%m%d%H"), ("runbook.io/created-day", 86400, "%Y%m%d"))
+NOT_BUCKETED = f"!{CREATED_LEVELS[0][0]}"  # runs recorded before the created labels existed
+BUCKETS_PER_LIST = 60  # bucket values in one ``in (...)`` selector (the URL stays short)
+NEWEST_HORIZON = 400 * 86400  # seconds back the buckets are walked; older runs: one list of the rest
+CLOCK_AHEAD = 120  # seconds after our clock a writer's clock may be: its newest buckets are read too
 
 T = TypeVar("T")
 log = logging.getLogger("runbook.store")
@@ -273,7 +283,8 @@ class KubeRunStore(StoreBase):
         run_id = run_id or new_run_id()
         state = run_state(state)
         node = nodes[0] if nodes else ""
-        labels = {"app.kubernetes.io/managed-by": "runbook", PHASE_LABEL: state.phase}
+        created = self.clock()
+        labels = {"app.kubernetes.io/managed-by": "runbook", PHASE_LABEL: state.phase, **created_labels(created)}
         for key, value in ((RUNBOOK_LABEL, runbook), (NODE_LABEL, node), (TRIGGER_LABEL, source)):
             if _label_value(value):
                 labels[key] = value
@@ -286,7 +297,7 @@ class KubeRunStore(StoreBase):
         obj = self.api.create_object(API_VERSION, PLURAL, self.namespace, body)
         self._cache[run_id] = obj
         host, pid, start = current_owner()
-        now = format_time(self.clock())
+        now = format_time(created)
 
         def init(status: dict[str, Any]) -> tuple[bool, None]:
             status.update({"phase": state.phase, "createdAt": now, "heartbeatAt": now,
@@ -302,12 +313,15 @@ class KubeRunStore(StoreBase):
         self._update(run_id, init)
         return run_id
 
-    def claim(self, run_id: str) -> bool:
+    def claim(self, run_id: str, *, from_owner: Owner | None = None) -> bool:
         me = current_owner()
 
         def take(status: dict[str, Any]) -> tuple[bool, bool]:
             owner = status.get("owner") or {}
-            if owned_by_another((owner.get("host"), owner.get("pid"), owner.get("start"))):
+            recorded = (owner.get("host"), owner.get("pid"), owner.get("start"))
+            if from_owner is not None and recorded != tuple(from_owner):
+                return False, False  # adopted (or resumed) by someone else since it was read
+            if owned_by_another(recorded):
                 return False, False
             status["owner"] = {"host": me[0], "pid": me[1], "start": me[2]}
             status["claimedBy"] = f"{me[0]}/{me[1]}"
@@ -430,9 +444,62 @@ class KubeRunStore(StoreBase):
                 out[(o.get("metadata") or {}).get("name", "")] = dict(o)
         return list(out.values())
 
+    def _newest(self, limit: int, sources: tuple[str, ...] | None) -> list[dict[str, Any]]:
+        """At least the ``limit`` newest RemediationRuns (of ``sources``), read newest bucket first
+        (``CREATED_LEVELS``) from the API server's watch cache, never every object: the seconds a
+        writer's clock may be ahead of ours in one list, then buckets of one second back from now, as
+        many per list as the runs found so far say are needed (doubling after an empty list, up to
+        ``BUCKETS_PER_LIST``); a list that finds none moves to the next width once aligned with it
+        (minutes, hours, days), so a sparse history costs a dozen small lists and a dense one reads
+        about ``limit`` runs. Every run of a bucket is read, so the ``limit`` newest of what was read
+        are the newest of all. Runs without the labels (older versions) are read by one list;
+        beyond ``NEWEST_HORIZON``, the rest by one list."""
+        base: list[str] = []
+        if sources:
+            labelled = sorted(v for v in sources if _label_value(v))
+            if len(labelled) < len(sources):  # a source no label can name: the spec decides
+                return self._selected(None, sources)
+            base.append(f"{TRIGGER_LABEL} in ({','.join(labelled)})")
+        found: dict[str, dict[str, Any]] = {}
+
+        def read(selector: list[str]) -> int:
+            before = len(found)
+            for o in self.api.list_objects(API_VERSION, PLURAL, namespace=self.namespace,
+                                           label_selector=",".join(selector), cached=True):
+                found[(o.get("metadata") or {}).get("name", "")] = dict(o)
+            return len(found) - before
+
+        read([*base, NOT_BUCKETED])
+        legacy = len(found)
+        now = self.clock()
+        t = int(now) + 1  # every bucket from t on has been read (aligned to the level's width)
+        ahead = [time.strftime(CREATED_LEVELS[0][2], time.gmtime(t + i)) for i in range(CLOCK_AHEAD)]
+        read([*base, f"{CREATED_LEVELS[0][0]} in ({','.join(ahead)})"])  # writers whose clock is ahead: one list
+        level, k = 0, 4
+        while t > now - NEWEST_HORIZON:
+            label, width, fmt = CREATED_LEVELS[level]
+            coarser = CREATED_LEVELS[level + 1][1] if level + 1 < len(CREATED_LEVELS) else 0
+            if coarser:  # stop at the coarser width's boundary, to move up from there
+                k = min(k, (t % coarser) // width or coarser // width)
+            values = [time.strftime(fmt, time.gmtime(t - (i + 1) * width)) for i in range(k)]
+            got = read([*base, f"{label} in ({','.join(values)})"])
+            t -= k * width
+            if len(found) - legacy >= limit:
+                return list(found.values())
+            if got == 0:
+                if coarser and t % coarser == 0:
+                    level, k = level + 1, 1
+                else:  # doubling: a dense stretch after an empty one costs at most twice what it needs
+                    k = min(BUCKETS_PER_LIST, k * 2)
+            else:
+                need = limit - (len(found) - legacy)
+                k = max(1, min(BUCKETS_PER_LIST, k * 2, k * need // got))
+        read(base)  # the runs older than the horizon (and all of them with an unreadable clock)
+        return list(found.values())
+
     def list_runs(self, *, limit: int = 100, states: tuple[str, ...] | None = None,
                   sources: tuple[str, ...] | None = None) -> list[RunRecord]:
-        items = self._selected(states, sources)
+        items = self._selected(states, sources) if states else self._newest(limit, sources)
         if states:
             items = [o for o in items if _stored_state(o) in states]
         if sources:
@@ -525,6 +592,12 @@ class KubeRunStore(StoreBase):
                             e.get("step"), dict(e.get("data") or {}))
                 for e in status.get("events") or ()]
 
+
+
+def created_labels(epoch: float) -> dict[str, str]:
+    """The created-time bucket labels of a run created at ``epoch`` (UTC)."""
+    at = time.gmtime(int(epoch))
+    return {label: time.strftime(fmt, at) for label, _, fmt in CREATED_LEVELS}
 
 
 def _phase_state(status: Mapping[str, Any]) -> RunState:

@@ -35,6 +35,8 @@ it still holds, or let the renewal thread end without saying so.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -55,6 +57,22 @@ def lease_name(node: str) -> str:
 
 def holder_for(run_id: str) -> str:
     return f"runbook/{run_id}"
+
+
+REPLICA_LEASE_PREFIX = "runbook-replica-"
+
+
+def replica_lease_name(host: str, pid: int) -> str:
+    """The liveness Lease of the ``runbook serve`` process ``pid`` on ``host`` (a run's recorded
+    owner names it): ``runbook-replica-<host, made a DNS name>-<digest of the exact host>-<pid>``."""
+    slug = re.sub(r"[^a-z0-9-]+", "-", host.lower()).strip("-")[:60].strip("-") or "host"
+    digest = hashlib.blake2b(host.encode("utf-8", "backslashreplace"), digest_size=4).hexdigest()
+    return f"{REPLICA_LEASE_PREFIX}{slug}-{digest}-{pid}"
+
+
+def replica_holder(host: str | None, pid: int | None, start: str | None) -> str:
+    """The holder a replica's liveness Lease names: the process exactly as runs record their owner."""
+    return f"{host}/{pid}/{start or '-'}"
 
 
 @dataclass(frozen=True)

@@ -149,6 +149,9 @@ class GuardConfig(ExclusionConfig):
     gpu_budget: GpuBudget = Field(default_factory=GpuBudget)
     concurrency: Concurrency = Field(default_factory=Concurrency)
     unhealthy_capacity: UnhealthyCapacity = Field(default_factory=UnhealthyCapacity)
+    # runbook serve's queued runs: how long (seconds) one whose turn comes while the cluster's budget
+    # (gpu_budget, concurrency) has no room waits, pending, for room before it ends blocked (0: it does not wait)
+    budget_wait: float = Field(default=600.0, ge=0, le=86400)
 
 
 def guard_config_from(data: Any, where: str = "guards") -> GuardConfig:

@@ -72,7 +72,7 @@ from engine.run_guards import (
     read_guard_facts,
 )
 from engine.run_windows import run_window_verdict
-from engine.store import JournalSink, RunStore, StepProgress, new_run_id
+from engine.store import JournalSink, RunStore, StepProgress, current_owner, new_run_id
 from engine.windows import Clock, clock_from_env
 
 if TYPE_CHECKING:
@@ -81,6 +81,9 @@ if TYPE_CHECKING:
     from engine.settings import Settings
 
 APPROVAL_POLL_SECONDS = 0.5
+BUDGET_POLL_SECONDS = 2.0  # a run waiting for room in the cluster's budget looks this often (a read, no write)
+BUDGET_HANDED_BACK = ("left to another process: the server stopped (it handed the run back) or the leader "
+                      "adopted it while it waited for room in the cluster's budget")
 
 
 def needs_hosts(loaded: LoadedRunbook, params: Mapping[str, Any]) -> bool:
@@ -275,6 +278,11 @@ class RunService:
         self._guard_lock = threading.Lock()
         self._in_flight: set[str] = set()  # nodes this service remediates now (the GPU budget counts them)
         self._cluster_budget: ClusterBudget | None = None  # every run in flight in the cluster (engine.budget)
+        self._budget_waits: dict[str, threading.Event] = {}  # runs waiting for room: set = handed back
+        self._left: set[str] = set()  # runs whose wait ended handed back (nothing more is written for them)
+        self._stopping = threading.Event()  # the server stops: no wait goes on, none starts
+        # waiting runs wake when a run of this service gives its place back (others': the next look)
+        self._budget_cond = threading.Condition(self._guard_lock)
 
     # -- targets and plans ----------------------------------------------------------------------
 
@@ -474,9 +482,10 @@ class RunService:
         return out
 
     def _pass_guards(self, run_id: str, node: str, overrides: Mapping[str, str], *, changes: bool,
-                     window: GuardVerdict | None = None) -> str | None:
+                     window: GuardVerdict | None = None) -> tuple[str | None, bool]:
         """Under the guard lock: evaluate, journal, and (when they pass) count the node in flight.
-        ``window``: the maintenance-window verdict of the run's runbook (``engine.run_windows``)."""
+        ``window``: the maintenance-window verdict of the run's runbook (``engine.run_windows``).
+        (why refused or None, whether only the cluster's budget was full: room may come)."""
         through_template = self.journal.get_run(run_id).source == REMEDIATION_SOURCE
         verdicts = [*self.guard_verdicts(node, overrides, through_template=through_template),
                     *([window] if window is not None else [])]
@@ -487,12 +496,12 @@ class RunService:
                                     reason=v.overridden.reason, finding=v.reason)
         stops = _stops(verdicts, changes=changes)
         if stops:
-            return "; ".join(f"guard {v.name}: {v.reason}" for v in stops)
-        refused = self._claim_budget(run_id, node, overrides, changes=changes)
+            return "; ".join(f"guard {v.name}: {v.reason}" for v in stops), False
+        refused, full = self._claim_budget(run_id, node, overrides, changes=changes)
         if refused is not None:
-            return refused
+            return refused, full
         self._in_flight.add(node)
-        return None
+        return None, False
 
     def _budget(self) -> ClusterBudget | None:
         """The cluster's budget (``engine.budget``), or None when no budget is configured."""
@@ -503,18 +512,20 @@ class RunService:
                                                  self.settings.lease_namespace)
         return self._cluster_budget
 
-    def _claim_budget(self, run_id: str, node: str, overrides: Mapping[str, str], *, changes: bool) -> str | None:
+    def _claim_budget(self, run_id: str, node: str, overrides: Mapping[str, str], *,
+                      changes: bool) -> tuple[str | None, bool]:
         """Claim the run's place in the cluster's budget: the GPU budget and the concurrency limit
         judged with every run in flight anywhere (``engine.budget``), journaled as ``budget``.
         Refused: the reason. A run that takes no new capacity (nothing to do, a resume) is
-        recorded but never refused; an unreadable budget refuses every run (fail closed)."""
+        recorded but never refused; an unreadable budget refuses every run (fail closed). With the
+        reason, whether the budget was read and full (room may come when a run ends)."""
         config = self.guard_config()
         given = {} if self.automatic else dict(overrides)
 
         try:
             budget = self._budget()
             if budget is None:
-                return None
+                return None, False
             nodes = read_nodes(budget.api)
 
             def decide(others: Sequence[Claim]) -> str | None:
@@ -529,9 +540,107 @@ class RunService:
         except RunbookError as e:
             reason = f"guard gpu-budget: the cluster's budget cannot be claimed, so it blocks: {e}"
             self.journal.append(run_id, "budget", granted=False, reason=reason)
-            return reason
+            return reason, False
         self.journal.append(run_id, "budget", **result.as_event())
-        return None if result.granted else result.reason
+        return (None, False) if result.granted else (result.reason, bool(result.others))
+
+    def _budget_has_room(self, node: str) -> bool:
+        """Whether a claim for ``node`` would find room now: the claims read, decided, nothing written
+        (a waiting run looks quietly; only a run that may pass claims, journaled, on the version it reads)."""
+        try:
+            budget = self._budget()
+            if budget is None:
+                return True
+            claims = budget.claims()
+            live = [c for c in claims if c not in budget.dead(claims)]
+            nodes = read_nodes(budget.api)
+            stops = [v for v in budget_verdicts(nodes, node, self.guard_config(), live,
+                                                sorted(self._in_flight - {node})) if v.blocks]
+        except RunbookError:
+            return False
+        return not stops
+
+    def _wait_for_budget(self, run_id: str, node: str, refused: str, cancel: threading.Event | None,
+                         attempt: Callable[[], tuple[str | None, bool]]) -> str | None:
+        """A queued (automatic, never started) run whose turn came while the cluster's budget is full
+        waits for room instead of ending blocked: ``pending`` again (``budget.waiting``, once), looking
+        every ``BUDGET_POLL_SECONDS`` without writing (at once when a run of this service gives its
+        place back); when there is room it claims (``attempt``: the
+        guards and the claim again, journaled). Its worker is held meanwhile, so the runs queued after
+        it stay after it. Past ``guards.budget_wait`` seconds: the reason it ends blocked. None: it
+        passed. ``BUDGET_HANDED_BACK``: the server stops and handed it back (nothing more is written)."""
+        wait = self.guard_config().budget_wait
+        deadline = time.monotonic() + wait
+        handed_back = threading.Event()
+        with self._guard_lock:
+            self._budget_waits[run_id] = handed_back
+            if self._stopping.is_set():
+                handed_back.set()
+        try:
+            self.journal.set_state(run_id, RunState.PENDING.value)
+            self.journal.append(run_id, "budget.waiting", reason=refused, wait_s=wait,
+                                message=f"the cluster's budget is full: this run waits up to {wait:.0f}s "
+                                        "(guards.budget_wait) for room, pending, then ends blocked")
+            while True:
+                with self._guard_lock:
+                    if not handed_back.is_set() and not (cancel is not None and cancel.is_set()):
+                        self._budget_cond.wait(min(BUDGET_POLL_SECONDS, max(0.0, deadline - time.monotonic())))
+                if handed_back.is_set():
+                    with self._guard_lock:
+                        self._left.add(run_id)
+                    return BUDGET_HANDED_BACK
+                if cancel is not None and cancel.is_set():
+                    return f"{refused}; cancelled while it waited for room in the cluster's budget"
+                if time.monotonic() >= deadline:
+                    return (f"{refused}; waited {wait:.0f}s (guards.budget_wait) for room in the cluster's "
+                            "budget and none came")
+                if not self._budget_has_room(node):
+                    continue
+                rec = self.journal.get_run(run_id)
+                if (rec.owner_host, rec.owner_pid, rec.owner_start) != current_owner():
+                    return BUDGET_HANDED_BACK  # adopted by the leader meanwhile (this replica was silent)
+                with self._guard_lock:
+                    if handed_back.is_set():
+                        self._left.add(run_id)
+                        return BUDGET_HANDED_BACK
+                    self._budget_waits.pop(run_id, None)  # from here on it is executing: not handed back
+                self.journal.set_state(run_id, RunState.RUNNING.value)
+                again, full = attempt()
+                if again is None or not full:
+                    return again
+                refused = again
+                self.journal.set_state(run_id, RunState.PENDING.value)
+                with self._guard_lock:  # another process took the room first: wait on
+                    self._budget_waits[run_id] = handed_back
+                    if self._stopping.is_set():
+                        handed_back.set()
+        finally:
+            with self._guard_lock:
+                self._budget_waits.pop(run_id, None)
+
+    def hand_back_waiting(self, run_id: str) -> bool:
+        """The server stops: a run waiting for room in the budget stops waiting and writes nothing
+        more (the caller disowns it for the leader). True also when its wait already ended so
+        (``stop_waiting``); False when it is not waiting (it executes, or never waited)."""
+        with self._guard_lock:
+            if run_id in self._left:
+                return True
+            event = self._budget_waits.pop(run_id, None)
+            if event is None:
+                return False
+            event.set()
+            self._left.add(run_id)
+            self._budget_cond.notify_all()
+            return True
+
+    def stop_waiting(self) -> None:
+        """The server begins to stop: every run waiting for room in the budget stops waiting (and
+        writes nothing more), and a run whose turn comes from now on does not wait (handed back)."""
+        with self._guard_lock:
+            self._stopping.set()
+            for event in self._budget_waits.values():
+                event.set()
+            self._budget_cond.notify_all()
 
     def _release_budget(self, run_id: str) -> None:
         """Give the run's place in the cluster's budget back (best effort: a claim left behind is
@@ -539,6 +648,8 @@ class RunService:
         budget = self._cluster_budget
         if budget is not None and budget.release(run_id):
             self.journal.append(run_id, "budget.released")
+            with self._guard_lock:  # a run of this service waiting for room looks now
+                self._budget_cond.notify_all()
 
     # -- execution ------------------------------------------------------------------------------
 
@@ -600,8 +711,18 @@ class RunService:
             # (resume=False) and is held to them, as every other guard holds every run.
             window = run_window_verdict(journal, run_id, prepared.loaded.runbook, self.clock(),
                                         overrides=overrides or {}, actor=current_user(), automatic=self.automatic)
-            refused = self._pass_guards(run_id, prepared.node, overrides or {}, window=window,
-                                        changes=not resume and plan.state is not PlanState.NOTHING_TO_DO)
+            changes = not resume and plan.state is not PlanState.NOTHING_TO_DO
+            refused, full = self._pass_guards(run_id, prepared.node, overrides or {}, window=window, changes=changes)
+        if refused is not None and full and self.automatic and not resume and self.guard_config().budget_wait > 0:
+
+            def attempt() -> tuple[str | None, bool]:
+                with self._guard_lock:
+                    return self._pass_guards(run_id, prepared.node, {}, window=window, changes=changes)
+
+            refused = self._wait_for_budget(run_id, prepared.node, refused, cancel, attempt)
+            if refused == BUDGET_HANDED_BACK:
+                return RunResult(state=RunState.PENDING, exit_code=ExitCode.BLOCKED, runbook=prepared.loaded.name,
+                                 node=prepared.node, plan_digest=plan.digest, reason=BUDGET_HANDED_BACK)
         if refused is not None:
             # A resume stopped by a guard stays resumable; a new run is simply blocked.
             state = RunState.INTERRUPTED if resume else RunState.BLOCKED

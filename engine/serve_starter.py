@@ -27,7 +27,7 @@ from engine import lifecycle
 from engine.errors import RunbookError, UsageError
 from engine.integrity import ESCALATED_EVENT
 from engine.loader import list_runbooks
-from engine.locks import LeaseObservation, holder_for, lease_name
+from engine.locks import LeaseObservation, holder_for, lease_name, replica_holder, replica_lease_name
 from engine.model import Runbook, RunState
 from engine.params import prepare_run
 from engine.runs import RunService
@@ -58,6 +58,8 @@ class JournalRunStarter:
         self._clock = clock
         self._kube = kube or settings.kube
         self._lock_namespace = settings.lease_namespace
+        self._store_namespace = settings.store_namespace  # the replicas' liveness Leases live there
+        self._replicas: dict[str, LeaseObservation] = {}  # other replicas' liveness Leases, as watched here
         self._monotonic = monotonic
         self._watching: dict[str, LeaseObservation] = {}  # running runs of other replicas: their node Lease
         self._taken_over: set[str] = set()
@@ -168,6 +170,13 @@ class JournalRunStarter:
     def _execute(self, run_id: str) -> RunOutcome:
         with self._guard:
             taken_over = run_id in self._taken_over
+        rec = self.journal.get_run(run_id)
+        if self._shared_window and rec.state is RunState.PENDING and rec.owner_pid is not None and \
+                rec.owner_host != socket.gethostname():
+            # Why: queued here, but adopted by the leader meanwhile (this replica's liveness Lease
+            # went unrenewed): its new owner executes it; the claim below would take it back.
+            return RunOutcome(run_id, rec.state.value, rec.plan_digest, None,
+                              f"adopted by {rec.owner_host}/{rec.owner_pid}: executed there")
         window: list[RunOutcome] = []
 
         def window_gate(rec: RunRecord) -> lifecycle.Continued | None:
@@ -298,13 +307,18 @@ class JournalRunStarter:
     def prune(self, keep: int, max_age: float | None) -> Sequence[str]:
         return self.journal.prune(keep=keep, max_age=max_age)
 
+    def stopping(self) -> None:
+        """``RunStarter.stopping``: runs waiting for room in the cluster's budget stop waiting."""
+        self.service.stop_waiting()
+
     def hand_back(self, run_id: str) -> bool:
         """``RunStarter.hand_back``: a pending run this process owns and does not execute is disowned.
         Why: ``recover`` leaves a pending run whose owner is a process on another machine to that
         process (it cannot tell a queue from a dead one); a run with no owner is anyone's to resume."""
         with self._guard:
-            if run_id in self._executing:
-                return False
+            executing = run_id in self._executing
+        if executing and not self.service.hand_back_waiting(run_id):
+            return False  # executing (a run waiting for room in the budget is not: it stops waiting)
         try:
             rec = self.journal.get_run(run_id)
         except RunbookError:
@@ -323,6 +337,7 @@ class JournalRunStarter:
         re-announced; runs another live process owns are left to it."""
         out = []
         running = set()
+        leases: dict[str, Any] = {}  # this call's reads of replica Leases (a dead replica's runs: one read)
         self._ingest_store_approvals()
         for rec in self.journal.list_runs(limit=1000, states=(*ACTIVE_STATES, RunState.INTERRUPTED)):
             if rec.source not in WEBHOOK_SOURCES:
@@ -343,15 +358,34 @@ class JournalRunStarter:
                 continue
             if self._shared_window and rec.state is RunState.PENDING and rec.owner_pid is not None and (
                     rec.owner_host, rec.owner_pid) != (socket.gethostname(), os.getpid()):
-                # Queued at another replica whose death the store cannot see (another machine): its
-                # worker executes it; taking it here could make two executors.
+                # Queued at another replica (another machine): its worker executes it, unless that
+                # replica is dead by its liveness Lease; then it is adopted here, exactly once.
+                why = self._dead_replica(rec, leases)
+                if why is not None and self._adopt(rec, why):
+                    out.append(rec.id)
                 continue
             if (rec.state in (RunState.PENDING, RunState.INTERRUPTED) or approved) and \
                     self.service.refuse_unverified(rec.id) is None and self.journal.claim(rec.id):
                 out.append(rec.id)
         for gone in set(self._watching) - running:
             del self._watching[gone]
+        self._forget_dead_replicas(leases)
         return list(reversed(out))
+
+    def _forget_dead_replicas(self, leases: dict[str, Any]) -> None:
+        """Delete the liveness Leases of replicas judged dead in this call (their queues adopted), at
+        the version observed: one that renewed meanwhile (a 409) keeps its Lease. A Lease held by
+        another process (a reused host and pid) is that process's and is left alone."""
+        for name, lease in leases.items():
+            seen = self._replicas.get(name)
+            if lease is None or seen is None or seen.unchanged_for(lease) < max(1, lease.duration_seconds):
+                continue
+            try:
+                self._kube().delete_lease(lease)
+            except Exception as e:  # Why: a Lease left behind only costs an object; the next sweep retries
+                log.warning("liveness Lease %s/%s of a dead replica not deleted: %s", lease.namespace, name, e)
+                continue
+            self._replicas.pop(name, None)
 
     def _ingest_store_approvals(self) -> None:
         """Approvals made with ``runbook approve --store kubernetes`` (engine.store_approvals): each
@@ -431,6 +465,49 @@ class JournalRunStarter:
             return False  # not holding its Lease: not yet or no longer acting; judged when it does
         seen = self._watching.setdefault(rec.id, LeaseObservation(self._monotonic))
         return seen.unchanged_for(lease) >= max(1, lease.duration_seconds)
+
+    def _dead_replica(self, rec: RunRecord, leases: dict[str, Any]) -> str | None:
+        """Why the replica that queued the pending run ``rec`` is dead, or None (alive, or it cannot be
+        told). Its liveness Lease (``engine.serve.leader.ReplicaLease``): held by another process now
+        (it stopped; its host and pid were reused), or seen unchanged here for its whole duration by
+        this process's monotonic clock across ``recover`` calls (a live replica renews it at TTL/3).
+        No Lease at all (a replica of an older version, or one that stopped cleanly and handed its
+        queue back) or an API error: nothing is judged dead (fail closed; ``runbook resume`` remains)."""
+        if rec.owner_host is None or rec.owner_pid is None:
+            return None
+        name = replica_lease_name(rec.owner_host, rec.owner_pid)
+        where = f"{self._store_namespace}/{name}"
+        if name not in leases:
+            try:
+                leases[name] = self._kube().read_lease(self._store_namespace, name)
+            except Exception as e:  # the API away: nobody is judged dead
+                log.warning("replica Lease %s not read: %s", where, e)
+                leases[name] = None
+        lease = leases[name]
+        if lease is None:
+            self._replicas.pop(name, None)
+            return None
+        if lease.holder != replica_holder(rec.owner_host, rec.owner_pid, rec.owner_start):
+            return (f"its replica ({rec.owner_host}/{rec.owner_pid}) is gone: its liveness Lease {where} is held "
+                    f"by {lease.holder or 'nobody'} now")
+        seen = self._replicas.setdefault(name, LeaseObservation(self._monotonic))
+        unchanged = seen.unchanged_for(lease)
+        if unchanged < max(1, lease.duration_seconds):
+            return None
+        return (f"its replica ({rec.owner_host}/{rec.owner_pid}) died without handing it back: its liveness "
+                f"Lease {where} was seen unchanged for {unchanged:.0f}s (duration {lease.duration_seconds}s)")
+
+    def _adopt(self, rec: RunRecord, why: str) -> bool:
+        """Claim a dead replica's queued run, only while that replica is still its recorded owner (a
+        resourceVersion-guarded write: of two processes adopting it at once, one wins), and record
+        ``run.adopted`` (whose it was, why). The caller continues it like any recovered run."""
+        owner = (rec.owner_host, rec.owner_pid, rec.owner_start)
+        if self.service.refuse_unverified(rec.id) is not None or \
+                not self.journal.claim(rec.id, from_owner=owner):
+            return False
+        self.journal.append(rec.id, "run.adopted", reason=why, previous_owner=f"{rec.owner_host}/{rec.owner_pid}")
+        log.warning("run %s adopted: %s", rec.id, why)
+        return True
 
     def _takeover_reason(self, rec: RunRecord) -> str:
         return (f"its executor ({rec.owner_host}/{rec.owner_pid}) stopped renewing the node Lease of "

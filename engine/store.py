@@ -161,6 +161,9 @@ def _process_start(pid: int) -> str | None:
     return f"{_boot_id()}/{stat.rsplit(')', 1)[1].split()[19]}"
 
 
+Owner = tuple[str | None, int | None, str | None]  # a run's owner: (host, pid, BOOT_ID/START)
+
+
 def current_owner() -> tuple[str, int, str | None]:
     """This process as a run's owner: (host, pid, ``BOOT_ID/START``)."""
     pid = os.getpid()
@@ -355,9 +358,11 @@ class RunStore(Protocol):
         """Record a new run owned by this process, with its first ``events`` (kind, data); its id."""
         ...
 
-    def claim(self, run_id: str) -> bool:
+    def claim(self, run_id: str, *, from_owner: Owner | None = None) -> bool:
         """Make this process the run's owner; False (changing nothing) while another live owner has it.
-        Atomic: two claims of one run never both succeed."""
+        Atomic: two claims of one run never both succeed. ``from_owner`` (host, pid, start): only
+        while that is still the recorded owner (adopting a dead replica's run: of two processes
+        adopting it at once, the second finds the owner changed and gets False)."""
         ...
 
     def disown(self, run_id: str) -> None:

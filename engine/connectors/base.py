@@ -131,8 +131,9 @@ class KubeAPI(Protocol):
     def delete_pod(self, pod: PodRef, *, dry_run: bool = False, grace_seconds: int | None = None) -> None: ...
 
     def list_objects(self, api_version: str, kind_plural: str, *, namespace: str | None = None,
-                     label_selector: str | None = None) -> list[Mapping[str, Any]]:
-        """Any listable kind (core or custom), as plain mappings."""
+                     label_selector: str | None = None, cached: bool = False) -> list[Mapping[str, Any]]:
+        """Any listable kind (core or custom), as plain mappings. ``cached``: served from the API
+        server's watch cache (``resourceVersion=0``: no etcd read, may lag the latest write by a moment)."""
         ...
 
     # Any object by kind (Secrets, TokenReviews, CertificateSigningRequests: the kubelet bootstrap
@@ -201,7 +202,7 @@ class ObjectAPI(Protocol):
         ...
 
     def list_objects(self, api_version: str, kind_plural: str, *, namespace: str | None = None,
-                     label_selector: str | None = None) -> list[Mapping[str, Any]]: ...
+                     label_selector: str | None = None, cached: bool = False) -> list[Mapping[str, Any]]: ...
 
     def create_object(self, api_version: str, kind_plural: str, namespace: str,
                       body: Mapping[str, Any]) -> dict[str, Any]:

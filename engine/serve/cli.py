@@ -84,7 +84,9 @@ def build_app(settings: Settings, config_file: Path | None, listen: str | None, 
 
     # Replicas share the store: one of them (the Lease's holder) does the singleton duties, at
     # least once per Lease duration, so an orphaned run is resumed within two Lease durations.
-    elector = LeaderElector(settings.kube, namespace=settings.store_namespace, ttl=config.replicas.lease_duration)
+    # Each replica also holds its liveness Lease, so the leader adopts the queue of one that dies.
+    elector = LeaderElector(settings.kube, namespace=settings.store_namespace, ttl=config.replicas.lease_duration,
+                            replica_lease=True)
     return create_app(config, starter, cluster=cluster, identity=identity, elector=elector, kube=settings.kube,
                       sweep_interval=min(30.0, float(config.replicas.lease_duration))), config
 

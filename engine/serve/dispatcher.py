@@ -286,6 +286,9 @@ class Dispatcher:
 
     def stop(self) -> None:
         self._stop.set()
+        # Why first: a run waiting for room in the budget must not start during the grace and die
+        # with the process half-way (running, owned by a dead process); it is handed back instead
+        self.starter.stopping()
         if isinstance(self.cluster, RefreshingClusterView):
             self.cluster.stop()
         self._wake.set()

@@ -9,6 +9,12 @@ wall clock with the holder's ``renewTime``. Held, it is a ``NodeLock`` with our 
 TTL/3, lost past the renew deadline (2/3 of the TTL) or when another holder appears; ``stop`` gives
 it up at once (holder emptied, TTL 1 s) so another replica takes over without waiting a TTL.
 
+``ReplicaLease`` is each replica's liveness record, which the leader reads: the Lease
+``runbook-replica-<host>-<digest>-<pid>`` (``engine.locks.replica_lease_name``) held by this process
+exactly as a run records its owner (host/pid/start), renewed like the leader Lease, deleted at a clean
+stop. A run queued at a replica whose Lease the leader has seen unchanged for its whole duration (or
+held by another process now) is adopted by the leader (``engine.serve_starter``).
+
 ``SingleReplica`` is the leadership of a server that elects nothing (the SQLite store: one replica).
 
 What it must not do: act as leader on a Lease it is not sure it holds (``is_leader`` turns false the
@@ -29,7 +35,8 @@ from typing import Any, Protocol
 
 from engine.connectors.base import KubeAPI, LeaseRecord
 from engine.errors import Conflict
-from engine.locks import Held, LeaseObservation, NodeLock, try_take
+from engine.locks import Held, LeaseObservation, NodeLock, replica_holder, replica_lease_name, try_take
+from engine.store import current_owner
 
 log = logging.getLogger(__name__)
 LEASE_NAME = "runbook-serve"
@@ -67,6 +74,51 @@ class SingleReplica:
         return None
 
 
+class ReplicaLease:
+    """This process's liveness Lease (see the module doc): ``keep`` takes it (or takes it again after
+    it was lost: the API away past the renew deadline), ``stop`` deletes it. Errors are logged and
+    retried by the next ``keep``, never fatal: without it, the leader leaves this replica's queue alone."""
+
+    def __init__(self, kube: Callable[[], KubeAPI], *, namespace: str, ttl: int = DEFAULT_TTL_SECONDS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._kube = kube
+        self.namespace, self.ttl, self._clock = namespace, ttl, clock
+        host, pid, start = current_owner()
+        self.name = replica_lease_name(host, pid)
+        self.holder = replica_holder(host, pid, start)
+        self._held: NodeLock | None = None
+        self._seen = LeaseObservation(clock)
+        self.last_error = ""
+
+    def alive(self) -> bool:
+        held = self._held
+        return held is not None and held.lost is None
+
+    def keep(self) -> bool:
+        """Hold the Lease (renewed in its own thread); True while it is held."""
+        if self.alive():
+            return True
+        try:
+            kube = self._kube()
+            got = try_take(kube, self.namespace, self.name, self.holder, self.ttl, self._seen)
+        except Exception as e:  # API away, RBAC, a 409: the next keep() tries again
+            self.last_error = f"{type(e).__name__}: {e}"
+            log.warning("replica Lease %s/%s not held: %s", self.namespace, self.name, self.last_error)
+            return False
+        if isinstance(got, Held):  # a previous process of this host and pid: free once it expired
+            return False
+        held = NodeLock(kube, "", "", got, self.ttl, clock=self._clock, identity=self.holder)
+        held.start_renewing()
+        self._held, self.last_error = held, ""
+        return True
+
+    def stop(self) -> None:
+        """Delete the Lease (after the queued runs were handed back): nothing is left to adopt."""
+        held, self._held = self._held, None
+        if held is not None:
+            held.release()
+
+
 class LeaderElector:
     """Campaign for the Lease ``namespace/name`` in a daemon thread; ``is_leader()`` tells the outcome.
 
@@ -76,7 +128,9 @@ class LeaderElector:
     def __init__(self, kube: Callable[[], KubeAPI], *, namespace: str, name: str = LEASE_NAME,
                  identity: str | None = None, ttl: int = DEFAULT_TTL_SECONDS, retry: float | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 on_change: Callable[[bool], None] | None = None) -> None:
+                 on_change: Callable[[bool], None] | None = None, replica_lease: bool = False) -> None:
+        """``replica_lease``: also hold this process's liveness Lease (``ReplicaLease``), kept by the
+        same loop, so the leader can adopt the queue of a replica that died without stopping."""
         self._kube = kube
         self.namespace, self.name = namespace, name
         self.identity = identity or default_identity()
@@ -91,6 +145,7 @@ class LeaderElector:
         self.on_change = on_change
         self.observed_holder = ""  # the leader as last read (ours or another's)
         self.last_error = ""
+        self.replica = ReplicaLease(kube, namespace=namespace, ttl=ttl, clock=clock) if replica_lease else None
 
     # -- state ----------------------------------------------------------------------------------
 
@@ -106,6 +161,8 @@ class LeaderElector:
                                "leader": self.identity if leader else self.observed_holder}
         if self.last_error and not leader:
             out["error"] = self.last_error
+        if self.replica is not None:
+            out["replica_lease"] = f"{self.namespace}/{self.replica.name}"
         return out
 
     # -- campaign -------------------------------------------------------------------------------
@@ -155,10 +212,14 @@ class LeaderElector:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
+            if self.replica is not None:
+                self.replica.keep()
             self.try_once()
             self._stop.wait(self.retry)
 
     def start(self) -> None:
+        if self.replica is not None:
+            self.replica.keep()  # before the first page is queued here
         self._thread = threading.Thread(target=self._loop, name="runbook-serve-leader", daemon=True)
         self._thread.start()
 
@@ -171,3 +232,5 @@ class LeaderElector:
             held = self._held
         if held is not None and held.lost is None:
             held.step_down()
+        if self.replica is not None:
+            self.replica.stop()

@@ -189,6 +189,11 @@ class RunStarter(Protocol):
         another process executes it, or the final state it already had). ``UsageError`` if unknown."""
         ...
 
+    def stopping(self) -> None:
+        """This server begins to stop: runs waiting for room in the cluster's budget stop waiting and
+        start nothing (``hand_back`` then gives them up with the queue)."""
+        ...
+
     def hand_back(self, run_id: str) -> bool:
         """This server stops and will not execute ``run_id``, queued here and not executing: give it up
         in the store (no owner), so the leader's ``recover`` takes it, whichever machine it runs on.

@@ -238,6 +238,9 @@ class FakeRunStarter:
             self._runs[run_id].setdefault("events", []).append({"kind": kind, **dict(data)})
             self._cond.notify_all()
 
+    def stopping(self) -> None:
+        """Nothing waits for budget room here."""
+
     def hand_back(self, run_id: str) -> bool:
         """A pending fake run is handed back (``handed_back`` records it); others are left as they are."""
         with self._cond:

@@ -4,6 +4,7 @@ and every list the connector makes is read in pages (limit/continue)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -33,9 +34,10 @@ class Recording:
         return getattr(self.inner, name)
 
     def list_objects(self, api_version: str, kind_plural: str, *, namespace: str | None = None,
-                     label_selector: str | None = None) -> list[Mapping[str, Any]]:
+                     label_selector: str | None = None, cached: bool = False) -> list[Mapping[str, Any]]:
         self.selectors.append(label_selector)
-        return self.inner.list_objects(api_version, kind_plural, namespace=namespace, label_selector=label_selector)
+        return self.inner.list_objects(api_version, kind_plural, namespace=namespace, label_selector=label_selector,
+                                       cached=cached)
 
 
 @pytest.fixture(scope="module")
@@ -81,8 +83,45 @@ def test_runs_carry_node_runbook_phase_and_trigger_labels_and_lists_select_by_th
         return raw(method, path, what, **kw)
 
     monkeypatch.setattr(kube.inner, "_raw", counting)
-    assert sorted(r.id for r in store.list_runs()) == sorted([done, running, "r-legacy"])
+    everything = ("pending", "running", "succeeded")
+    assert sorted(r.id for r in store.list_runs(states=everything)) == sorted([done, running, "r-legacy"])
     pages = [q for q in queries if q.get("limit") == 1]
-    assert [q["continue"] is not None for q in pages] == [False, True, True]
+    # the labelled two in two answers (and a last, empty one: the selector filters after the read),
+    # then the unlabelled one
+    assert [q["continue"] is not None for q in pages] == [False, True, True, False]
+    assert sorted(r.id for r in store.list_runs()) == sorted([done, running, "r-legacy"])
     assert [r.id for r in store.list_runs(states=("succeeded",))] == [done]
     assert store.prune(keep=0, max_age=None) == [done]
+
+
+def test_the_newest_runs_are_read_bucket_by_bucket_newest_first_never_every_run(crd: ControlPlane) -> None:
+    """``runbook runs`` (``list_runs(limit=N)``) and the breaker's read (with sources) on a history
+    spread over seconds, hours and days: the N newest exactly, by lists of created-time buckets
+    (plus one for runs without those labels), none of them of every run."""
+    kube = Recording(KubeConnector(kubeconfig=str(crd.kubeconfig)))
+    for o in kube.list_objects(API_VERSION, PLURAL, namespace=NS):
+        kube.delete_object(API_VERSION, PLURAL, NS, o["metadata"]["name"])
+    now = time.time()
+    ages = [0.5, 1.5, 3, 7, 40, 200, 3000, 7200, 90000, 400000, 5000000]  # seconds ago
+    created: dict[str, float] = {}
+    webhook: set[str] = set()
+    for i, age in enumerate(ages):
+        at = now - age
+        store = KubeRunStore(kube, NS, clock=lambda at=at: at)  # type: ignore[arg-type]
+        source = "alertmanager" if i % 2 else "cli"
+        run_id = store.create_run("gpu-node-recovery", {"node": f"gpu-{i}"}, [f"gpu-{i}"], source=source)
+        created[run_id] = at
+        if source != "cli":
+            webhook.add(run_id)
+    newest_first = sorted(created, key=lambda rid: -created[rid])
+    store = KubeRunStore(kube, NS)  # type: ignore[arg-type]
+    for limit in (1, 3, 6, 9, 50):
+        kube.selectors.clear()
+        assert [r.id for r in store.list_runs(limit=limit)] == newest_first[:limit], limit
+        assert all(s and "created-" in s for s in kube.selectors[:-1]), kube.selectors
+        if limit < len(ages):
+            assert len(kube.selectors) <= 25 and all(s and "created-" in s for s in kube.selectors), kube.selectors
+    kube.selectors.clear()
+    assert [r.id for r in store.list_runs(limit=3, sources=("alertmanager", "pagerduty"))] == \
+        [rid for rid in newest_first if rid in webhook][:3]
+    assert all("runbook.io/trigger in (alertmanager,pagerduty)" in str(s) for s in kube.selectors)

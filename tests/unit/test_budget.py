@@ -191,3 +191,127 @@ def test_the_claim_and_its_release_are_journaled(tmp_path: Path) -> None:
     raw = kube.read_object(*LEASES, NS, BUDGET_LEASE)
     assert raw is not None and json.loads(raw["metadata"]["annotations"][CLAIMS_ANNOTATION]) == []
     service.journal.close()
+
+
+# -- a queued server run whose turn comes while the budget is full waits for room -------------------
+
+
+def _automatic_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, wait: float) -> tuple[FakeKube, RunService, Any]:
+    """An automatic (server) service on gpu-1 while another process's run on gpu-2 fills the
+    concurrency limit (one run); polls every 10 ms instead of 2 s."""
+    import engine.runs
+
+    monkeypatch.setattr(engine.runs, "BUDGET_POLL_SECONDS", 0.01)
+    clock = FakeClock()
+    kube = FakeKube([healthy_node("gpu-1"), healthy_node("gpu-2")], clock=clock)
+    nodes = FakeNodes({n: healthy_host(n) for n in ("gpu-1", "gpu-2")}, clock=clock)
+    install_recovery_effects(kube, nodes, ready_after=0.0, gpu_after=0.0)
+    kube.set_label("gpu-1", GPU_LABEL, "vm-passthrough")
+    assert ClusterBudget(kube, NS).claim("run-other", "gpu-2", room_for(5)).granted
+    acquire_node_lock(kube, "gpu-2", "run-other", namespace=NS, ttl=600)  # live: its run holds the Lease
+    guards = GuardConfig(gpu_budget=GpuBudget(max_percent=None), concurrency=Concurrency(max_runs=1),
+                         budget_wait=wait)
+    service = _service(tmp_path, kube, nodes, "server", guards)
+    service.automatic = True
+    (prep,) = [t for t in service.targets(str(RUNBOOK), [], selector="") if t.node == "gpu-1"]
+    (p,) = service.plan_targets([prep], preview=False)
+    return kube, service, (prep, p, service.create(prep, p))
+
+
+def test_a_queued_run_whose_turn_comes_while_the_budget_is_full_waits_pending_and_runs_when_room_comes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    kube, service, (prep, p, run_id) = _automatic_run(tmp_path, monkeypatch, wait=30.0)
+    seen: list[str] = []
+
+    def watch_and_release() -> None:
+        import time as real_time
+
+        deadline = real_time.monotonic() + 10
+        while real_time.monotonic() < deadline:
+            state = service.journal.get_run(run_id).state.value
+            if not seen or seen[-1] != state:
+                seen.append(state)
+            if any(e.kind == "budget.waiting" for e in service.journal.events(run_id)):
+                real_time.sleep(0.1)  # a few polls find no room
+                ClusterBudget(kube, NS).release("run-other")
+                return
+            real_time.sleep(0.005)
+
+    import threading
+
+    helper = threading.Thread(target=watch_and_release)
+    helper.start()
+    result = service.execute(run_id, prep, p)
+    helper.join(10)
+    assert result.state is RunState.SUCCEEDED, result.reason
+    events = service.journal.events(run_id)
+    kinds = [e.kind for e in events]
+    assert kinds.count("budget.waiting") == 1 and "run.blocked" not in kinds
+    waiting = next(e.data for e in events if e.kind == "budget.waiting")
+    assert "guard concurrency: 1 runs in flight in the cluster (gpu-2)" in waiting["reason"]
+    assert "pending" in seen  # it waited as a queued run, not as a running one
+    claims = [e.data for e in events if e.kind == "budget"]
+    assert [c["granted"] for c in claims] == [False, True]  # the quiet looks wrote nothing
+    service.journal.close()
+
+
+def test_a_queued_run_that_waited_its_bound_for_room_ends_blocked_saying_so(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    kube, service, (prep, p, run_id) = _automatic_run(tmp_path, monkeypatch, wait=0.2)
+    result = service.execute(run_id, prep, p)
+    assert result.state is RunState.BLOCKED
+    assert "waited 0s (guards.budget_wait) for room in the cluster's budget and none came" in result.reason
+    assert "guard concurrency" in result.reason
+    assert kube.patches == []  # nothing was done to gpu-1
+    service.journal.close()
+
+
+def test_a_person_s_run_does_not_wait_for_room(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _kube, service, (prep, p, run_id) = _automatic_run(tmp_path, monkeypatch, wait=30.0)
+    service.automatic = False  # the CLI: refused at once, as before
+    result = service.execute(run_id, prep, p)
+    assert result.state is RunState.BLOCKED and "budget_wait" not in result.reason
+    assert "budget.waiting" not in [e.kind for e in service.journal.events(run_id)]
+    service.journal.close()
+
+
+def test_a_run_waiting_for_room_when_the_server_stops_is_handed_back_pending_and_writes_nothing_more(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+    import time as real_time
+
+    from engine.runs import BUDGET_HANDED_BACK
+
+    kube, service, (prep, p, run_id) = _automatic_run(tmp_path, monkeypatch, wait=30.0)
+    assert service.hand_back_waiting(run_id) is False  # not waiting (yet): nothing to hand back
+
+    def stop_while_it_waits() -> None:
+        deadline = real_time.monotonic() + 10
+        while real_time.monotonic() < deadline:
+            if service.hand_back_waiting(run_id):
+                return
+            real_time.sleep(0.005)
+
+    helper = threading.Thread(target=stop_while_it_waits)
+    helper.start()
+    result = service.execute(run_id, prep, p)
+    helper.join(10)
+    assert (result.state, result.reason) == (RunState.PENDING, BUDGET_HANDED_BACK)
+    assert service.journal.get_run(run_id).state is RunState.PENDING  # for the leader to resume
+    kinds = [e.kind for e in service.journal.events(run_id)]
+    assert kinds[-1] == "budget.waiting"  # nothing written after it: no state, no claim, no Lease
+    assert kube.patches == []
+    service.journal.close()
+
+
+def test_a_run_whose_turn_comes_after_the_server_began_to_stop_does_not_wait_it_is_handed_back(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.runs import BUDGET_HANDED_BACK
+
+    kube, service, (prep, p, run_id) = _automatic_run(tmp_path, monkeypatch, wait=30.0)
+    service.stop_waiting()  # the server's stop began (its grace: workers still take their runs)
+    result = service.execute(run_id, prep, p)
+    assert (result.state, result.reason) == (RunState.PENDING, BUDGET_HANDED_BACK)
+    assert service.hand_back_waiting(run_id) is True  # its wait ended handed back: the caller disowns it
+    assert kube.patches == []
+    service.journal.close()

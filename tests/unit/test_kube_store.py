@@ -22,7 +22,7 @@ import pytest
 from engine import kube_store
 from engine.errors import Conflict, JournalError, UsageError
 from engine.journal import Journal, JournalSink, _process_start
-from engine.kube_store import API_VERSION, PLURAL, KubeRunStore
+from engine.kube_store import API_VERSION, CREATED_LEVELS, PLURAL, KubeRunStore
 from engine.model import RunState
 from engine.params import prepare_run
 from engine.runs import RunService
@@ -79,7 +79,10 @@ def test_a_run_is_a_remediation_run_with_spec_once_and_progress_in_the_status(ku
     store.append(run_id, "step.outcome", step="swap-off", status="failed", reason="swap still on")
     store.set_state(run_id, "failed", exit_code=1)
     obj = _obj(kube, run_id)
-    assert obj["metadata"]["labels"] == {"app.kubernetes.io/managed-by": "runbook",
+    created = {k: v for k, v in obj["metadata"]["labels"].items() if k.startswith("runbook.io/created-")}
+    assert sorted(created) == sorted(label for label, _, _ in CREATED_LEVELS)  # list_runs reads newest first
+    assert {k: v for k, v in obj["metadata"]["labels"].items() if k not in created} == {
+                                         "app.kubernetes.io/managed-by": "runbook",
                                          "runbook.io/runbook": "gpu-node-recovery", "runbook.io/node": "omen2",
                                          "runbook.io/trigger": "alertmanager", "runbook.io/phase": "Failed"}
     assert obj["spec"] == spec_after_create  # every later write went to the status subresource ...

@@ -4,7 +4,7 @@ test_run_labels_real_api.py): the phase label follows the phase, lists ask the s
 from __future__ import annotations
 
 from engine.errors import KubeError
-from engine.kube_store import API_VERSION, PHASE_LABEL, PLURAL, TRIGGER_LABEL, KubeRunStore
+from engine.kube_store import API_VERSION, NOT_BUCKETED, PHASE_LABEL, PLURAL, TRIGGER_LABEL, KubeRunStore
 from tests.fakes import FakeKube
 
 NS = "runbook-system"
@@ -66,10 +66,17 @@ def test_the_breakers_read_of_webhook_runs_is_selected_by_trigger_label() -> Non
     store.create_run("x", {}, ["gpu-2"], source="cli")
     kube.calls.clear()
     assert [r.source for r in store.list_runs(sources=("pagerduty", "alertmanager"))] == ["alertmanager"]
+    newest = [args[3] for name, args in kube.calls if name == "list_objects"]
+    # the newest runs: those without created labels, then created-time buckets (this fake ignores
+    # selectors, so the walk goes to its horizon), every list selected by trigger
+    assert newest[0] == f"{TRIGGER_LABEL} in (alertmanager,pagerduty),{NOT_BUCKETED}"
+    assert all(s.startswith(f"{TRIGGER_LABEL} in (alertmanager,pagerduty)") for s in newest)
+    assert any("runbook.io/created-second in (" in s for s in newest)
+    assert any("runbook.io/created-day in (" in s for s in newest)
+    kube.calls.clear()
     store.list_runs(states=("failed",), sources=("alertmanager",))
     selectors = [args[3] for name, args in kube.calls if name == "list_objects"]
-    assert selectors == [f"{TRIGGER_LABEL} in (alertmanager,pagerduty)", f"!{PHASE_LABEL}",
-                         f"{PHASE_LABEL} in (Failed,Interrupted,Pending,Running,WaitingApproval),"
+    assert selectors == [f"{PHASE_LABEL} in (Failed,Interrupted,Pending,Running,WaitingApproval),"
                          f"{TRIGGER_LABEL} in (alertmanager)", f"!{PHASE_LABEL}"]
 
 
