@@ -92,6 +92,7 @@ CREATED_LEVELS: tuple[tuple[str, int, str], ...] = (
 NOT_BUCKETED = f"!{CREATED_LEVELS[0][0]}"  # runs recorded before the created labels existed
 BUCKETS_PER_LIST = 60  # bucket values in one ``in (...)`` selector (the URL stays short)
 NEWEST_HORIZON = 400 * 86400  # seconds back the buckets are walked; older runs: one list of the rest
+DELETED_KEPT = 4096  # run ids this store deleted, hidden from watch-cache lists that may not have seen it
 CLOCK_AHEAD = 120  # seconds after our clock a writer's clock may be: its newest buckets are read too
 
 T = TypeVar("T")
@@ -167,6 +168,10 @@ class KubeRunStore(StoreBase):
         self.namespace = namespace
         self.clock = clock
         self._cache: dict[str, dict[str, Any]] = {}  # run id -> the object as last written/read
+        # Read your own writes from the watch cache (``_newest``): the highest resourceVersion this
+        # store wrote, and the runs it deleted (a delete's answer carries the version before it).
+        self._written_version = 0
+        self._deleted: dict[str, None] = {}  # insertion-ordered, the last DELETED_KEPT
         self._locks: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()
 
@@ -210,7 +215,8 @@ class KubeRunStore(StoreBase):
                 self._fit(run_id, status)
                 body = {**obj, "status": status}
                 try:
-                    obj = self.api.replace_object(API_VERSION, PLURAL, self.namespace, body, subresource="status")
+                    obj = self._wrote(self.api.replace_object(API_VERSION, PLURAL, self.namespace, body,
+                                                              subresource="status"))
                 except Conflict:
                     obj = self._read(run_id)
                     continue
@@ -294,7 +300,7 @@ class KubeRunStore(StoreBase):
             "spec": {"runbook": runbook, "node": node or "-", "nodes": list(nodes), "params": self._clean(dict(params)),
                      "source": source, "mode": "approve" if approval_required else "auto"},
         }
-        obj = self.api.create_object(API_VERSION, PLURAL, self.namespace, body)
+        obj = self._wrote(self.api.create_object(API_VERSION, PLURAL, self.namespace, body))
         self._cache[run_id] = obj
         host, pid, start = current_owner()
         now = format_time(created)
@@ -393,8 +399,8 @@ class KubeRunStore(StoreBase):
                         return
                     labels[PHASE_LABEL] = phase
                     try:
-                        obj = self.api.replace_object(API_VERSION, PLURAL, self.namespace,
-                                                      {**obj, "metadata": {**meta, "labels": labels}})
+                        obj = self._wrote(self.api.replace_object(API_VERSION, PLURAL, self.namespace,
+                                                                  {**obj, "metadata": {**meta, "labels": labels}}))
                     except Conflict:
                         obj = None
                         continue
@@ -417,6 +423,20 @@ class KubeRunStore(StoreBase):
 
     def get_run(self, run_id: str) -> RunRecord:
         return self._record(self._read(run_id))
+
+    def _wrote(self, obj: dict[str, Any]) -> dict[str, Any]:
+        """``obj`` as a write of this store answered: its version is one this store's next reads from
+        the watch cache must include."""
+        with contextlib.suppress(KeyError, TypeError, ValueError):
+            self._written_version = max(self._written_version, int((obj.get("metadata") or {})["resourceVersion"]))
+        return obj
+
+    def _forget(self, run_id: str) -> None:
+        """A run this store deleted: never listed again from a watch cache that has not seen it go."""
+        with self._guard:
+            self._deleted[run_id] = None
+            while len(self._deleted) > DELETED_KEPT:
+                self._deleted.pop(next(iter(self._deleted)))
 
     def _selected(self, states: tuple[str, ...] | None,
                   sources: tuple[str, ...] | None = None) -> list[dict[str, Any]]:
@@ -462,11 +482,15 @@ class KubeRunStore(StoreBase):
             base.append(f"{TRIGGER_LABEL} in ({','.join(labelled)})")
         found: dict[str, dict[str, Any]] = {}
 
+        since = str(self._written_version) if self._written_version else None  # our own writes included
+
         def read(selector: list[str]) -> int:
             before = len(found)
             for o in self.api.list_objects(API_VERSION, PLURAL, namespace=self.namespace,
-                                           label_selector=",".join(selector), cached=True):
-                found[(o.get("metadata") or {}).get("name", "")] = dict(o)
+                                           label_selector=",".join(selector), cached=True, not_older_than=since):
+                name = (o.get("metadata") or {}).get("name", "")
+                if name not in self._deleted:
+                    found[name] = dict(o)
             return len(found) - before
 
         read([*base, NOT_BUCKETED])
@@ -576,6 +600,7 @@ class KubeRunStore(StoreBase):
             if gone:
                 deleted.append(meta.get("name", ""))
                 self._cache.pop(meta.get("name", ""), None)
+                self._forget(meta.get("name", ""))
         return deleted
 
     # -- events -------------------------------------------------------------------------------

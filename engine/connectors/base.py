@@ -131,9 +131,12 @@ class KubeAPI(Protocol):
     def delete_pod(self, pod: PodRef, *, dry_run: bool = False, grace_seconds: int | None = None) -> None: ...
 
     def list_objects(self, api_version: str, kind_plural: str, *, namespace: str | None = None,
-                     label_selector: str | None = None, cached: bool = False) -> list[Mapping[str, Any]]:
+                     label_selector: str | None = None, cached: bool = False,
+                     not_older_than: str | None = None) -> list[Mapping[str, Any]]:
         """Any listable kind (core or custom), as plain mappings. ``cached``: served from the API
-        server's watch cache (``resourceVersion=0``: no etcd read, may lag the latest write by a moment)."""
+        server's watch cache (no etcd read of every object): as it is (``resourceVersion=0``, it may
+        lag the latest write by a moment), or once it holds at least ``not_older_than`` (a
+        resourceVersion the caller wrote: it reads its own writes)."""
         ...
 
     # Any object by kind (Secrets, TokenReviews, CertificateSigningRequests: the kubelet bootstrap
@@ -202,7 +205,8 @@ class ObjectAPI(Protocol):
         ...
 
     def list_objects(self, api_version: str, kind_plural: str, *, namespace: str | None = None,
-                     label_selector: str | None = None, cached: bool = False) -> list[Mapping[str, Any]]: ...
+                     label_selector: str | None = None, cached: bool = False,
+                     not_older_than: str | None = None) -> list[Mapping[str, Any]]: ...
 
     def create_object(self, api_version: str, kind_plural: str, namespace: str,
                       body: Mapping[str, Any]) -> dict[str, Any]:

@@ -477,28 +477,33 @@ class KubeConnector:
     # ------------------------------------------------------------------ any kind
 
     def list_objects(self, api_version: str, kind_plural: str, *, namespace: str | None = None,
-                     label_selector: str | None = None, cached: bool = False) -> list[Mapping[str, Any]]:
+                     label_selector: str | None = None, cached: bool = False,
+                     not_older_than: str | None = None) -> list[Mapping[str, Any]]:
         """Core kinds (``v1``) under ``/api/v1``, group kinds (custom resources included) under
         ``/apis/<group>/<version>``; items as read-only plain mappings, read in pages of ``LIST_PAGE``
         (``limit``/``continue``; an expired continue token is a ``KubeError``, retryable). ``cached``:
-        ``resourceVersion=0``, answered from the API server's watch cache (no etcd read of every object
-        to apply the selector; it may lag the latest write by a moment)."""
+        answered from the API server's watch cache (no etcd read of every object to apply the selector):
+        ``resourceVersion=0``, which may lag the latest write by a moment, or ``not_older_than`` (the
+        cache waits until it holds that version: the caller reads its own writes)."""
         what = f"list {kind_plural}.{api_version}" + (f" in {namespace}" if namespace else "")
         prefix = f"/api/{_q(api_version)}" if "/" not in api_version else (
             "/apis/" + "/".join(_q(p) for p in api_version.split("/", 1)))
         path = (f"{prefix}/namespaces/{_q(namespace)}/{_q(kind_plural)}" if namespace
                 else f"{prefix}/{_q(kind_plural)}")
-        return [MappingProxyType(i) for i in self._list_pages(path, what, label_selector, cached=cached)]
+        version = (not_older_than or "0") if cached else None
+        return [MappingProxyType(i) for i in self._list_pages(path, what, label_selector, version=version)]
 
     def _list_pages(self, path: str, what: str, label_selector: str | None, *,
-                    cached: bool = False) -> list[dict[str, Any]]:
+                    version: str | None = None) -> list[dict[str, Any]]:
         """Every item of a list, read in pages of ``LIST_PAGE`` (limit/continue), so the API server
         never builds one huge answer (10,000 RemediationRuns, thousands of nodes)."""
         items: list[dict[str, Any]] = []
         token: str | None = None
         while True:
-            version = "0" if cached and token is None else None  # a continued page names its own version
-            obj = self._raw("GET", path, what, query=[("labelSelector", label_selector), ("limit", LIST_PAGE),
+            # From the watch cache (``version``): one answer, no pages (before 1.27 the cache cannot
+            # page, and a limit with a version other than "0" would send the read to etcd).
+            obj = self._raw("GET", path, what, query=[("labelSelector", label_selector),
+                                                      ("limit", None if version else LIST_PAGE),
                                                       ("continue", token), ("resourceVersion", version)])
             items.extend(obj.get("items") or ())
             token = (obj.get("metadata") or {}).get("continue") or None

@@ -224,7 +224,8 @@ class FakeKube:
             self._pod_goes(pod, self.deleted)
 
     def list_objects(self, api_version: str, kind_plural: str, *, namespace: str | None = None,
-                     label_selector: str | None = None, cached: bool = False) -> list[Mapping[str, Any]]:
+                     label_selector: str | None = None, cached: bool = False,
+                     not_older_than: str | None = None) -> list[Mapping[str, Any]]:
         self._request("list_objects", (api_version, kind_plural, namespace, label_selector))
         objs = self.objects.get((api_version, kind_plural), [])
         if namespace:

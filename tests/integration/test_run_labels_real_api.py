@@ -34,10 +34,11 @@ class Recording:
         return getattr(self.inner, name)
 
     def list_objects(self, api_version: str, kind_plural: str, *, namespace: str | None = None,
-                     label_selector: str | None = None, cached: bool = False) -> list[Mapping[str, Any]]:
+                     label_selector: str | None = None, cached: bool = False,
+                     not_older_than: str | None = None) -> list[Mapping[str, Any]]:
         self.selectors.append(label_selector)
         return self.inner.list_objects(api_version, kind_plural, namespace=namespace, label_selector=label_selector,
-                                       cached=cached)
+                                       cached=cached, not_older_than=not_older_than)
 
 
 @pytest.fixture(scope="module")
@@ -125,3 +126,17 @@ def test_the_newest_runs_are_read_bucket_by_bucket_newest_first_never_every_run(
     assert [r.id for r in store.list_runs(limit=3, sources=("alertmanager", "pagerduty"))] == \
         [rid for rid in newest_first if rid in webhook][:3]
     assert all("runbook.io/trigger in (alertmanager,pagerduty)" in str(s) for s in kube.selectors)
+
+
+def test_the_newest_runs_read_from_the_watch_cache_include_this_stores_own_writes(crd: ControlPlane) -> None:
+    """The newest-first lists are answered by the API server's watch cache, which trails etcd by a
+    moment: a store still reads its own writes (the cache is asked for at least the version it last
+    wrote) and never lists a run it deleted, however fast the next list comes."""
+    store = KubeRunStore(KubeConnector(kubeconfig=str(crd.kubeconfig)), NS)
+    for _ in range(25):
+        run_id = store.create_run("gpu-node-recovery", {"node": "gpu-9"}, ["gpu-9"], source="cli")
+        assert run_id in {r.id for r in store.list_runs(limit=5)}
+        store.set_state(run_id, "succeeded", exit_code=0)
+        assert {r.id: r.state for r in store.list_runs(limit=5)}[run_id] == "succeeded"
+        assert run_id in store.prune(keep=0)
+        assert run_id not in {r.id for r in store.list_runs(limit=5)}

@@ -3,6 +3,9 @@ test_run_labels_real_api.py): the phase label follows the phase, lists ask the s
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from engine.errors import KubeError
 from engine.kube_store import API_VERSION, NOT_BUCKETED, PHASE_LABEL, PLURAL, TRIGGER_LABEL, KubeRunStore
 from tests.fakes import FakeKube
@@ -99,3 +102,37 @@ def test_a_new_run_and_its_first_events_cost_two_writes() -> None:
     writes = [name for name, _ in kube.calls if name in ("create_object", "replace_object")]
     assert writes == ["create_object", "replace_object"]
     assert [(e.seq, e.kind) for e in store.events(run_id)] == [(1, "run.requested"), (2, "run.note"), (3, "run.seal")]
+
+
+class LaggingCache(FakeKube):
+    """A watch cache that still lists what was deleted (``ghosts``) and records the version each
+    cached list asked for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ghosts: list[dict[str, Any]] = []
+        self.asked: list[str | None] = []
+
+    def list_objects(self, api_version: str, kind_plural: str, *, namespace: str | None = None,
+                     label_selector: str | None = None, cached: bool = False,
+                     not_older_than: str | None = None) -> list[Mapping[str, Any]]:
+        now = super().list_objects(api_version, kind_plural, namespace=namespace, label_selector=label_selector)
+        if cached:
+            self.asked.append(not_older_than)
+            return [*now, *self.ghosts]
+        return now
+
+
+def test_the_newest_runs_from_a_watch_cache_include_the_stores_own_writes_and_not_its_deletes() -> None:
+    kube = LaggingCache()
+    store = KubeRunStore(kube, NS)
+    first = store.create_run("x", {}, ["gpu-1"])
+    second = store.create_run("x", {}, ["gpu-2"])
+    store.set_state(first, "succeeded", exit_code=0)
+    last = kube.read_object(API_VERSION, PLURAL, NS, first)
+    assert last is not None
+    assert {r.id for r in store.list_runs(limit=5)} == {first, second}
+    assert set(kube.asked) == {last["metadata"]["resourceVersion"]}  # the cache holds our last write
+    assert store.prune(keep=0) == [first]
+    kube.ghosts.append(last)  # the cache has not seen the delete yet
+    assert {r.id for r in store.list_runs(limit=5)} == {second}
