@@ -1,5 +1,6 @@
 """The GPU failure catalogue on a lab of its own (engine/lab/scenarios/gpu-faults.yaml), shared by the
-module: gpu-quad is Ready with four GPUs serving containers and host CUDA jobs on 01:00.0 and 41:00.0.
+module: gpu-quad is Ready with four GPUs serving containers and host CUDA jobs on 01:00.0 and 41:00.0;
+a GPU pod gets a GPU and a CUDA process on it whose cgroup names the pod.
 
 Per fault: ``runbook lab inject`` puts it in, ``runbook diagnose`` names it (its cause id is the inject
 word), the runbook fixes it without killing a CUDA job on any GPU not at fault (the host's job pids and
@@ -77,6 +78,25 @@ def jobs(flab: Lab) -> dict[int, str]:
     return {int(j["pid"]): str(j["gpu"]) for j in host(flab).read()["cuda_jobs"]}
 
 
+def pod_jobs(flab: Lab) -> dict[str, str]:
+    """The host's CUDA jobs of pods (their cgroups name the pod): pod -> the GPU it runs on."""
+    return {str(j["pod"]): str(j["gpu"]) for j in host(flab).read()["cuda_jobs"] if j.get("pod_uid")}
+
+
+GPU_PODS = "".join(f"""---
+apiVersion: v1
+kind: Pod
+metadata: {{name: {name}, namespace: default}}
+spec:
+  nodeSelector: {{kubernetes.io/hostname: gpu-quad}}
+  containers:
+  - name: train
+    image: nvcr.io/nvidia/cuda:12.4.0-base-ubuntu22.04
+    command: [/usr/bin/python3, train.py]
+    resources: {{limits: {{nvidia.com/gpu: "1"}}}}
+""" for name in ("gpu-pod-a", "gpu-pod-b"))
+
+
 def allocatable(sh: Any) -> str:
     return str(kube_node(sh, NODE)["status"]["allocatable"].get("nvidia.com/gpu", "0"))
 
@@ -105,6 +125,12 @@ def run_json(sh: Any, args: str, journal: Path, want_rc: int = 0) -> dict[str, A
 
 def outcome(result: dict[str, Any], step: str) -> str:
     return str(next(o["status"] for o in result["outcomes"] if o["step"] == step))
+
+
+def pod_phase(sh: Any, key: str) -> str:
+    namespace, name = key.split("/")
+    r = sh(f"kubectl get pod -n {namespace} {name} -o json")
+    return str(json.loads(r.stdout)["status"].get("phase", "")) if r.returncode == 0 else "(gone)"
 
 
 def mutating_calls(flab: Lab, since: int) -> list[tuple[str, list[str]]]:
@@ -186,6 +212,36 @@ def test_a_pending_remap_waits_for_its_gpus_job_then_the_reset_applies_it(flab: 
     assert "remap_pending" not in state and state["rows_remapped"] == 1
     assert_second_run_changes_nothing(flab, fsh, "gpu-reset -p gpu=41:00.0", journal)
     assert runbook(fsh, f"lab job start {NODE} --gpu 41:00.0").returncode == 0
+
+    # Pods' CUDA processes: the device plugin gave each pod a GPU, its process's cgroup names the pod.
+    # A pending remap on one pod's GPU: that pod alone is evicted, its process leaves, that GPU is reset;
+    # the other pod (sharing 01:00.0 with the host's python3) and every host job keep running.
+    (tmp_path / "pods.yaml").write_text(GPU_PODS)
+    assert fsh(f"kubectl apply -f {tmp_path / 'pods.yaml'}").returncode == 0
+    try:
+        placed = wait_for(lambda: pod_jobs(flab) if len(pod_jobs(flab)) == 2 else None, 90,
+                          "both GPU pods running a CUDA process")
+        assert sorted(placed.values()) == ["01:00.0", "02:00.0"], placed  # free GPUs, in slot order
+        victim, slot = next((p, g) for p, g in placed.items() if g == "02:00.0")
+        (keeper,) = set(placed) - {victim}
+        inject(fsh, "row-remap-pending", slot)
+        d = diagnose(fsh)
+        assert (d["cause"], d["fix"]) == ("row-remap-pending", f"runbook run gpu-reset --node gpu-quad -p gpu={slot}")
+        others = {p: g for p, g in jobs(flab).items() if g != slot}
+        calls = len(host(flab).calls())
+        result = run_json(fsh, f"gpu-reset -p gpu={slot}", tmp_path / "pods.sqlite")
+        evict = next(o for o in result["outcomes"] if o["step"] == "evict-gpu-pods")
+        assert evict["status"] == "succeeded" and evict["evidence"]["action"]["pods"] == [victim], evict
+        assert outcome(result, "reset-gpu") == "succeeded"
+        resets = [argv for cmd, argv in mutating_calls(flab, calls) if cmd == "nvidia-smi" and "-r" in argv]
+        assert resets == [["-r", "-i", f"00000000:{slot}"]]  # that GPU only
+        assert jobs(flab) == others and pod_jobs(flab) == {keeper: "01:00.0"}  # the other GPUs' jobs live
+        assert pod_phase(fsh, keeper) == "Running" and pod_phase(fsh, victim) == "(gone)"
+        assert "remap_pending" not in host(flab).read()["gpu_health"][slot] and allocatable(fsh) == "4"
+        assert_second_run_changes_nothing(flab, fsh, f"gpu-reset -p gpu={slot}", tmp_path / "pods.sqlite")
+    finally:
+        fsh("kubectl delete pod -n default gpu-pod-a gpu-pod-b --ignore-not-found --grace-period=0 --force")
+    wait_for(lambda: not pod_jobs(flab), 60, "the pods' CUDA processes gone with them")
 
 
 @pytest.mark.timeout(900)
@@ -283,6 +339,14 @@ def test_xid79_cordons_evicts_records_and_escalates_to_an_approved_reboot(
     waiting = json.loads(runbook(fsh, f"runs show {child['run']} -o json", journal=journal).stdout)
     assert (child["runbook"], waiting["state"]) == ("node-reboot", "waiting-approval")
     assert host(flab).calls("shutdown") == [] and jobs(flab) == before  # nothing rebooted without a person
+    boot = (Path(flab.record()["nodes"][NODE]["state_dir"]) / "boot_id").read_text().strip()
+    assert node["metadata"]["annotations"]["runbook.io/gpu-fallen-off-bus-boot"] == boot
+
+    # run again before anyone approved the reboot: the same loss (the record's boot), not a repeat
+    again = run_json(fsh, "gpu-fallen-off-bus -p gpu_check_timeout=1", journal, want_rc=1)
+    assert [outcome(again, s) for s in ("record-lost-gpu", "gpus-back")] == ["skipped", "timed-out"]
+    said = " ".join(again["report"].split())
+    assert "The reboot is still due" in said and "contact support" not in said
 
 
 @pytest.mark.timeout(900)
