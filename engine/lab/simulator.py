@@ -25,6 +25,7 @@ the lab's API server and the lab's host state folders.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import signal
@@ -420,7 +421,7 @@ class Simulator:
                     except (OSError, subprocess.SubprocessError) as e:
                         log.warning("%s: cannot start the CUDA process of pod %s: %s", rt.spec.name, job["pod"], e)
                         continue
-                    if rt.host.update(lambda s, job=job, pid=popen.pid: simulator_pod_gpus.add_job(s, job, pid)):
+                    if rt.host.update(functools.partial(simulator_pod_gpus.add_job, job=job, pid=popen.pid)):
                         processes[popen.pid] = popen
                         log.info("%s: pod %s runs CUDA process %d on GPU %s", rt.spec.name, job["pod"], popen.pid,
                                  job["gpu"])
