@@ -193,52 +193,47 @@ def test_xid48_resets_only_its_gpu_and_every_other_gpus_job_lives(flab: Lab, fsh
 
 
 @pytest.mark.timeout(900)
-def test_a_pending_remap_waits_for_its_gpus_job_then_the_reset_applies_it(flab: Lab, fsh: Any, tmp_path: Path) -> None:
-    inject(fsh, "row-remap-pending", "41:00.0")
-    d = diagnose(fsh)
-    assert (d["cause"], d["fix"]) == ("row-remap-pending", "runbook run gpu-reset --node gpu-quad -p gpu=41:00.0")
-    calls = len(host(flab).calls())
-    journal = tmp_path / "j.sqlite"
-    refused = runbook(fsh, f"run gpu-reset --node {NODE} -p gpu=41:00.0 --yes" + BUDGET, journal=journal)
-    assert refused.returncode == 3, refused.stdout + refused.stderr
-    assert "(train.py)" in " ".join(refused.stdout.split()) and mutating_calls(flab, calls) == []
-
-    survivor = {p: g for p, g in jobs(flab).items() if g == "01:00.0"}
-    assert runbook(fsh, f"lab job stop {NODE} --gpu 41:00.0").returncode == 0  # its job finished
-    result = run_json(fsh, "gpu-reset -p gpu=41:00.0", journal)
-    assert outcome(result, "reset-gpu") == "succeeded"
-    assert jobs(flab) == survivor and allocatable(fsh) == "4"
-    state = host(flab).read()["gpu_health"]["41:00.0"]
-    assert "remap_pending" not in state and state["rows_remapped"] == 1
-    assert_second_run_changes_nothing(flab, fsh, "gpu-reset -p gpu=41:00.0", journal)
-    assert runbook(fsh, f"lab job start {NODE} --gpu 41:00.0").returncode == 0
-
-    # Pods' CUDA processes: the device plugin gave each pod a GPU, its process's cgroup names the pod.
-    # A pending remap on one pod's GPU: that pod alone is evicted, its process leaves, that GPU is reset;
-    # the other pod (sharing 01:00.0 with the host's python3) and every host job keep running.
+def test_a_pending_remap_evicts_only_its_gpus_pod_refuses_a_host_job_and_the_reset_applies_it(
+        flab: Lab, fsh: Any, tmp_path: Path) -> None:
+    # The device plugin gave each pod a GPU; its CUDA process's cgroup names the pod.
     (tmp_path / "pods.yaml").write_text(GPU_PODS)
     assert fsh(f"kubectl apply -f {tmp_path / 'pods.yaml'}").returncode == 0
     try:
         placed = wait_for(lambda: pod_jobs(flab) if len(pod_jobs(flab)) == 2 else None, 90,
                           "both GPU pods running a CUDA process")
         assert sorted(placed.values()) == ["01:00.0", "02:00.0"], placed  # free GPUs, in slot order
-        victim, slot = next((p, g) for p, g in placed.items() if g == "02:00.0")
-        (keeper,) = set(placed) - {victim}
-        inject(fsh, "row-remap-pending", slot)
-        d = diagnose(fsh)
-        assert (d["cause"], d["fix"]) == ("row-remap-pending", f"runbook run gpu-reset --node gpu-quad -p gpu={slot}")
-        others = {p: g for p, g in jobs(flab).items() if g != slot}
+        victim = next(p for p, g in placed.items() if g == "02:00.0")
+        (keeper,) = set(placed) - {victim}  # shares 01:00.0 with the host's python3
+
+        # a pending remap on a GPU a host job holds (train.py on 41:00.0): refused, naming it, untouched
+        journal = tmp_path / "j.sqlite"
+        inject(fsh, "row-remap-pending", "41:00.0")
         calls = len(host(flab).calls())
-        result = run_json(fsh, f"gpu-reset -p gpu={slot}", tmp_path / "pods.sqlite")
+        refused = runbook(fsh, f"run gpu-reset --node {NODE} -p gpu=41:00.0 --yes" + BUDGET, journal=journal)
+        assert refused.returncode == 3, refused.stdout + refused.stderr
+        said = " ".join(refused.stdout.split())
+        assert "(train.py), not a pod's process" in said and mutating_calls(flab, calls) == []
+        host(flab).update(lambda s: s["gpu_health"].pop("41:00.0"))  # done with it: the next fault alone
+
+        # on the pod's GPU: that pod alone is evicted, its process leaves, that GPU alone is reset
+        inject(fsh, "row-remap-pending", "02:00.0")
+        d = diagnose(fsh)
+        assert (d["cause"], d["fix"]) == ("row-remap-pending", "runbook run gpu-reset --node gpu-quad -p gpu=02:00.0")
+        per_gpu = d["evidence"]["per_gpu"]
+        assert len(per_gpu["02:00.0"]["pods"]) == 1 and per_gpu["c1:00.0"]["pods"] == []  # the pod on it
+        others = {p: g for p, g in jobs(flab).items() if g != "02:00.0"}
+        calls = len(host(flab).calls())
+        result = run_json(fsh, "gpu-reset -p gpu=02:00.0", journal)
         evict = next(o for o in result["outcomes"] if o["step"] == "evict-gpu-pods")
         assert evict["status"] == "succeeded" and evict["evidence"]["action"]["pods"] == [victim], evict
         assert outcome(result, "reset-gpu") == "succeeded"
         resets = [argv for cmd, argv in mutating_calls(flab, calls) if cmd == "nvidia-smi" and "-r" in argv]
-        assert resets == [["-r", "-i", f"00000000:{slot}"]]  # that GPU only
-        assert jobs(flab) == others and pod_jobs(flab) == {keeper: "01:00.0"}  # the other GPUs' jobs live
+        assert resets == [["-r", "-i", "00000000:02:00.0"]]  # that GPU only
+        assert jobs(flab) == others and pod_jobs(flab) == {keeper: "01:00.0"}  # every other GPU's job lives
         assert pod_phase(fsh, keeper) == "Running" and pod_phase(fsh, victim) == "(gone)"
-        assert "remap_pending" not in host(flab).read()["gpu_health"][slot] and allocatable(fsh) == "4"
-        assert_second_run_changes_nothing(flab, fsh, f"gpu-reset -p gpu={slot}", tmp_path / "pods.sqlite")
+        state = host(flab).read()["gpu_health"]["02:00.0"]
+        assert "remap_pending" not in state and state["rows_remapped"] == 1 and allocatable(fsh) == "4"
+        assert_second_run_changes_nothing(flab, fsh, "gpu-reset -p gpu=02:00.0", journal)
     finally:
         fsh("kubectl delete pod -n default gpu-pod-a gpu-pod-b --ignore-not-found --grace-period=0 --force")
     wait_for(lambda: not pod_jobs(flab), 60, "the pods' CUDA processes gone with them")
