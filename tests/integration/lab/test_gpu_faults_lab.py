@@ -92,7 +92,7 @@ spec:
   containers:
   - name: train
     image: nvcr.io/nvidia/cuda:12.4.0-base-ubuntu22.04
-    command: [/usr/bin/python3, train.py]
+    command: [torchrun, train.py]
     resources: {{limits: {{nvidia.com/gpu: "1"}}}}
 """ for name in ("gpu-pod-a", "gpu-pod-b"))
 
@@ -195,7 +195,9 @@ def test_xid48_resets_only_its_gpu_and_every_other_gpus_job_lives(flab: Lab, fsh
 @pytest.mark.timeout(900)
 def test_a_pending_remap_evicts_only_its_gpus_pod_refuses_a_host_job_and_the_reset_applies_it(
         flab: Lab, fsh: Any, tmp_path: Path) -> None:
-    # The device plugin gave each pod a GPU; its CUDA process's cgroup names the pod.
+    # a host job on 02:00.0 first; then the device plugin gives each pod a GPU (01:00.0, 02:00.0) and
+    # each pod's CUDA process runs in its pod's cgroup
+    assert runbook(fsh, f"lab job start {NODE} --gpu 02:00.0").returncode == 0
     (tmp_path / "pods.yaml").write_text(GPU_PODS)
     assert fsh(f"kubectl apply -f {tmp_path / 'pods.yaml'}").returncode == 0
     try:
@@ -204,23 +206,26 @@ def test_a_pending_remap_evicts_only_its_gpus_pod_refuses_a_host_job_and_the_res
         assert sorted(placed.values()) == ["01:00.0", "02:00.0"], placed  # free GPUs, in slot order
         victim = next(p for p, g in placed.items() if g == "02:00.0")
         (keeper,) = set(placed) - {victim}  # shares 01:00.0 with the host's python3
-
-        # a pending remap on a GPU a host job holds (train.py on 41:00.0): refused, naming it, untouched
-        journal = tmp_path / "j.sqlite"
-        inject(fsh, "row-remap-pending", "41:00.0")
-        calls = len(host(flab).calls())
-        refused = runbook(fsh, f"run gpu-reset --node {NODE} -p gpu=41:00.0 --yes" + BUDGET, journal=journal)
-        assert refused.returncode == 3, refused.stdout + refused.stderr
-        said = " ".join(refused.stdout.split())
-        assert "(train.py), not a pod's process" in said and mutating_calls(flab, calls) == []
-        host(flab).update(lambda s: s["gpu_health"].pop("41:00.0"))  # done with it: the next fault alone
-
-        # on the pod's GPU: that pod alone is evicted, its process leaves, that GPU alone is reset
         inject(fsh, "row-remap-pending", "02:00.0")
         d = diagnose(fsh)
         assert (d["cause"], d["fix"]) == ("row-remap-pending", "runbook run gpu-reset --node gpu-quad -p gpu=02:00.0")
         per_gpu = d["evidence"]["per_gpu"]
         assert len(per_gpu["02:00.0"]["pods"]) == 1 and per_gpu["c1:00.0"]["pods"] == []  # the pod on it
+
+        # the host's job on that GPU refuses the reset, named (the pod's process is not); nothing changes
+        journal = tmp_path / "j.sqlite"
+        calls = len(host(flab).calls())
+        refused = runbook(fsh, f"run gpu-reset --node {NODE} -p gpu=02:00.0 --yes" + BUDGET, journal=journal)
+        assert refused.returncode == 3, refused.stdout + refused.stderr
+        said = " ".join(refused.stdout.split())
+        assert "(python3), not a pod's process" in said and "torchrun" not in said
+        assert mutating_calls(flab, calls) == [] and pod_phase(fsh, victim) == "Running"
+
+        # the host's job finished (the pod's process restarts with its container): that pod alone is
+        # evicted, its process leaves, that GPU alone is reset, every other GPU's job lives
+        assert runbook(fsh, f"lab job stop {NODE} --gpu 02:00.0").returncode == 0
+        wait_for(lambda: [g for g in jobs(flab).values() if g == "02:00.0"] == ["02:00.0"]
+                 and pod_jobs(flab).get(victim) == "02:00.0", 30, "only the pod's process on 02:00.0")
         others = {p: g for p, g in jobs(flab).items() if g != "02:00.0"}
         calls = len(host(flab).calls())
         result = run_json(fsh, "gpu-reset -p gpu=02:00.0", journal)
@@ -229,7 +234,7 @@ def test_a_pending_remap_evicts_only_its_gpus_pod_refuses_a_host_job_and_the_res
         assert outcome(result, "reset-gpu") == "succeeded"
         resets = [argv for cmd, argv in mutating_calls(flab, calls) if cmd == "nvidia-smi" and "-r" in argv]
         assert resets == [["-r", "-i", "00000000:02:00.0"]]  # that GPU only
-        assert jobs(flab) == others and pod_jobs(flab) == {keeper: "01:00.0"}  # every other GPU's job lives
+        assert jobs(flab) == others and pod_jobs(flab) == {keeper: "01:00.0"}
         assert pod_phase(fsh, keeper) == "Running" and pod_phase(fsh, victim) == "(gone)"
         state = host(flab).read()["gpu_health"]["02:00.0"]
         assert "remap_pending" not in state and state["rows_remapped"] == 1 and allocatable(fsh) == "4"
