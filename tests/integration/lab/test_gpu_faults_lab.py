@@ -5,8 +5,10 @@ a GPU pod gets a GPU and a CUDA process on it whose cgroup names the pod.
 Per fault: ``runbook lab inject`` puts it in, ``runbook diagnose`` names it (its cause id is the inject
 word), the runbook fixes it without killing a CUDA job on any GPU not at fault (the host's job pids and
 the shims' call log), its verification proves it, and a second run has nothing to do. A node with a
-GPU fault plus swap gets both causes. The full Xid 79 cycle (reboot with approval, uncordon, the
-repeat that says "hardware: contact support") is the slow variant at the end.
+GPU fault plus swap gets both causes. A pending remap on a pod's GPU evicts that pod alone (the pod
+its CUDA process's cgroup names), never while a host job holds the GPU. The full Xid 79 cycle (reboot
+with approval, uncordon, the repeat that says "hardware: contact support") is the slow variant at the
+end.
 """
 
 from __future__ import annotations
@@ -217,8 +219,9 @@ def test_a_pending_remap_evicts_only_its_gpus_pod_refuses_a_host_job_and_the_res
         calls = len(host(flab).calls())
         refused = runbook(fsh, f"run gpu-reset --node {NODE} -p gpu=02:00.0 --yes" + BUDGET, journal=journal)
         assert refused.returncode == 3, refused.stdout + refused.stderr
-        said = " ".join(refused.stdout.split())
-        assert "(python3), not a pod's process" in said and "torchrun" not in said
+        held = " ".join(refused.stdout.split()).split("02:00.0 of gpu-quad is held by ", 1)[1]
+        held = held.split(", not a pod's process", 1)[0]  # the precondition names the host's process alone
+        assert "(python3)" in held and "torchrun" not in held, held
         assert mutating_calls(flab, calls) == [] and pod_phase(fsh, victim) == "Running"
 
         # the host's job finished (the pod's process restarts with its container): that pod alone is
