@@ -12,8 +12,8 @@ For a node whose scenario host has ``pod_cuda_jobs: true`` the simulator does th
   ``nvidia.com/gpu`` gets that many GPUs (``state["pod_gpus"][UID] = {"pod": "ns/name", "gpus": [slots]}``):
   the free ones (no other pod's) on the ``nvidia`` driver without a fault, in slot order. A pod that is
   gone or being deleted loses them, and its CUDA jobs leave (a clean exit: not counted as killed). Each
-  assigned GPU without its pod's job, and without a fault that kills CUDA work (an Xid, fallen off the
-  bus), is to get one: the container's process (re)starting;
+  assigned GPU without its pod's job, and without a fault that kills CUDA work (an Xid NVIDIA answers
+  with a reset or a reboot, fallen off the bus), is to get one: the container's process (re)starting;
 * ``start_process`` (impure): the job is a real process (``sleep``) in the host's mount namespace,
   whose ``/proc/PID/cgroup`` is a file of the state folder bind-mounted over it (as LXCFS does for
   /proc files): the kernel drops that mount when the process ends. Its pid is the job's pid, so
@@ -68,11 +68,17 @@ def _process_name(pod: Obj) -> str:
     return "python3"
 
 
+# the Xids after which a GPU runs no CUDA work until it is reset (or the host rebooted); Xid 63 (a row
+# remap recorded, pending) lets workloads run [MEM-FLAGS]
+FATAL_XIDS = frozenset({48, 62, 64, 79, 95, 119, 120})
+
+
 def _usable(state: Obj, slot: str) -> bool:
-    """A GPU a CUDA process can run on: on the nvidia driver, no Xid, not fallen off the bus."""
+    """A GPU a CUDA process can run on: on the nvidia driver, not fallen off the bus, no fatal Xid."""
     dev = next((d for d in state.get("pci_devices", []) if d.get("slot") == slot and d.get("display")), None)
     health = state.get("gpu_health", {}).get(slot, {})
-    return dev is not None and dev.get("driver") == "nvidia" and not health.get("xid") and not health.get("fallen")
+    return dev is not None and dev.get("driver") == "nvidia" and not health.get("fallen") and \
+        health.get("xid") not in FATAL_XIDS
 
 
 def _allocatable(state: Obj, slot: str) -> bool:

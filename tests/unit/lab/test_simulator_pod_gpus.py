@@ -63,6 +63,10 @@ def test_no_gpu_for_a_new_pod_on_a_withheld_gpu_and_no_process_on_a_faulted_one(
     start, _ = assign(state, [pod(UID_A), pod(UID_B)])
     assert [j["gpu"] for j in start] == ["41:00.0"]
     assert not add_job(state, {"pod_uid": UID_C, "gpu": "c1:00.0", "pod": "ml/x", "name": "x"}, 7)  # not its GPU
+    # a pending remap (Xid 63) lets workloads run: a pod's process on it (re)starts
+    state["gpu_health"]["41:00.0"] = {"xid": 63, "remap_pending": True, "unhealthy": True}
+    start, _ = assign(state, [pod(UID_A), pod(UID_B)])
+    assert [j["gpu"] for j in start] == ["41:00.0"]
 
 
 def test_the_cgroup_line_is_what_kubelet_makes_and_the_host_fact_reads_the_pod_back() -> None:
