@@ -307,7 +307,8 @@ def evaluate_diagnosis(runbook: Runbook, facts: Facts, diagnosis: DiagnosisSpec 
 
 
 def gpu_evidence(host: HostFacts) -> dict[str, Any]:
-    """Per GPU (by PCI slot): its driver, its CUDA processes and what the NVIDIA stack says about it
+    """Per GPU (by PCI slot): its driver, its CUDA processes (and the UIDs of the pods they belong to)
+    and what the NVIDIA stack says about it
     (Xids since its last reset, a pending or failed row remap, lost, persistence mode)."""
     h = host.gpu_health
     out: dict[str, Any] = {}
@@ -315,6 +316,7 @@ def gpu_evidence(host: HostFacts) -> dict[str, Any]:
         remap = next((r for r in h.remaps if same_pci_slot(r.slot, g.slot)), None)
         out[g.slot] = {"name": g.name, "driver": g.driver,
                        "cuda_processes": [p.pid for p in host.processes_on(g)],
+                       "pods": sorted({p.pod_uid for p in host.processes_on(g) if p.pod_uid}),
                        "xids": [x.code for x in h.xids_on(g.slot)],
                        "remap_pending": remap.pending if remap else None,
                        "remap_failure": remap.failure if remap else None,

@@ -86,6 +86,10 @@ class CudaProcess:
     pid: int
     name: str
     gpu: str = ""  # the PCI slot of its GPU, as lspci names it ("01:00.0"); "" when nvidia-smi did not say
+    # The pod it belongs to: the UID its /proc/PID/cgroup names (kubelet puts a pod's containers under
+    # kubepods...pod<UID>...); "" for a host process or when the cgroup file could not be read.
+    pod_uid: str = ""
+    cgroup: str = ""  # the process's cgroup path (the unified hierarchy's line); "" when unreadable
 
 
 def same_pci_slot(a: str, b: str) -> bool:
@@ -170,6 +174,7 @@ class HostFacts:
     cuda_processes: tuple[CudaProcess, ...] = ()
     files: Mapping[str, FileFacts] = field(default_factory=dict)  # path -> facts, for asked-for paths
     gpu_health: GpuHealth = field(default_factory=GpuHealth)
+    boot_id: str = ""  # /proc/sys/kernel/random/boot_id: a new one at every boot ("" when unreadable)
 
     @property
     def swap_active(self) -> bool:

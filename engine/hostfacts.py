@@ -375,21 +375,77 @@ def parse_cuda_processes(text: str) -> tuple[CudaProcess, ...]:
     return tuple(procs)
 
 
+_POD_UID = re.compile(r"pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12})")
+
+
+def parse_cgroup(text: str) -> tuple[str, str]:
+    """``/proc/PID/cgroup`` -> (its cgroup path, the UID of the pod it belongs to or "").
+
+    cgroup v2 has one line ``0::PATH``; v1 one per hierarchy (``N:controllers:PATH``), the first whose
+    path names kubepods then stands. kubelet puts a pod's containers under ``kubepods...pod<UID>``:
+    ``/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod<UID, _ for ->.slice/cri-containerd-ID.scope``
+    (systemd driver) or ``/kubepods/besteffort/pod<UID>/ID`` (cgroupfs driver). Any other path (a
+    system service, a user session) is a host process: no UID."""
+    paths = [line.split(":", 2)[2].strip() for line in text.splitlines() if line.count(":") >= 2]
+    unified = [line.split(":", 2)[2].strip() for line in text.splitlines() if line.startswith("0::")]
+    path = next((p for p in paths if "kubepods" in p), unified[0] if unified else (paths[0] if paths else ""))
+    m = _POD_UID.search(path.lower()) if "kubepods" in path else None
+    return path, m.group(1).replace("_", "-") if m else ""
+
+
+def with_pods(procs: Iterable[CudaProcess], probes: Probes) -> tuple[CudaProcess, ...]:
+    """Each process with its cgroup and pod UID (``cgroup:PID`` probes); unreadable: both left empty."""
+    out_ = []
+    for p in procs:
+        text = out(probes, f"cgroup:{p.pid}")
+        if text is None or not text.strip():
+            out_.append(p)
+            continue
+        cgroup, uid = parse_cgroup(text)
+        out_.append(CudaProcess(pid=p.pid, name=p.name, gpu=p.gpu, pod_uid=uid, cgroup=cgroup))
+    return tuple(out_)
+
+
 @register_host_fact
 class CudaProcessesFact(HostFact):
-    """The host's CUDA processes (nvidia-smi), each with the PCI slot of its GPU. No nvidia-smi: none."""
+    """The host's CUDA processes (nvidia-smi), each with the PCI slot of its GPU and, from its
+    /proc/PID/cgroup, the pod it belongs to (kubelet names the pod UID in its containers' cgroups). No
+    nvidia-smi: none. A process whose cgroup cannot be read has no pod: callers count it as the host's."""
 
     NAME = "cuda_processes"
     SCRIPT = r"""emit nvidia_smi nvidia-smi --query-compute-apps=pid,process_name,gpu_bus_id --format=csv,noheader
+# the cgroup of each CUDA process names the pod it belongs to (kubepods...pod UID...)
+for pid in $(printf '%s' "$last_out" | awk -F, '$1 ~ /^ *[0-9]+ *$/ {print $1 + 0}'); do
+  emit "cgroup:$pid" cat "/proc/$pid/cgroup"
+done
 """
 
     def parse(self, host: str, probes: Probes, stat: Mapping[str, Any]) -> dict[str, Any]:
         # 15: a GPU fell off the bus; the other GPUs' processes are still listed
-        return {"cuda_processes": parse_cuda_processes(out(probes, "nvidia_smi", (0, 15)) or "")}
+        procs = parse_cuda_processes(out(probes, "nvidia_smi", (0, 15)) or "")
+        return {"cuda_processes": with_pods(procs, probes)}
 
     def data(self, facts: HostFacts) -> dict[str, Any]:
-        return {"cuda_processes": [{"pid": p.pid, "name": p.name, "gpu": p.gpu} for p in facts.cuda_processes],
+        return {"cuda_processes": [{"pid": p.pid, "name": p.name, "gpu": p.gpu, "pod_uid": p.pod_uid,
+                                    "cgroup": p.cgroup} for p in facts.cuda_processes],
                 "cuda_process_count": len(facts.cuda_processes)}
+
+
+@register_host_fact
+class BootFact(HostFact):
+    """The host's boot id (``/proc/sys/kernel/random/boot_id``, new at every boot): whether the host
+    rebooted since something was recorded (gpu-fallen-off-bus's Xid 79 record). "" when unreadable."""
+
+    NAME = "boot"
+    SCRIPT = r"""emit boot_id cat /proc/sys/kernel/random/boot_id
+"""
+
+    def parse(self, host: str, probes: Probes, stat: Mapping[str, Any]) -> dict[str, Any]:
+        text = (out(probes, "boot_id") or "").strip()
+        return {"boot_id": text if re.fullmatch(r"[0-9a-fA-F-]{32,36}", text) else ""}
+
+    def data(self, facts: HostFacts) -> dict[str, Any]:
+        return {"boot_id": facts.boot_id}
 
 
 # ============================================================================ GPU health (docs/catalogue.md)

@@ -27,7 +27,7 @@ from engine.checkkind import (
     unknown,
 )
 from engine.checks.core import bind
-from engine.facts import Facts, FileFacts, GpuDevice, HostFacts, ServiceFacts, SwapDevice, same_pci_slot
+from engine.facts import CudaProcess, Facts, FileFacts, GpuDevice, HostFacts, ServiceFacts, SwapDevice, same_pci_slot
 from engine.model import is_template
 
 
@@ -221,11 +221,22 @@ class CudaProcessesSpec(FormatModel):
     # Every host CUDA process of the plan's baseline (the facts the plan was made from) still runs,
     # by pid: "no host CUDA job killed". Unknown without a baseline (fail closed).
     none_killed: Literal[True] | None = None
+    # With none_killed: but those of the GPU in this PCI slot (gpu-reset: the pods it evicted from the
+    # GPU it resets were taken on purpose; every other GPU's processes must live).
+    except_gpu: str | None = None
+    # With min/max: count only the processes of the GPU in this PCI slot ({gpu: SLOT, max: 0}: nothing
+    # holds that GPU; establishes it for later steps, as an evict of its pods verifies it).
+    gpu: str | None = None
 
     @model_validator(mode="after")
     def _some_bound(self) -> CudaProcessesSpec:
         if self.min is None and self.max is None and self.none_killed is None:
             raise ValueError("cuda_processes needs 'min', 'max' or 'none_killed: true'")
+        if self.except_gpu is not None and self.none_killed is None:
+            raise ValueError("cuda_processes: except_gpu goes with none_killed: true")
+        if self.gpu is not None and self.none_killed is not None:
+            raise ValueError("cuda_processes: gpu counts one GPU's processes (min/max); "
+                             "with none_killed use except_gpu")
         return self
 
 
@@ -237,9 +248,11 @@ class CudaProcessesCheck(HostCheck):
     def describe(self) -> str:
         s = self.cuda_processes
         parts = ([f">= {s.min}"] if s.min is not None else []) + ([f"<= {s.max}"] if s.max is not None else [])
-        text = f"CUDA processes {' and '.join(parts)}" if parts else ""
+        on = f" on GPU {s.gpu}" if s.gpu else ""
+        text = f"CUDA processes{on} {' and '.join(parts)}" if parts else ""
         if s.none_killed:
-            text = (text + "; " if text else "") + "no host CUDA process killed since the plan"
+            text = (text + "; " if text else "") + "no host CUDA process killed since the plan" + \
+                (f" but GPU {s.except_gpu}'s" if s.except_gpu else "")
         return text
 
     def uses_baseline(self) -> bool:
@@ -252,11 +265,19 @@ class CudaProcessesCheck(HostCheck):
 
     def evaluate_host(self, host: HostFacts, env: Env) -> CheckResult:
         s = self.cuda_processes
-        n = len(host.cuda_processes)
+        procs = self._counted(host)
+        n = len(procs)
         holds = (s.min is None or n >= s.min) and (s.max is None or n <= s.max)
-        return result(holds, f"{n} CUDA process{'es' if n != 1 else ''}",
-                      {f"host.cuda_processes ({self.describe()})": holds},
-                      processes=[f"{p.pid} {p.name}" for p in host.cuda_processes][:20])
+        on = f" on GPU {s.gpu}" if s.gpu else ""
+        return result(holds, f"{n} CUDA process{'es' if n != 1 else ''}{on}" + (
+            ": " + ", ".join(f"{p.pid} {p.name}" + (f" (pod {p.pod_uid})" if p.pod_uid else "") for p in procs[:10])
+            if s.gpu and procs else ""),
+            {f"host.cuda_processes ({self.describe()})": holds},
+            processes=[f"{p.pid} {p.name}" for p in procs][:20])
+
+    def _counted(self, host: HostFacts) -> tuple[CudaProcess, ...]:
+        gpu = self.cuda_processes.gpu
+        return tuple(p for p in host.cuda_processes if gpu is None or same_pci_slot(p.gpu, gpu))
 
     def _evaluate_survivors(self, facts: Facts, baseline: Any) -> CheckResult:
         """``{none_killed: true}`` (and its min/max): the baseline's CUDA pids all still run."""
@@ -268,6 +289,8 @@ class CudaProcessesCheck(HostCheck):
         host = facts.host
         if host is None:
             return unknown("host facts", facts, HOST)
+        if bounds.except_gpu:
+            before = [p for p in before if not same_pci_slot(str(p.get("gpu", "")), bounds.except_gpu)]
         now = {p.pid for p in host.cuda_processes}
         gone = [p for p in before if int(p.get("pid", -1)) not in now]
         pids = sorted(int(p.get("pid", -1)) for p in before)
@@ -283,8 +306,11 @@ class CudaProcessesCheck(HostCheck):
                       processes=[f"{p.pid} {p.name}" for p in host.cuda_processes][:20])
 
     def establish_host(self, host: HostFacts) -> HostFacts:
-        if self.cuda_processes.max is not None and len(host.cuda_processes) > self.cuda_processes.max:
-            return replace(host, cuda_processes=host.cuda_processes[: self.cuda_processes.max])
+        bound = self.cuda_processes.max
+        counted = self._counted(host)
+        if bound is not None and len(counted) > bound:
+            dropped = set(counted[bound:])
+            return replace(host, cuda_processes=tuple(p for p in host.cuda_processes if p not in dropped))
         return host
 
 

@@ -172,8 +172,12 @@ def asked(pod: PodRef, resource: str) -> Decimal:
 
 
 def select(rules: PodRules | PodSelectorSpec, pods: list[PodRef]) -> list[PodRef]:
-    """The pods (already listed by node, label selector and namespace) the rules take: with
-    ``resource``, only live pods whose containers request or limit a non-zero quantity of it."""
+    """The pods (already listed by node, label selector and namespace) the rules take: with ``uids``,
+    only the pods with those UIDs; with ``resource``, only live pods whose containers request or limit
+    a non-zero quantity of it."""
+    uids = rules.uids if isinstance(rules, PodRules) else rules.uid_set()
+    if uids is not None:
+        pods = [p for p in pods if p.uid and p.uid in uids]
     if not rules.resource:
         return list(pods)
     return [p for p in pods if p.phase not in ("Succeeded", "Failed") and asked(p, rules.resource) > 0]

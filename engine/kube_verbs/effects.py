@@ -94,6 +94,7 @@ class PodRules:
     timeout: float = 300.0
     delete_after: float | None = None  # drain: delete the pods a budget still refuses after this long
     daemonset_pods: bool = False  # evict/delete_pods: take DaemonSet pods too (restart an operand)
+    uids: tuple[str, ...] | None = None  # evict/delete_pods: only the pods with these UIDs (None: any)
 
 
 @dataclass(frozen=True)

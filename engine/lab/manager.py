@@ -242,7 +242,10 @@ class Lab:
         if not record.get("metrics_port"):  # the exporters' port stays the same across resets
             record["metrics_port"] = free_port("127.0.0.1")
         config = {"scenario": record["scenario"], "kubeconfig": record["simulator_kubeconfig"],
-                  "nodes": record["nodes"], "metrics_port": record["metrics_port"]}
+                  "nodes": record["nodes"], "metrics_port": record["metrics_port"],
+                  # each SSH host's init (its namespaces): where the pods' CUDA processes run
+                  "host_pids": {name: h.get("process", {}).get("pid", 0)
+                                for name, h in record.get("hosts", {}).items()}}
         config_path = self.dir / "simulator.json"
         config_path.write_text(json.dumps(config, indent=2))
         with (self.dir / "simulator.log").open("ab") as log:

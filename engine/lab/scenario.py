@@ -198,6 +198,9 @@ class Host(_Model):
     kubelet: Kubelet = Kubelet()
     units: dict[str, Literal["active", "inactive", "failed"]] = {"containerd": "active"}
     cuda_jobs: list[CudaJob] = []
+    # each running pod asking for nvidia.com/gpu gets GPUs of this host and a CUDA process on each, in
+    # its pod's cgroup (engine/lab/simulator_pod_gpus.py); off: GPU pods run no process on the host
+    pod_cuda_jobs: bool = False
 
 
 # --- nodes -----------------------------------------------------------------------------------------

@@ -25,9 +25,11 @@ the lab's API server and the lab's host state folders.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -44,6 +46,7 @@ from engine.lab import (
     sim_metrics,
     sim_nodes,
     sim_pods,
+    simulator_pod_gpus,
 )
 from engine.lab.hoststate import HostState
 from engine.lab.scenario import Node, Scenario, load_scenario
@@ -87,6 +90,9 @@ class Simulator:
         self.gpu_names = sim_gpu.gpu_resource_names(self.scenario)
         self.last_trim = 0.0
         self.metrics_port = int(config.get("metrics_port") or 0)
+        self.host_pids = {name: int(pid or 0) for name, pid in (config.get("host_pids") or {}).items()}
+        # node -> pid -> the CUDA process of a pod this simulator started (simulator_pod_gpus)
+        self.pod_processes: dict[str, dict[int, subprocess.Popen[bytes]]] = {}
 
     # -- the loop -----------------------------------------------------------------------------------
     def run(self) -> None:
@@ -114,6 +120,9 @@ class Simulator:
             informer.stop()
         if server is not None:
             server.shutdown()
+        for name, processes in self.pod_processes.items():
+            for popen in processes.values():
+                simulator_pod_gpus.end_process(popen, self.nodes[name].host.folder)
 
     def lab_state(self) -> sim_metrics.LabState:
         """What the exporters read at scrape time (called from the metrics server's thread)."""
@@ -149,6 +158,8 @@ class Simulator:
                     self._kubelet_pods(rt, [p for p in pods if p["metadata"].get("deletionTimestamp")], now)
             if api_node is not None and rt.spec.gpus:
                 self._gpu(rt, api_node, running, healthy)
+            if rt.spec.host.pod_cuda_jobs or rt.spec.name in self.pod_processes:
+                self._pod_gpus(rt, pods, healthy)
         self._kubevirt(now)
         if now - self.last_trim > 60:
             self.last_trim = now
@@ -387,6 +398,40 @@ class Simulator:
                                  "msg": f"NVRM: GPU 0000:{c.slot}: rebound to {c.after}, "
                                         f"{len(c.killed)} CUDA process(es) lost the device"}
                                 for c in changes if c.killed])
+
+    def _pod_gpus(self, rt: NodeRuntime, pods: list[Obj], healthy: bool) -> None:
+        """The GPUs of the node's running GPU pods and their CUDA processes (simulator_pod_gpus)."""
+        processes = self.pod_processes.setdefault(rt.spec.name, {})
+        host_pid = self.host_pids.get(rt.spec.name, 0)
+        if rt.spec.host.pod_cuda_jobs and healthy and host_pid:
+            probe = json.loads(json.dumps(rt.state))
+            start, left = simulator_pod_gpus.assign(probe, pods)
+            if start or left or probe.get("pod_gpus") != rt.state.get("pod_gpus"):
+                result: dict[str, Any] = {}
+
+                def change(state: dict[str, Any]) -> None:
+                    result["start"], result["left"] = simulator_pod_gpus.assign(state, pods)
+
+                rt.host.update(change)
+                if result["left"]:
+                    log.info("%s: CUDA processes %s left with their pods", rt.spec.name, result["left"])
+                for job in result["start"]:
+                    try:
+                        popen = simulator_pod_gpus.start_process(host_pid, rt.host.folder, job["pod_uid"])
+                    except (OSError, subprocess.SubprocessError) as e:
+                        log.warning("%s: cannot start the CUDA process of pod %s: %s", rt.spec.name, job["pod"], e)
+                        continue
+                    if rt.host.update(functools.partial(simulator_pod_gpus.add_job, job=job, pid=popen.pid)):
+                        processes[popen.pid] = popen
+                        log.info("%s: pod %s runs CUDA process %d on GPU %s", rt.spec.name, job["pod"], popen.pid,
+                                 job["gpu"])
+                    else:
+                        simulator_pod_gpus.end_process(popen, rt.host.folder)
+                rt.state, rt.mtime = rt.host.read(), rt.host.mtime_ns()
+        if processes:  # a job that left cuda_jobs (its pod went, a fault or a reboot took it): its process ends
+            live = {int(j["pid"]) for j in rt.state.get("cuda_jobs", [])}
+            for pid in [p for p in processes if p not in live]:
+                simulator_pod_gpus.end_process(processes.pop(pid), rt.host.folder)
 
     # -- KubeVirt ----------------------------------------------------------------------------------------
     def _kubevirt(self, now: float) -> None:

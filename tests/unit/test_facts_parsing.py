@@ -23,6 +23,7 @@ from engine.facts import SwapDevice
 from engine.hostfacts import (
     decode_probes,
     fstab_active_swap,
+    parse_cgroup,
     parse_cuda_processes,
     parse_lspci,
     parse_proc_swaps,
@@ -200,6 +201,42 @@ def test_runbook_facts_of_the_incident_node_parse_into_host_facts() -> None:
     assert "swap on is not supported" in facts.service("kubelet").journal_tail
     assert facts.gpu_driver == "nvidia"
     assert [p.pid for p in facts.cuda_processes] == [4242]
+
+
+UID = "0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0"
+
+
+def test_a_cuda_process_cgroup_names_its_pod_with_either_cgroup_driver_and_a_host_process_none() -> None:
+    systemd = ("0::/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod"
+               f"{UID.replace('-', '_')}.slice/cri-containerd-0123abcd.scope\n")
+    assert parse_cgroup(systemd) == (systemd.split("::")[1].strip(), UID)
+    cgroupfs_v1 = (f"12:pids:/kubepods/burstable/pod{UID}/0123abcd\n"
+                   f"1:name=systemd:/kubepods/burstable/pod{UID}/0123abcd\n")
+    assert parse_cgroup(cgroupfs_v1)[1] == UID
+    assert parse_cgroup("0::/system.slice/train.service\n") == ("/system.slice/train.service", "")
+    assert parse_cgroup("0::/user.slice/user-1000.slice/session-3.scope\n")[1] == ""
+    # a pod-looking name outside kubepods is not a pod
+    assert parse_cgroup(f"0::/system.slice/pod{UID}.service\n")[1] == ""
+    assert parse_cgroup("") == ("", "")
+
+
+def test_each_cuda_process_gets_the_pod_its_cgroup_names_and_an_unreadable_one_none() -> None:
+    facts = parse_runbook_facts("gpu-quad", sample_facts(
+        nvidia_smi=(0, "4242, python3, 00000000:01:00.0\n5001, train.py, 00000000:02:00.0\n"
+                       "5002, gone.py, 00000000:02:00.0\n"),
+        cgroup__4242=(0, "0::/system.slice/cuda-job.service\n"),
+        cgroup__5001=(0, f"0::/kubepods.slice/kubepods-pod{UID.replace('-', '_')}.slice/cri-containerd-1.scope\n"),
+        cgroup__5002=(1, "")))  # exited between nvidia-smi and the read, or hidden (hidepid)
+    assert [(p.pid, p.gpu, p.pod_uid) for p in facts.cuda_processes] == [
+        (4242, "01:00.0", ""), (5001, "02:00.0", UID), (5002, "02:00.0", "")]
+    assert facts.cuda_processes[0].cgroup == "/system.slice/cuda-job.service" and facts.cuda_processes[2].cgroup == ""
+
+
+def test_the_boot_id_is_read_and_garbage_is_no_boot_id() -> None:
+    boot = "6b1f0c52-1d0e-4a8e-9d7a-3f5e2c1b0a99"
+    assert parse_runbook_facts("omen2", sample_facts(boot_id=(0, boot + "\n"))).boot_id == boot
+    assert parse_runbook_facts("omen2", sample_facts(boot_id=(1, ""))).boot_id == ""
+    assert parse_runbook_facts("omen2", sample_facts(boot_id=(0, "not a boot id\n"))).boot_id == ""
 
 
 def test_missing_lspci_and_nvidia_smi_mean_no_gpu_and_no_cuda_processes() -> None:

@@ -45,13 +45,48 @@ XID48 = GpuHealth(smi_rc=0, xids=(XidEvent("02:00.0", 48),))
 def test_gpu_reset_plans_the_reset_of_that_gpu_then_the_plugin_restart() -> None:
     p = plan("gpu-reset", host(XID48), gpu="02:00.0")
     assert p.state is PlanState.READY, p.blocked_reasons
-    assert [(s.id, s.kind) for s in p.steps] == [("reset-gpu", "change"), ("restart-device-plugin", "change")]
+    assert [(s.id, s.kind) for s in p.steps] == [("evict-gpu-pods", "no-op"), ("reset-gpu", "change"),
+                                                 ("restart-device-plugin", "change")]
+
+
+POD_A, POD_B = "0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0", "11111111-2222-3333-4444-555555555555"
+
+
+def test_gpu_reset_evicts_only_the_pods_whose_processes_hold_that_gpu_then_resets_it() -> None:
+    procs = (CudaProcess(41000, "python3", "01:00.0"),  # a host job on another GPU: stays
+             CudaProcess(7, "train.py", "02:00.0", pod_uid=POD_A, cgroup="/kubepods.slice/x"),
+             CudaProcess(8, "worker", "02:00.0", pod_uid=POD_A),
+             CudaProcess(9, "serve.py", "41:00.0", pod_uid=POD_B))  # another GPU's pod: stays
+    p = plan("gpu-reset", host(XID48, cuda=procs), gpu="02:00.0")
+    assert p.state is PlanState.READY, p.blocked_reasons
+    assert [(s.id, s.kind) for s in p.steps] == [("evict-gpu-pods", "change"), ("reset-gpu", "change"),
+                                                 ("restart-device-plugin", "change")]
+    evict = p.step("evict-gpu-pods")
+    assert evict.summary == f"evict pods on gpu-quad with UID {POD_A}"
+    assert POD_B not in evict.command and f'.metadata.uid == "{POD_A}"' in evict.command
 
 
 def test_gpu_reset_refuses_a_gpu_a_process_holds_naming_it() -> None:
     p = plan("gpu-reset", host(XID48, cuda=(CudaProcess(7, "train.py", "02:00.0"),)), gpu="02:00.0")
     assert p.state is PlanState.BLOCKED
     assert "pid 7 (train.py)" in " ".join(" ".join(p.blocked_reasons).split())
+
+
+def test_gpu_reset_refuses_a_host_process_beside_a_pods_naming_only_the_host_process() -> None:
+    # fail closed: a process whose cgroup names no pod (or could not be read) is the host's
+    procs = (CudaProcess(7, "train.py", "02:00.0", pod_uid=POD_A), CudaProcess(12, "nvtop", "02:00.0"))
+    p = plan("gpu-reset", host(XID48, cuda=procs), gpu="02:00.0")
+    assert p.state is PlanState.BLOCKED
+    said = " ".join(" ".join(p.blocked_reasons).split())
+    assert "pid 12 (nvtop), not a pod's process" in said and "pid 7" not in said
+
+
+def test_gpu_reset_evicts_nobody_when_the_gpu_needs_no_reset() -> None:
+    # allocatable below the host's GPUs but no fault on that GPU: the plugin restart only
+    procs = (CudaProcess(7, "train.py", "02:00.0", pod_uid=POD_A),)
+    p = plan("gpu-reset", host(GpuHealth(smi_rc=0), cuda=procs), gpu="02:00.0")
+    assert [(s.id, s.kind) for s in p.steps] == [("evict-gpu-pods", "no-op"), ("reset-gpu", "no-op"),
+                                                 ("restart-device-plugin", "change")]
 
 
 def test_gpu_reset_refuses_an_nvswitch_system_with_the_reason() -> None:
@@ -94,6 +129,43 @@ def test_a_repeat_cordons_only_and_leaves_the_node_cordoned() -> None:
     assert {s.id: s.kind for s in p.steps} == {"cordon": "change", "evict-gpu-pods": "change",
                                                "record-lost-gpu": "no-op", "gpus-back": "no-op",
                                                "uncordon": "no-op"}
+
+
+BOOT_A, BOOT_B = "6b1f0c52-1d0e-4a8e-9d7a-3f5e2c1b0a99", "8e2a4d61-7c3b-4f19-a0d2-5b6c7d8e9f00"
+
+
+def test_a_second_run_before_the_reboot_is_the_same_loss_not_a_repeat() -> None:
+    # the record was made in this boot and the GPU is still lost: the reboot is still due
+    lost = GpuHealth(smi_rc=15, lost=("02:00.0",), xids=(XidEvent("02:00.0", 79),))
+    recorded = replace(node(unschedulable=True), annotations=MappingProxyType({
+        KEY: "02:00.0 Xid 79", KEY + "-at": "2026-12-03T07:50:00Z", KEY + "-boot": BOOT_A,
+        "runbook.io/cordoned-by": "the-first-run"}))
+    p = plan("gpu-fallen-off-bus", replace(host(lost), boot_id=BOOT_A), recorded)
+    assert p.state is PlanState.READY, p.blocked_reasons
+    assert {s.id: s.kind for s in p.steps} == {"cordon": "no-op", "evict-gpu-pods": "change",
+                                               "record-lost-gpu": "no-op", "gpus-back": "change",
+                                               "uncordon": "change"}
+
+
+def test_a_loss_after_a_boot_that_followed_the_record_is_a_repeat() -> None:
+    lost = GpuHealth(smi_rc=15, lost=("41:00.0",), xids=(XidEvent("41:00.0", 79),))
+    recorded = replace(node(), annotations=MappingProxyType({
+        KEY: "02:00.0 Xid 79", KEY + "-at": "2026-12-02T08:00:00Z", KEY + "-boot": BOOT_A}))
+    p = plan("gpu-fallen-off-bus", replace(host(lost), boot_id=BOOT_B), recorded)
+    assert {s.id: s.kind for s in p.steps} == {"cordon": "change", "evict-gpu-pods": "change",
+                                               "record-lost-gpu": "no-op", "gpus-back": "no-op",
+                                               "uncordon": "no-op"}
+    # and when the host's boot id cannot be read, it counts as a repeat too (no reboot: fail closed)
+    unknown = plan("gpu-fallen-off-bus", host(lost), replace(recorded, annotations=MappingProxyType({
+        **recorded.annotations, KEY + "-boot": ""})))
+    assert unknown.step("gpus-back").kind == "no-op"
+
+
+def test_the_record_carries_the_boot_it_was_lost_in() -> None:
+    lost = GpuHealth(smi_rc=15, lost=("02:00.0",), xids=(XidEvent("02:00.0", 79),))
+    p = plan("gpu-fallen-off-bus", replace(host(lost), boot_id=BOOT_A))
+    changes = p.step("record-lost-gpu").changes
+    assert any(c.path == f"node.annotations[{KEY}-boot]" and c.after == BOOT_A for c in changes), changes
 
 
 def test_the_dcgm_alerts_start_their_runbooks_with_the_gpu_and_only_if_the_diagnosis_matches() -> None:

@@ -125,17 +125,22 @@ AT = "runbook.io/gpu-fallen-off-bus-at"
 HOUR = 3600.0
 
 
-def lost(slot: str) -> HostFacts:
+BOOT_A, BOOT_B = "6b1f0c52-1d0e-4a8e-9d7a-3f5e2c1b0a99", "8e2a4d61-7c3b-4f19-a0d2-5b6c7d8e9f00"
+
+
+def lost(slot: str, boot_id: str = "") -> HostFacts:
+    from dataclasses import replace
+
     from engine.facts import XidEvent
 
     line = f"NVRM: Xid (PCI:0000:{slot[:5]}): 79, GPU has fallen off the bus."
-    return quad_host(GpuHealth(smi_rc=15, lost=(slot,), xids=(XidEvent(slot, 79, line),)))
+    return replace(quad_host(GpuHealth(smi_rc=15, lost=(slot,), xids=(XidEvent(slot, 79, line),))), boot_id=boot_id)
 
 
-def first_loss(clock: FakeClock) -> tuple[FakeKube, FakeNodes, RunResult]:
+def first_loss(clock: FakeClock, boot_id: str = "") -> tuple[FakeKube, FakeNodes, RunResult]:
     rb = load_runbook(default_runbooks_dir() / "gpu-fallen-off-bus.yaml")
     kube = FakeKube([quad_node(allocatable=3)], clock=clock)
-    nodes = FakeNodes({NODE: lost("02:00.0")}, clock=clock)
+    nodes = FakeNodes({NODE: lost("02:00.0", boot_id)}, clock=clock)
     _, result = execute(rb, kube, nodes, clock, {"gpu_check_timeout": 1})
     return kube, nodes, result
 
@@ -174,6 +179,33 @@ def test_a_second_loss_within_the_window_cordons_and_says_contact_support() -> N
         StepStatus.SUCCEEDED, StepStatus.SKIPPED, StepStatus.SKIPPED, StepStatus.SKIPPED)
     assert "hardware: contact support" in result.report and "02:00.0 Xid 79 at " in result.report
     assert kube.nodes[NODE].unschedulable is True
+
+
+def test_a_second_run_before_the_reboot_is_the_same_loss_and_escalates_again_not_contact_support() -> None:
+    clock = FakeClock()
+    kube, nodes, _ = first_loss(clock, BOOT_A)
+    assert kube.nodes[NODE].annotations[KEY + "-boot"] == BOOT_A  # the boot it was lost in
+    first_at = kube.nodes[NODE].annotations[AT]
+    clock.advance_to(clock.t + 0.5 * HOUR)  # nobody approved the reboot yet: same boot, GPU still lost
+    rb = load_runbook(default_runbooks_dir() / "gpu-fallen-off-bus.yaml")
+    _, again = execute(rb, kube, nodes, clock, {"gpu_check_timeout": 1})
+    got = outcomes(again)
+    assert (got["record-lost-gpu"], got["gpus-back"]) == (StepStatus.SKIPPED, StepStatus.TIMED_OUT)  # escalates
+    assert "contact support" not in again.report and "The reboot is still due" in " ".join(again.report.split())
+    assert kube.nodes[NODE].annotations[AT] == first_at  # the first loss's record stays
+
+
+def test_a_loss_in_a_later_boot_than_the_record_is_a_repeat() -> None:
+    clock = FakeClock()
+    kube, nodes, _ = first_loss(clock, BOOT_A)
+    recorded = dict(kube.nodes[NODE].annotations)
+    clock.advance_to(clock.t + 30 * HOUR)  # rebooted (a new boot id), back, uncordoned; lost again
+    kube.set_node(quad_node(allocatable=3, annotations={k: v for k, v in recorded.items()
+                                                         if k != "runbook.io/cordoned-by"}))
+    nodes.set_facts(NODE, lost("41:00.0", BOOT_B))
+    rb = load_runbook(default_runbooks_dir() / "gpu-fallen-off-bus.yaml")
+    _, result = execute(rb, kube, nodes, clock, {"gpu_check_timeout": 1})
+    assert outcomes(result)["gpus-back"] is StepStatus.SKIPPED and "hardware: contact support" in result.report
 
 
 def test_a_second_loss_after_the_window_is_a_new_loss_recorded_anew_and_escalated() -> None:

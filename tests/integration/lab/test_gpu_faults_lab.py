@@ -1,11 +1,14 @@
 """The GPU failure catalogue on a lab of its own (engine/lab/scenarios/gpu-faults.yaml), shared by the
-module: gpu-quad is Ready with four GPUs serving containers and host CUDA jobs on 01:00.0 and 41:00.0.
+module: gpu-quad is Ready with four GPUs serving containers and host CUDA jobs on 01:00.0 and 41:00.0;
+a GPU pod gets a GPU and a CUDA process on it whose cgroup names the pod.
 
 Per fault: ``runbook lab inject`` puts it in, ``runbook diagnose`` names it (its cause id is the inject
 word), the runbook fixes it without killing a CUDA job on any GPU not at fault (the host's job pids and
 the shims' call log), its verification proves it, and a second run has nothing to do. A node with a
-GPU fault plus swap gets both causes. The full Xid 79 cycle (reboot with approval, uncordon, the
-repeat that says "hardware: contact support") is the slow variant at the end.
+GPU fault plus swap gets both causes. A pending remap on a pod's GPU evicts that pod alone (the pod
+its CUDA process's cgroup names), never while a host job holds the GPU. The full Xid 79 cycle (reboot
+with approval, uncordon, the repeat that says "hardware: contact support") is the slow variant at the
+end.
 """
 
 from __future__ import annotations
@@ -77,6 +80,25 @@ def jobs(flab: Lab) -> dict[int, str]:
     return {int(j["pid"]): str(j["gpu"]) for j in host(flab).read()["cuda_jobs"]}
 
 
+def pod_jobs(flab: Lab) -> dict[str, str]:
+    """The host's CUDA jobs of pods (their cgroups name the pod): pod -> the GPU it runs on."""
+    return {str(j["pod"]): str(j["gpu"]) for j in host(flab).read()["cuda_jobs"] if j.get("pod_uid")}
+
+
+GPU_PODS = "".join(f"""---
+apiVersion: v1
+kind: Pod
+metadata: {{name: {name}, namespace: default}}
+spec:
+  nodeSelector: {{kubernetes.io/hostname: gpu-quad}}
+  containers:
+  - name: train
+    image: nvcr.io/nvidia/cuda:12.4.0-base-ubuntu22.04
+    command: [torchrun, train.py]
+    resources: {{limits: {{nvidia.com/gpu: "1"}}}}
+""" for name in ("gpu-pod-a", "gpu-pod-b"))
+
+
 def allocatable(sh: Any) -> str:
     return str(kube_node(sh, NODE)["status"]["allocatable"].get("nvidia.com/gpu", "0"))
 
@@ -105,6 +127,12 @@ def run_json(sh: Any, args: str, journal: Path, want_rc: int = 0) -> dict[str, A
 
 def outcome(result: dict[str, Any], step: str) -> str:
     return str(next(o["status"] for o in result["outcomes"] if o["step"] == step))
+
+
+def pod_phase(sh: Any, key: str) -> str:
+    namespace, name = key.split("/")
+    r = sh(f"kubectl get pod -n {namespace} {name} -o json")
+    return str(json.loads(r.stdout)["status"].get("phase", "")) if r.returncode == 0 else "(gone)"
 
 
 def mutating_calls(flab: Lab, since: int) -> list[tuple[str, list[str]]]:
@@ -167,25 +195,56 @@ def test_xid48_resets_only_its_gpu_and_every_other_gpus_job_lives(flab: Lab, fsh
 
 
 @pytest.mark.timeout(900)
-def test_a_pending_remap_waits_for_its_gpus_job_then_the_reset_applies_it(flab: Lab, fsh: Any, tmp_path: Path) -> None:
-    inject(fsh, "row-remap-pending", "41:00.0")
-    d = diagnose(fsh)
-    assert (d["cause"], d["fix"]) == ("row-remap-pending", "runbook run gpu-reset --node gpu-quad -p gpu=41:00.0")
-    calls = len(host(flab).calls())
-    journal = tmp_path / "j.sqlite"
-    refused = runbook(fsh, f"run gpu-reset --node {NODE} -p gpu=41:00.0 --yes" + BUDGET, journal=journal)
-    assert refused.returncode == 3, refused.stdout + refused.stderr
-    assert "(train.py)" in " ".join(refused.stdout.split()) and mutating_calls(flab, calls) == []
+def test_a_pending_remap_evicts_only_its_gpus_pod_refuses_a_host_job_and_the_reset_applies_it(
+        flab: Lab, fsh: Any, tmp_path: Path) -> None:
+    # a host job on 02:00.0 first; then the device plugin gives each pod a GPU (01:00.0, 02:00.0) and
+    # each pod's CUDA process runs in its pod's cgroup
+    assert runbook(fsh, f"lab job start {NODE} --gpu 02:00.0").returncode == 0
+    (tmp_path / "pods.yaml").write_text(GPU_PODS)
+    assert fsh(f"kubectl apply -f {tmp_path / 'pods.yaml'}").returncode == 0
+    try:
+        placed = wait_for(lambda: pod_jobs(flab) if len(pod_jobs(flab)) == 2 else None, 90,
+                          "both GPU pods running a CUDA process")
+        assert sorted(placed.values()) == ["01:00.0", "02:00.0"], placed  # free GPUs, in slot order
+        victim = next(p for p, g in placed.items() if g == "02:00.0")
+        (keeper,) = set(placed) - {victim}  # shares 01:00.0 with the host's python3
+        inject(fsh, "row-remap-pending", "02:00.0")
+        d = diagnose(fsh)
+        assert (d["cause"], d["fix"]) == ("row-remap-pending", "runbook run gpu-reset --node gpu-quad -p gpu=02:00.0")
+        per_gpu = d["evidence"]["per_gpu"]
+        assert len(per_gpu["02:00.0"]["pods"]) == 1 and per_gpu["c1:00.0"]["pods"] == []  # the pod on it
 
-    survivor = {p: g for p, g in jobs(flab).items() if g == "01:00.0"}
-    assert runbook(fsh, f"lab job stop {NODE} --gpu 41:00.0").returncode == 0  # its job finished
-    result = run_json(fsh, "gpu-reset -p gpu=41:00.0", journal)
-    assert outcome(result, "reset-gpu") == "succeeded"
-    assert jobs(flab) == survivor and allocatable(fsh) == "4"
-    state = host(flab).read()["gpu_health"]["41:00.0"]
-    assert "remap_pending" not in state and state["rows_remapped"] == 1
-    assert_second_run_changes_nothing(flab, fsh, "gpu-reset -p gpu=41:00.0", journal)
-    assert runbook(fsh, f"lab job start {NODE} --gpu 41:00.0").returncode == 0
+        # the host's job on that GPU refuses the reset, named (the pod's process is not); nothing changes
+        journal = tmp_path / "j.sqlite"
+        calls = len(host(flab).calls())
+        refused = runbook(fsh, f"run gpu-reset --node {NODE} -p gpu=02:00.0 --yes" + BUDGET, journal=journal)
+        assert refused.returncode == 3, refused.stdout + refused.stderr
+        held = " ".join(refused.stdout.split()).split("02:00.0 of gpu-quad is held by ", 1)[1]
+        held = held.split(", not a pod's process", 1)[0]  # the precondition names the host's process alone
+        assert "(python3)" in held and "torchrun" not in held, held
+        assert mutating_calls(flab, calls) == [] and pod_phase(fsh, victim) == "Running"
+
+        # the host's job finished (the pod's process restarts with its container): that pod alone is
+        # evicted, its process leaves, that GPU alone is reset, every other GPU's job lives
+        assert runbook(fsh, f"lab job stop {NODE} --gpu 02:00.0").returncode == 0
+        wait_for(lambda: [g for g in jobs(flab).values() if g == "02:00.0"] == ["02:00.0"]
+                 and pod_jobs(flab).get(victim) == "02:00.0", 30, "only the pod's process on 02:00.0")
+        others = {p: g for p, g in jobs(flab).items() if g != "02:00.0"}
+        calls = len(host(flab).calls())
+        result = run_json(fsh, "gpu-reset -p gpu=02:00.0", journal)
+        evict = next(o for o in result["outcomes"] if o["step"] == "evict-gpu-pods")
+        assert evict["status"] == "succeeded" and evict["evidence"]["action"]["pods"] == [victim], evict
+        assert outcome(result, "reset-gpu") == "succeeded"
+        resets = [argv for cmd, argv in mutating_calls(flab, calls) if cmd == "nvidia-smi" and "-r" in argv]
+        assert resets == [["-r", "-i", "00000000:02:00.0"]]  # that GPU only
+        assert jobs(flab) == others and pod_jobs(flab) == {keeper: "01:00.0"}
+        assert pod_phase(fsh, keeper) == "Running" and pod_phase(fsh, victim) == "(gone)"
+        state = host(flab).read()["gpu_health"]["02:00.0"]
+        assert "remap_pending" not in state and state["rows_remapped"] == 1 and allocatable(fsh) == "4"
+        assert_second_run_changes_nothing(flab, fsh, "gpu-reset -p gpu=02:00.0", journal)
+    finally:
+        fsh("kubectl delete pod -n default gpu-pod-a gpu-pod-b --ignore-not-found --grace-period=0 --force")
+    wait_for(lambda: not pod_jobs(flab), 60, "the pods' CUDA processes gone with them")
 
 
 @pytest.mark.timeout(900)
@@ -283,6 +342,14 @@ def test_xid79_cordons_evicts_records_and_escalates_to_an_approved_reboot(
     waiting = json.loads(runbook(fsh, f"runs show {child['run']} -o json", journal=journal).stdout)
     assert (child["runbook"], waiting["state"]) == ("node-reboot", "waiting-approval")
     assert host(flab).calls("shutdown") == [] and jobs(flab) == before  # nothing rebooted without a person
+    boot = (Path(flab.record()["nodes"][NODE]["state_dir"]) / "boot_id").read_text().strip()
+    assert node["metadata"]["annotations"]["runbook.io/gpu-fallen-off-bus-boot"] == boot
+
+    # run again before anyone approved the reboot: the same loss (the record's boot), not a repeat
+    again = run_json(fsh, "gpu-fallen-off-bus -p gpu_check_timeout=1", journal, want_rc=1)
+    assert [outcome(again, s) for s in ("record-lost-gpu", "gpus-back")] == ["skipped", "timed-out"]
+    said = " ".join(again["report"].split())
+    assert "The reboot is still due" in said and "contact support" not in said
 
 
 @pytest.mark.timeout(900)

@@ -196,3 +196,36 @@ def test_checks_describe_themselves_for_plans() -> None:
     assert checks.describe_bound(c, {"w": "container"}) == "label nvidia.com/gpu.workload.config = container"
     assert checks.describe(CHECK.validate_python(VMS)) == \
         "at least 1 VirtualMachine with status.printableStatus = ErrorUnschedulable"
+
+
+def test_cuda_processes_of_one_gpu_are_counted_and_established_apart_from_the_others() -> None:
+    from dataclasses import replace
+
+    from engine.facts import CudaProcess
+
+    procs = (CudaProcess(1, "host-job", "01:00.0"), CudaProcess(2, "train", "02:00.0", pod_uid="u-1"))
+    facts = Facts(node_name="gpu-quad", host=replace(make_host(), cuda_processes=procs))
+    free = CHECK.validate_python({"cuda_processes": {"gpu": "02:00.0", "max": 0}})
+    r = checks.evaluate(free, facts)
+    assert r.holds is False and r.observed == "1 CUDA process on GPU 02:00.0: 2 train (pod u-1)"
+    predicted = checks.establish(free, facts)
+    assert checks.evaluate(free, predicted).holds is True
+    assert predicted.host is not None and [p.pid for p in predicted.host.cuda_processes] == [1]  # others stay
+    assert checks.evaluate(CHECK.validate_python({"cuda_processes": {"gpu": "0000:01:00.0", "max": 0}}),
+                           facts).holds is False  # any form of the PCI address
+
+
+def test_none_killed_except_one_gpu_forgives_only_that_gpus_processes() -> None:
+    from dataclasses import replace
+
+    from engine.facts import CudaProcess
+
+    before = {"host": {"cuda_processes": [{"pid": 1, "name": "a", "gpu": "01:00.0"},
+                                          {"pid": 2, "name": "b", "gpu": "02:00.0"}]}}
+    now = Facts(node_name="gpu-quad", host=replace(make_host(), cuda_processes=(CudaProcess(1, "a", "01:00.0"),)))
+    spared = CHECK.validate_python({"cuda_processes": {"none_killed": True, "except_gpu": "02:00.0"}})
+    assert checks.evaluate(spared, now, baseline=before).holds is True
+    other = CHECK.validate_python({"cuda_processes": {"none_killed": True, "except_gpu": "01:00.0"}})
+    assert checks.evaluate(other, now, baseline=before).holds is False
+    with pytest.raises(ValueError):
+        CHECK.validate_python({"cuda_processes": {"max": 0, "except_gpu": "01:00.0"}})

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,8 @@ from engine.connectors.base import PodRef
 from engine.connectors.kube import pod_ref_from_dict
 from engine.execution import Executor
 from engine.facts import Facts, NodeFacts
+from engine.kube_verbs import KubeContext, NoOp
+from engine.kube_verbs import apply as kv_apply
 from engine.kube_verbs.evict import KubeDeletePods, KubeEvict, PodSelectorSpec
 from engine.loader import parse_runbook
 from engine.model import RunState, StepStatus
@@ -116,6 +119,32 @@ def test_a_run_evicts_the_gpu_pods_of_the_node_and_leaves_the_others() -> None:
     assert [p.name for p in kube.evicted] == ["train"]
     assert result.outcomes[0].status is StepStatus.SUCCEEDED
     assert result.outcomes[0].evidence["action"]["pods"] == ["ml/train"]
+
+
+UID_A, UID_B = "0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0", "11111111-2222-3333-4444-555555555555"
+
+
+def test_eviction_by_pod_uid_selects_exactly_those_pods_and_an_empty_list_selects_none() -> None:
+    pods = [replace(pod("a", {GPU: "1"}), uid=UID_A), replace(pod("b", {GPU: "1"}), uid=UID_B), pod("no-uid")]
+    assert [p.name for p in select_pods(PodSelectorSpec(pod_uids=f" {UID_B} ,"), pods)] == ["b"]
+    assert [p.name for p in select_pods(PodSelectorSpec(pod_uids=f"{UID_A},{UID_B}", resource=GPU), pods)] == ["a", "b"]
+    assert select_pods(PodSelectorSpec(pod_uids="ffffffff-0000-0000-0000-000000000000"), pods) == []
+    effect = kube_effect(KubeEvict(evict=PodSelectorSpec(pod_uids=UID_A)), NodeFacts("omen2"))
+    assert effect.summary == f"evict pods on omen2 with UID {UID_A}"  # type: ignore[union-attr]
+    assert f'.metadata.uid == "{UID_A}"' in effect.command
+    # rendered empty (no pod holds the GPU): nothing to evict, never every pod of the node
+    assert isinstance(kube_effect(KubeEvict(evict=PodSelectorSpec(pod_uids=" ")), NodeFacts("omen2")), NoOp)
+
+
+def test_an_eviction_by_uid_evicts_only_that_pod_through_the_api() -> None:
+    clock = FakeClock()
+    kube = FakeKube([healthy_node()], clock=clock)
+    kube.pods = [replace(pod("on-faulty-gpu", {GPU: "1"}), uid=UID_A, controller_kind="ReplicaSet"),
+                 replace(pod("on-other-gpu", {GPU: "1"}), uid=UID_B, controller_kind="ReplicaSet")]
+    effect = kube_effect(KubeEvict(evict=PodSelectorSpec(pod_uids=UID_A, timeout="30s")), NodeFacts("omen2"))
+    ctx = KubeContext(kube, "omen2", clock, clock.sleep, threading.Event())
+    evidence = kv_apply(effect, ctx)  # type: ignore[arg-type]
+    assert [p.name for p in kube.evicted] == ["on-faulty-gpu"] and evidence["pods"] == ["ml/on-faulty-gpu"]
 
 
 # -- objects asking for a resource ----------------------------------------------------------------
