@@ -84,7 +84,8 @@ def test_templates_see_each_gpu_with_its_cuda_processes_and_the_gpu_count() -> N
     assert [(g["slot"], g["driver"], g["cuda_processes"]) for g in data["gpus"]] == [
         ("01:00.0", "nvidia", [41000]), ("02:00.0", "vfio-pci", []), ("41:00.0", "nvidia", [41001]),
         ("c1:00.0", "none", [])]
-    assert data["cuda_processes"][1] == {"pid": 41001, "name": "train.py", "gpu": "41:00.0"}
+    assert data["cuda_processes"][1] == {"pid": 41001, "name": "train.py", "gpu": "41:00.0", "cgroup": "",
+                                         "pod_uid": ""}  # a host process: no pod
     # nvidia-smi's bus id and lspci -D's slot name the same GPU
     assert host.processes_on(GpuDevice("0000:41:00.0", "10de:2204")) == (host.cuda_processes[1],)
 
