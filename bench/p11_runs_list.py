@@ -1,6 +1,6 @@
 """P11 the run store at fleet size (issue 32): ``p11_runs_list_10k_s``.
 
-10,000 RemediationRuns (``--quick``: 500) in the store namespace of a control plane of our own (the
+10,000 RemediationRuns (``--quick``: 150) in the store namespace of a control plane of our own (the
 lab's kube-apiserver + etcd from the cached assets; no node hosts, no simulator), each created as the
 engine records a run (labels node, runbook, phase, trigger; a status with a few events), most of them
 finished, 20 active. Then, each timed ``runs`` times:
@@ -64,7 +64,7 @@ def run(ctx: Context) -> list[Metric]:
     from engine.serve.starter import WEBHOOK_SOURCES
     from engine.store import ACTIVE_STATES
 
-    count = 500 if ctx.quick else 10_000
+    count = 150 if ctx.quick else 10_000
     assets = find_assets()
     if assets is None:
         raise RuntimeError("no control-plane binaries (scripts/build-control-plane.sh)")

@@ -45,7 +45,7 @@ def plan_one(ctx: Context) -> Metric:
     lab = ctx.lab()
     lab.reset()  # omen2 down for swap: a plan with two changing playbook steps (two previews)
     env = ctx.lab_env()
-    runs = 2 if ctx.quick else max(5, ctx.runs)
+    runs = 1 if ctx.quick else max(5, ctx.runs)
     times: list[float] = []
     loads = []
     for i in range(runs):
