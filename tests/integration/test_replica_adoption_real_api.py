@@ -19,9 +19,7 @@ the runbook is API-only. Each replica's lease duration is 3 s, so the whole test
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -38,10 +36,8 @@ from engine.errors import Conflict
 from engine.kube_store import API_VERSION, PLURAL, KubeRunStore
 from engine.lab.controlplane import ControlPlane
 from engine.lab.kubectl import Kubectl
-from engine.lab.ports import free_port
-from engine.lab.procs import ProcessRef, die_with_parent
 from engine.locks import REPLICA_LEASE_PREFIX
-from tests.integration.lab.serve_helpers import Server, runbook_command
+from tests.integration.lab.serve_helpers import Server, replica_role, start_replica, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -95,47 +91,8 @@ def adopt_cluster(control_plane: ControlPlane, kubectl: Kubectl) -> Iterator[Kub
 
 def _replica(plane: ControlPlane, workdir: Path, host: str) -> Server:
     """``runbook serve`` in a UTS namespace of its own, its host name ``host`` (a pod of its own)."""
-    if shutil.which("unshare") is None or os.geteuid() != 0:
-        pytest.skip("needs unshare --uts (root): each replica has its own host name")
-    workdir.mkdir(parents=True, exist_ok=True)
-    config = workdir / "serve.yaml"
-    config.write_text(yaml.safe_dump(CONFIG))
-    port = free_port("127.0.0.1")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RUNBOOK_")}
-    env.update(HOME=str(workdir), KUBECONFIG=str(plane.kubeconfig), RUNBOOK_STORE="kubernetes",
-               RUNBOOK_STORE_NAMESPACE=NS, RUNBOOK_JOURNAL=str(workdir / "journal.sqlite"),
-               RUNBOOK_WEBHOOK_TOKEN=TOKEN, RUNBOOK_RUNBOOKS_DIR=str(workdir.parent / "runbooks"))
-    log_path = workdir / "serve.log"
-    with log_path.open("ab") as log:
-        # unshare and sh exec: the pid is the server's own (SIGKILL reaches it, nothing else)
-        proc = subprocess.Popen(
-            ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', host,
-             *runbook_command(), "serve", "--listen", f"127.0.0.1:{port}", "--config", str(config)],
-            cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            preexec_fn=die_with_parent)
-    server = Server(f"http://127.0.0.1:{port}", port, proc, ProcessRef.of(proc.pid), log_path, workdir)
-    _until(lambda: _ready(server), 60, f"runbook serve ({host}) ready", server.log_tail)
-    return server
-
-
-def _ready(server: Server) -> bool:
-    if server.proc.poll() is not None:
-        raise AssertionError(f"runbook serve exited {server.proc.returncode}:\n{server.log_tail()}")
-    try:
-        return httpx.get(server.url + "/readyz", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-def _role(server: Server) -> str:
-    return str(httpx.get(server.url + "/readyz", timeout=5).json().get("role"))
-
-
-def _until(predicate: Any, timeout: float, what: str, seen: Any = None) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out: {what}" + (f": {seen()}" if seen else "")
-        time.sleep(0.2)
+    return start_replica(plane.kubeconfig, workdir, host, config=CONFIG, namespace=NS, token=TOKEN,
+                         runbooks_dir=workdir.parent / "runbooks")
 
 
 def _let_go(kube: KubeConnector, node: str) -> None:
@@ -160,11 +117,11 @@ def test_a_killed_replicas_queued_runs_are_adopted_once_by_the_leader_and_finish
     (tmp_path / "runbooks").mkdir()
     (tmp_path / "runbooks" / "adopt-mark.yaml").write_text(yaml.safe_dump(RUNBOOK, sort_keys=False))
     leader = _replica(control_plane, tmp_path / "replica-b", "replica-b")
-    _until(lambda: _role(leader) == "leader", 20, "replica-b leads")
+    wait_until(lambda: replica_role(leader) == "leader", 20, "replica-b leads")
     doomed = _replica(control_plane, tmp_path / "replica-a", "replica-a")
     store = KubeRunStore(kube, NS)
     try:
-        assert _role(doomed) == "follower"
+        assert replica_role(doomed) == "follower"
         leases = [o["metadata"]["name"] for o in kube.list_objects("coordination.k8s.io/v1", "leases", namespace=NS)]
         assert sum(name.startswith(REPLICA_LEASE_PREFIX) for name in leases) == 2, leases  # one per replica
 
@@ -175,7 +132,7 @@ def test_a_killed_replicas_queued_runs_are_adopted_once_by_the_leader_and_finish
         queued = [d["run_id"] for d in decisions if d.get("queue_position")]
         executing = [d["run_id"] for d in decisions if d["decision"] == "started" and not d.get("queue_position")]
         assert len(queued) == 3 and len(executing) == 1, decisions
-        _until(lambda: store.get_run(executing[0]).state.value == "running", 20, "A executes its first run")
+        wait_until(lambda: store.get_run(executing[0]).state.value == "running", 20, "A executes its first run")
 
         # -- A dies without a word: its queue stays owned by a dead process on "another machine" ----
         os.kill(doomed.proc.pid, signal.SIGKILL)
@@ -188,10 +145,10 @@ def test_a_killed_replicas_queued_runs_are_adopted_once_by_the_leader_and_finish
         def adopted() -> bool:
             return all(store.get_run(rid).owner_host == "replica-b" for rid in queued)
 
-        _until(adopted, 30, "the leader adopts A's queue",
+        wait_until(adopted, 30, "the leader adopts A's queue",
                lambda: {rid: (store.get_run(rid).state.value, store.get_run(rid).owner_host) for rid in queued})
         assert time.monotonic() - killed_at >= 3  # not before A's Lease was seen unchanged for its duration
-        _until(lambda: all(store.get_run(rid).state.value == "succeeded" for rid in queued), 60,
+        wait_until(lambda: all(store.get_run(rid).state.value == "succeeded" for rid in queued), 60,
                "the adopted runs finish", lambda: {rid: store.get_run(rid).state.value for rid in queued})
         for rid in queued:
             kinds = [e.kind for e in store.events(rid)]

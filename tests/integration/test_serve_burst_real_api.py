@@ -23,9 +23,6 @@ time) are bench/p10_burst.py's; here a generous bound only catches a hang.
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -51,9 +48,7 @@ from engine.connectors.kube import KubeConnector
 from engine.kube_store import KubeRunStore
 from engine.lab.controlplane import ControlPlane
 from engine.lab.kubectl import Kubectl
-from engine.lab.ports import free_port
-from engine.lab.procs import ProcessRef, die_with_parent
-from tests.integration.lab.serve_helpers import Server, runbook_command
+from tests.integration.lab.serve_helpers import Server, replica_role, start_replica, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -85,46 +80,8 @@ def burst_cluster(control_plane: ControlPlane, kubectl: Kubectl) -> Iterator[Kub
 
 def _replica(plane: ControlPlane, workdir: Path, host: str) -> Server:
     """``runbook serve`` in a UTS namespace of its own, its host name ``host`` (a pod of its own)."""
-    if shutil.which("unshare") is None or os.geteuid() != 0:
-        pytest.skip("needs unshare --uts (root): each replica has its own host name")
-    workdir.mkdir(parents=True, exist_ok=True)
-    config = workdir / "serve.yaml"
-    config.write_text(yaml.safe_dump(CONFIG))
-    port = free_port("127.0.0.1")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RUNBOOK_")}
-    env.update(HOME=str(workdir), KUBECONFIG=str(plane.kubeconfig), RUNBOOK_STORE="kubernetes",
-               RUNBOOK_STORE_NAMESPACE=NS, RUNBOOK_JOURNAL=str(workdir / "journal.sqlite"),
-               RUNBOOK_WEBHOOK_TOKEN=TOKEN, RUNBOOK_RUNBOOKS_DIR=str(workdir.parent / "runbooks"))
-    log_path = workdir / "serve.log"
-    with log_path.open("ab") as log:
-        proc = subprocess.Popen(
-            ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', host,
-             *runbook_command(), "serve", "--listen", f"127.0.0.1:{port}", "--config", str(config)],
-            cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            preexec_fn=die_with_parent)
-    server = Server(f"http://127.0.0.1:{port}", port, proc, ProcessRef.of(proc.pid), log_path, workdir)
-    deadline = time.monotonic() + 60
-    while True:
-        if proc.poll() is not None:
-            raise AssertionError(f"runbook serve ({host}) exited {proc.returncode}:\n{server.log_tail()}")
-        try:
-            if httpx.get(server.url + "/readyz", timeout=2).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, f"runbook serve ({host}) not ready:\n{server.log_tail()}"
-        time.sleep(0.1)
-
-
-def _role(server: Server) -> str:
-    return str(httpx.get(server.url + "/readyz", timeout=5).json().get("role"))
-
-
-def _until(predicate: Any, timeout: float, what: str, seen: Any = None) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out: {what}" + (f": {seen()}" if seen else "")
-        time.sleep(0.2)
+    return start_replica(plane.kubeconfig, workdir, host, config=CONFIG, namespace=NS, token=TOKEN,
+                         runbooks_dir=workdir.parent / "runbooks")
 
 
 def test_a_burst_of_200_pages_is_answered_node_by_node_within_the_budget_and_a_stopped_leaders_queue_resumes(
@@ -134,8 +91,9 @@ def test_a_burst_of_200_pages_is_answered_node_by_node_within_the_budget_and_a_s
     replicas = [_replica(control_plane, tmp_path / name, name) for name in ("replica-a", "replica-b")]
     watch = BudgetWatch(control_plane, NS)
     try:
-        _until(lambda: sorted(_role(r) for r in replicas) == ["follower", "leader"], 20, "a leader is elected")
-        leader, follower = sorted(replicas, key=lambda r: _role(r) != "leader")
+        wait_until(lambda: sorted(replica_role(r) for r in replicas) == ["follower", "leader"], 20,
+                   "a leader is elected")
+        leader, follower = sorted(replicas, key=lambda r: replica_role(r) != "leader")
         watch.start(MAX_RUNS)
         time.sleep(0.3)  # the watch is established before the first claim
 
@@ -182,7 +140,7 @@ def test_a_burst_of_200_pages_is_answered_node_by_node_within_the_budget_and_a_s
         assert queued_at_leader, "the leader had no queue to lose"
         leader.stop()
         assert leader.stopped_cleanly(), leader.log_tail()
-        _until(lambda: _role(follower) == "leader", 15, "the follower takes the lead")
+        wait_until(lambda: replica_role(follower) == "leader", 15, "the follower takes the lead")
 
         store = KubeRunStore(KubeConnector(kubeconfig=str(control_plane.kubeconfig)), NS)
         run_ids = {d["run_id"] for d in created}
@@ -200,7 +158,7 @@ def test_a_burst_of_200_pages_is_answered_node_by_node_within_the_budget_and_a_s
             return idle() and all(s in FINAL or s == "waiting-approval" or (s == "pending" and host == "replica-b")
                                   for s, host in states().values())
 
-        _until(settled, 60, "every run of the burst ends or is the leader's", states)
+        wait_until(settled, 60, "every run of the burst ends or is the leader's", states)
         end = states()
         assert set(end) == run_ids  # nothing lost
         left = [rid for rid, (s, _) in end.items() if s == "pending"]

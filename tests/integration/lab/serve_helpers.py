@@ -314,3 +314,52 @@ def ready_status(obj: Mapping[str, Any]) -> str | None:
         if c.get("type") == "Ready":
             return str(c.get("status"))
     return None
+
+
+def start_replica(kubeconfig: Path, workdir: Path, host: str, *, config: Mapping[str, Any], namespace: str,
+                  token: str, runbooks_dir: Path, timeout: float = 60) -> Server:
+    """``runbook serve --store kubernetes`` in a UTS namespace of its own with the host name ``host``
+    (as a pod of its own: the run owner and the replica's liveness Lease name it), ready (``/readyz``
+    200); an ``AssertionError`` with its log when it exits or is not ready within ``timeout``."""
+    if shutil.which("unshare") is None or os.geteuid() != 0:
+        pytest.skip("needs unshare --uts (root): each replica has its own host name")
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "serve.yaml").write_text(yaml.safe_dump(dict(config)))
+    port = free_port("127.0.0.1")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RUNBOOK_")}
+    env.update(HOME=str(workdir), KUBECONFIG=str(kubeconfig), RUNBOOK_STORE="kubernetes",
+               RUNBOOK_STORE_NAMESPACE=namespace, RUNBOOK_JOURNAL=str(workdir / "journal.sqlite"),
+               RUNBOOK_WEBHOOK_TOKEN=token, RUNBOOK_RUNBOOKS_DIR=str(runbooks_dir))
+    log_path = workdir / "serve.log"
+    with log_path.open("ab") as log:
+        # unshare and sh exec: the pid is the server's own (SIGKILL reaches it, nothing else)
+        proc = subprocess.Popen(
+            ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', host,
+             *runbook_command(), "serve", "--listen", f"127.0.0.1:{port}", "--config", str(workdir / "serve.yaml")],
+            cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            preexec_fn=die_with_parent)
+    server = Server(f"http://127.0.0.1:{port}", port, proc, ProcessRef.of(proc.pid), log_path, workdir)
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError(f"runbook serve ({host}) exited {proc.returncode}:\n{server.log_tail()}")
+        try:
+            if httpx.get(server.url + "/readyz", timeout=2).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, f"runbook serve ({host}) not ready:\n{server.log_tail()}"
+        time.sleep(0.1)
+
+
+def replica_role(server: Server) -> str:
+    """``leader`` or ``follower``, as the replica's ``/readyz`` says."""
+    return str(httpx.get(server.url + "/readyz", timeout=5).json().get("role"))
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float, what: str, seen: Callable[[], Any] | None = None) -> None:
+    """Poll ``predicate`` every 0.2 s; an ``AssertionError`` naming ``what`` (and ``seen()``) after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out: {what}" + (f": {seen()}" if seen else "")
+        time.sleep(0.2)
