@@ -155,14 +155,15 @@ def read_listing(path: Path, *, timeout: float = READ_TIMEOUT) -> tuple[Mapping[
         _discard(path)
         raise LoadError([(Location(str(path)), "inventory not found")])
     resolved = path.resolve()
-    key = _cache_key(resolved)
+    stamp = _stamp(resolved)
+    key = _cache_key(resolved, stamp)
     if key is not None and (kept := inventory_cache.load(resolved, key)) is not None:
         _discard(path)  # a read begun early is not needed
         return kept
     started = _take_started(path)
     child = started if started is not None else _spawn(path)
     listing, warnings = _collect(path, child, timeout)
-    if key is not None and _cache_key(resolved, child.stamp) == key == _cache_key(resolved):
+    if key is not None and child.stamp == stamp == _stamp(resolved):
         inventory_cache.store(resolved, key, listing, warnings)  # the sources did not change meanwhile
     return listing, warnings
 
