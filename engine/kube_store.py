@@ -35,10 +35,11 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import UTC, datetime
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from engine.connectors.base import ObjectAPI
 from engine.errors import Conflict, JournalError, KubeError, UsageError
+from engine.kube_run_index import SLIM, RunIndex, WatchableObjects
 from engine.model import RunState
 from engine.store import (
     ACTIVE_STATES,
@@ -174,6 +175,7 @@ class KubeRunStore(StoreBase):
         self._deleted: dict[str, None] = {}  # insertion-ordered, the last DELETED_KEPT
         self._locks: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()
+        self._index: RunIndex | None = None  # ``follow``: the runs kept from a watch (runbook serve)
 
     # -- secrets (masking: engine.store.SecretMask) ----------------------------------------------
 
@@ -182,7 +184,22 @@ class KubeRunStore(StoreBase):
         return json.loads(json.dumps(self.redact(value), default=str, sort_keys=True))
 
     def close(self) -> None:
-        """Nothing to release: the connector belongs to the caller."""
+        """Stop following (``follow``); the connector belongs to the caller."""
+        index, self._index = self._index, None
+        if index is not None:
+            index.stop()
+
+    def follow(self) -> bool:
+        """Keep the namespace's runs in memory from a watch (``engine.kube_run_index``), so the
+        newest-first lists (the breaker's, ``GET /runs``) stop asking the API server: for a
+        long-lived process (``runbook serve``). False when the connector cannot watch (lists then)."""
+        if self._index is not None:
+            return True
+        if not all(hasattr(self.api, m) for m in ("list_objects_versioned", "watch_objects", "close_watch")):
+            return False
+        self._index = RunIndex(cast(WatchableObjects, self.api), API_VERSION, PLURAL, self.namespace,
+                               sort_key=_newest_key).start()
+        return True
 
     # -- plumbing -----------------------------------------------------------------------------
 
@@ -474,6 +491,16 @@ class KubeRunStore(StoreBase):
         about ``limit`` runs. Every run of a bucket is read, so the ``limit`` newest of what was read
         are the newest of all. Runs without the labels (older versions) are read by one list;
         beyond ``NEWEST_HORIZON``, the rest by one list."""
+        index = self._index
+        if index is not None:
+            def keep(o: Mapping[str, Any]) -> bool:
+                name = (o.get("metadata") or {}).get("name", "")
+                return name not in self._deleted and (
+                    not sources or (o.get("spec") or {}).get("source", "cli") in sources)
+
+            kept = index.newest(limit, keep=keep, at_least=self._written_version)
+            if kept is not None:
+                return kept
         base: list[str] = []
         if sources:
             labelled = sorted(v for v in sources if _label_value(v))
@@ -528,7 +555,7 @@ class KubeRunStore(StoreBase):
             items = [o for o in items if _stored_state(o) in states]
         if sources:
             items = [o for o in items if (o.get("spec") or {}).get("source", "cli") in sources]
-        items.sort(key=lambda o: (_created(o), (o.get("metadata") or {}).get("name", "")), reverse=True)
+        items.sort(key=_newest_key, reverse=True)
         return [self._record(o) for o in items[:limit]]
 
     def _record(self, obj: dict[str, Any]) -> RunRecord:
@@ -569,9 +596,10 @@ class KubeRunStore(StoreBase):
             status.pop("claimedBy", None)
             return True, None
 
-        self._cache[run_id] = obj  # the version just read: no second read unless it changed since
+        if not obj.get(SLIM):  # a kept object has no events: never the base of a write
+            self._cache[run_id] = obj  # the version just read: no second read unless it changed since
         try:
-            self._update(run_id, mark)
+            self._update(run_id, mark, fresh=bool(obj.get(SLIM)))
         except KubeError as e:  # Why: a read-only identity or an outage must not fail a read
             log.warning("run %s: could not record phase Interrupted: %s", run_id, e)
             return
@@ -584,7 +612,7 @@ class KubeRunStore(StoreBase):
         check_retention(keep, max_age)
         now = self.clock() if now is None else now
         items = [o for o in self._selected(FINAL_STATES) if _stored_state(o) in FINAL_STATES]
-        items.sort(key=lambda o: (_created(o), (o.get("metadata") or {}).get("name", "")), reverse=True)
+        items.sort(key=_newest_key, reverse=True)
         deleted = []
         for i, obj in enumerate(items):
             status = obj.get("status") or {}
@@ -633,6 +661,11 @@ def _phase_state(status: Mapping[str, Any]) -> RunState:
 def _stored_state(obj: Mapping[str, Any]) -> RunState:
     """The run state its phase records (no phase yet: ``pending``)."""
     return _phase_state(obj.get("status") or {})
+
+
+def _newest_key(obj: Mapping[str, Any]) -> tuple[float, str]:
+    """The order of ``list_runs``: created, then name (newest first when reversed)."""
+    return _created(obj), (obj.get("metadata") or {}).get("name", "")
 
 
 def _created(obj: Mapping[str, Any]) -> float:

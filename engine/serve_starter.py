@@ -71,6 +71,8 @@ class JournalRunStarter:
         self._cancels: dict[str, threading.Event] = {}  # runs executing here: their cancel (``cancel``)
         self._guard = threading.Lock()
         self.service.preload()  # at server start, not in the first run's worker (docs/performance.md, P8)
+        # Why: a burst's breaker reads and GET /runs list the store many times a second (P10 burst)
+        self.journal.follow()
         self.service.integrity.keys()  # the run key: read, or created at first start (engine.integrity)
 
     @property

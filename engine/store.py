@@ -414,6 +414,11 @@ class RunStore(Protocol):
 
     def close(self) -> None: ...
 
+    def follow(self) -> bool:
+        """For a long-lived reader (``runbook serve``): keep what newest-first lists need up to
+        date in memory instead of reading the store each time (True), when the store can."""
+        ...
+
 
 class StoreBase(SecretMask):
     """What every store shares on top of its own ``events``: masking, and a resume's progress
@@ -430,6 +435,10 @@ class StoreBase(SecretMask):
         """(completed steps, the step whose action started without a successful outcome)."""
         p = self.progress(run_id)
         return set(p.completed), p.interrupted_step
+
+    def follow(self) -> bool:
+        """``RunStore.follow``: a store read in place (a file) has nothing to follow."""
+        return False
 
 
 _events_log = logging.getLogger("runbook.events")

@@ -493,6 +493,51 @@ class KubeConnector:
         version = (not_older_than or "0") if cached else None
         return [MappingProxyType(i) for i in self._list_pages(path, what, label_selector, version=version)]
 
+    def list_objects_versioned(self, api_version: str, kind_plural: str, namespace: str
+                               ) -> tuple[list[dict[str, Any]], str]:
+        """Every object of the kind in ``namespace``, read from etcd in pages (one consistent
+        snapshot: every page is of the first page's version), and that version: where a watch of the
+        same objects starts (``watch_objects``)."""
+        what = f"list {kind_plural}.{api_version} in {namespace}"
+        path = self._objects_path(api_version, kind_plural, namespace)
+        items: list[dict[str, Any]] = []
+        token: str | None = None
+        version = ""
+        while True:
+            obj = self._raw("GET", path, what, query=[("limit", LIST_PAGE), ("continue", token)])
+            items.extend(obj.get("items") or ())
+            version = version or str((obj.get("metadata") or {}).get("resourceVersion") or "")
+            token = (obj.get("metadata") or {}).get("continue") or None
+            if token is None:
+                return items, version
+
+    def watch_objects(self, api_version: str, kind_plural: str, namespace: str, resource_version: str, *,
+                      on_open: Callable[[Any], None] = lambda resp: None,
+                      timeout_seconds: int = 300) -> Iterator[dict[str, Any]]:
+        """The watch events (``{"type", "object"}``: ADDED, MODIFIED, DELETED, BOOKMARK, ERROR) of the
+        kind in ``namespace`` after ``resource_version``, as the API server sends them, until it ends
+        the watch (``timeout_seconds``). ``on_open`` gets the open response: shutting it down
+        (``close_watch``) ends the iteration at once from another thread."""
+        query = [("watch", "true"), ("allowWatchBookmarks", "true"), ("resourceVersion", resource_version),
+                 ("timeoutSeconds", timeout_seconds)]
+        resp = self._raw("GET", self._objects_path(api_version, kind_plural, namespace),
+                         f"watch {kind_plural}.{api_version} in {namespace}", query=query,
+                         timeout=(self._connect_timeout, timeout_seconds + 30.0), stream=True)
+        on_open(resp)
+        try:
+            for line in _lines(resp):
+                if line:
+                    yield json.loads(line)
+        except Exception as e:
+            raise self._wrap(e, f"watch {kind_plural}.{api_version} in {namespace}") from e
+        finally:
+            resp.release_conn()
+
+    @staticmethod
+    def close_watch(resp: Any) -> None:
+        """End a ``watch_objects`` iteration blocked on its socket (from another thread)."""
+        _shutdown(resp)
+
     def _list_pages(self, path: str, what: str, label_selector: str | None, *,
                     version: str | None = None) -> list[dict[str, Any]]:
         """Every item of a list, read in pages of ``LIST_PAGE`` (limit/continue), so the API server

@@ -67,17 +67,26 @@ def connector(plane: ControlPlane) -> KubeConnector:
 _namespaces = iter(range(1, 10_000))
 
 
-@pytest.fixture
-def bed(crd: ControlPlane, kubectl: Kubectl) -> Iterator[StoreBed]:
-    """The contract's store: RemediationRuns in a fresh namespace, each view on its own client."""
+@pytest.fixture(params=["lists", "following"])
+def bed(request: pytest.FixtureRequest, crd: ControlPlane, kubectl: Kubectl) -> Iterator[StoreBed]:
+    """The contract's store: RemediationRuns in a fresh namespace, each view on its own client;
+    ``following``: every view keeps the runs from a watch (``KubeRunStore.follow``, as ``runbook
+    serve`` does), so the contract's lists are answered by the index."""
     namespace = f"contract-{next(_namespaces)}"
     kubectl("create", "namespace", namespace)
+    opened: list[KubeRunStore] = []
 
     def reopen() -> RunStore:
-        return KubeRunStore(connector(crd), namespace)
+        store = KubeRunStore(connector(crd), namespace)
+        if request.param == "following":
+            assert store.follow()
+        opened.append(store)
+        return store
 
     first = reopen()
     yield StoreBed(first, reopen, set_owner_in(first))
+    for store in opened:
+        store.close()
     kubectl("delete", "rr", "--all", "-n", namespace, check=False)
 
 
@@ -177,3 +186,67 @@ def test_a_run_whose_owner_died_is_recorded_interrupted_by_its_reader_for_kubect
     assert {r.id: r.state for r in reader.list_runs()}[run_id] == "interrupted"
     st = kubectl.json("get", "rr", run_id, "-n", NS)["status"]
     assert st["phase"] == "Interrupted" and st["owner"]["pid"] is None and "runbook resume" in st["message"]
+
+
+class ListCounting:
+    """Our connector, counting its lists (``list_objects``: what a following store must not need)."""
+
+    def __init__(self, inner: KubeConnector) -> None:
+        self.inner = inner
+        self.lists = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def list_objects(self, *args: Any, **kwargs: Any) -> list[Mapping[str, Any]]:
+        self.lists += 1
+        return self.inner.list_objects(*args, **kwargs)
+
+
+def _eventually(read: Any, want: Any, timeout: float = 10.0) -> Any:
+    deadline = time.monotonic() + timeout
+    got = read()
+    while got != want and time.monotonic() < deadline:
+        time.sleep(0.05)
+        got = read()
+    return got
+
+
+def test_a_following_store_lists_from_its_watch_its_own_writes_at_once_and_another_writers_soon(
+        crd: ControlPlane, kubectl: Kubectl) -> None:
+    """``KubeRunStore.follow`` (runbook serve): the newest-first lists come from the index the watch
+    keeps, never a list call once synced, with the contract's freshness: this store's own writes at
+    once, another replica's creates, state changes and deletes within the watch's delay; its plan and
+    events are still read whole."""
+    namespace = "following-1"
+    kubectl("create", "namespace", namespace)
+    counted = ListCounting(connector(crd))
+    mine = KubeRunStore(counted, namespace)  # type: ignore[arg-type]
+    theirs = KubeRunStore(connector(crd), namespace)
+    try:
+        paged = [theirs.create_run("rb", {}, [f"gpu-{i}"], source="alertmanager") for i in range(3)]
+        assert mine.follow()
+        webhook = ("alertmanager", "pagerduty")
+
+        def listed() -> list[tuple[str, str]]:
+            return [(r.id, r.state) for r in mine.list_runs(sources=webhook)]
+
+        assert _eventually(listed, [(i, "pending") for i in reversed(paged)]) == [
+            (i, "pending") for i in reversed(paged)]
+        own = mine.create_run("rb", {}, ["gpu-9"], source="pagerduty")  # read at once: no wait
+        assert [r.id for r in mine.list_runs(sources=webhook, limit=1)] == [own]
+        mine.set_plan(own, {"steps": ["relabel"]}, "sha256:p")
+        mine.append(own, "step.start", step="relabel")
+        theirs.set_state(paged[0], "failed", exit_code=1)
+        want = [(own, "pending"), (paged[2], "pending"), (paged[1], "pending"), (paged[0], "failed")]
+        assert _eventually(listed, want) == want
+        for run_id in paged[1:]:
+            theirs.set_state(run_id, "succeeded", exit_code=0)
+        assert sorted(theirs.prune(keep=0)) == sorted([paged[0], *paged[1:]])
+        assert _eventually(listed, [(own, "pending")]) == [(own, "pending")]
+        assert mine.get_run(own).plan == {"steps": ["relabel"]}  # a read, not the index's copy
+        assert [e.kind for e in mine.events(own)] == ["step.start"]
+        assert counted.lists == 0  # every list above came from the watch
+    finally:
+        mine.close()
+        kubectl("delete", "namespace", namespace, "--wait=false", check=False)
