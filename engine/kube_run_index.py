@@ -16,8 +16,9 @@ be missing, exactly as from the API server's watch cache. When the index cannot 
 synced, the watch broken, its version behind for longer than ``wait``), the caller lists as before:
 the index only ever saves reads, it never decides alone.
 
-What is kept per run: the object without ``status.events`` and ``status.plan`` (``SLIM``), so
-10,000 runs cost a few MB; records built from it carry no plan (``get_run`` reads it).
+What is kept per run: the object without ``status.plan`` and without its events but those of the
+kinds asked for (``event_kinds``: the breaker's resets), marked ``SLIM``, so 10,000 runs cost a
+few MB; records built from it carry no plan (``get_run`` reads it).
 """
 
 from __future__ import annotations
@@ -51,9 +52,11 @@ class WatchableObjects(Protocol):
     def close_watch(resp: Any) -> None: ...
 
 
-def slim(obj: Mapping[str, Any]) -> dict[str, Any]:
-    """The run as the index keeps it: everything but its events and plan, marked ``SLIM``."""
-    status = {k: v for k, v in (obj.get("status") or {}).items() if k not in ("events", "plan")}
+def slim(obj: Mapping[str, Any], event_kinds: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """The run as the index keeps it: no plan, only the events of ``event_kinds``, marked ``SLIM``."""
+    full = obj.get("status") or {}
+    status = {k: v for k, v in full.items() if k not in ("events", "plan")}
+    status["events"] = [e for e in full.get("events") or () if isinstance(e, Mapping) and e.get("kind") in event_kinds]
     return {**obj, "status": status, SLIM: True}
 
 
@@ -62,8 +65,9 @@ class RunIndex:
     thread; relisted when the watch's version expired (410) or the API server went away."""
 
     def __init__(self, api: WatchableObjects, api_version: str, plural: str, namespace: str, *,
-                 sort_key: Callable[[Mapping[str, Any]], Any]) -> None:
+                 sort_key: Callable[[Mapping[str, Any]], Any], event_kinds: frozenset[str] = frozenset()) -> None:
         self.api = api
+        self._event_kinds = event_kinds
         self._what = (api_version, plural, namespace)
         self._sort_key = sort_key
         self._objects: dict[str, tuple[Any, dict[str, Any]]] = {}  # name -> (sort key, slim object)
@@ -81,16 +85,31 @@ class RunIndex:
         """The ``limit`` newest kept objects ``keep`` accepts, newest first, once the index has seen
         version ``at_least``; None when it cannot say within ``wait`` seconds (not synced, broken,
         behind): the caller reads the API server instead."""
-        deadline = time.monotonic() + wait
         with self._changed:
-            while not (self._synced and self._version >= at_least):
-                left = deadline - time.monotonic()
-                if left <= 0 or self._stopped.is_set():
-                    return None
-                self._changed.wait(left)
+            if not self._caught_up(at_least, wait):
+                return None
             entries = list(self._objects.values())
         chosen = heapq.nlargest(limit, (e for e in entries if keep(e[1])), key=lambda e: e[0])
         return [obj for _, obj in chosen]
+
+    def one(self, name: str, *, at_least: int, wait: float = 2.0) -> tuple[bool, dict[str, Any] | None]:
+        """(True, the kept object or None when there is no such run) once the index has seen version
+        ``at_least``; (False, None) when it cannot say within ``wait`` seconds."""
+        with self._changed:
+            if not self._caught_up(at_least, wait):
+                return False, None
+            entry = self._objects.get(name)
+        return True, None if entry is None else entry[1]
+
+    def _caught_up(self, at_least: int, wait: float) -> bool:
+        """Wait (holding ``_changed``) until synced at version ``at_least`` or later; False after ``wait``."""
+        deadline = time.monotonic() + wait
+        while not (self._synced and self._version >= at_least):
+            left = deadline - time.monotonic()
+            if left <= 0 or self._stopped.is_set():
+                return False
+            self._changed.wait(left)
+        return True
 
     @property
     def synced(self) -> bool:
@@ -140,7 +159,7 @@ class RunIndex:
         items, version = self.api.list_objects_versioned(*self._what)
         kept = {}
         for o in items:
-            obj = slim(o)
+            obj = slim(o, self._event_kinds)
             kept[(obj.get("metadata") or {}).get("name", "")] = (self._sort_key(obj), obj)
         with self._changed:
             self._objects = kept
@@ -164,7 +183,7 @@ class RunIndex:
             version = str(meta.get("resourceVersion") or version)
             with self._changed:
                 if kind in ("ADDED", "MODIFIED"):
-                    kept = slim(obj)
+                    kept = slim(obj, self._event_kinds)
                     self._objects[meta.get("name", "")] = (self._sort_key(kept), kept)
                 elif kind == "DELETED":
                     self._objects.pop(meta.get("name", ""), None)

@@ -176,6 +176,7 @@ class KubeRunStore(StoreBase):
         self._locks: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()
         self._index: RunIndex | None = None  # ``follow``: the runs kept from a watch (runbook serve)
+        self._followed_kinds: frozenset[str] = frozenset()  # and the events kept with them
 
     # -- secrets (masking: engine.store.SecretMask) ----------------------------------------------
 
@@ -189,7 +190,7 @@ class KubeRunStore(StoreBase):
         if index is not None:
             index.stop()
 
-    def follow(self) -> bool:
+    def follow(self, *, event_kinds: tuple[str, ...] = ()) -> bool:
         """Keep the namespace's runs in memory from a watch (``engine.kube_run_index``), so the
         newest-first lists (the breaker's, ``GET /runs``) stop asking the API server: for a
         long-lived process (``runbook serve``). False when the connector cannot watch (lists then)."""
@@ -198,8 +199,17 @@ class KubeRunStore(StoreBase):
         if not all(hasattr(self.api, m) for m in ("list_objects_versioned", "watch_objects", "close_watch")):
             return False
         self._index = RunIndex(cast(WatchableObjects, self.api), API_VERSION, PLURAL, self.namespace,
-                               sort_key=_newest_key).start()
+                               sort_key=_newest_key, event_kinds=frozenset(event_kinds)).start()
+        self._followed_kinds = frozenset(event_kinds)
         return True
+
+    def events_of(self, run_id: str, kinds: tuple[str, ...]) -> list[EventRecord]:
+        index = self._index
+        if index is not None and self._followed_kinds.issuperset(kinds) and run_id not in self._deleted:
+            known, obj = index.one(run_id, at_least=self._written_version)
+            if known and obj is not None:
+                return [e for e in _event_records(run_id, obj) if e.kind in kinds]
+        return [e for e in self.events(run_id) if e.kind in kinds]
 
     # -- plumbing -----------------------------------------------------------------------------
 
@@ -640,10 +650,7 @@ class KubeRunStore(StoreBase):
         return self._update(run_id, add)
 
     def events(self, run_id: str) -> list[EventRecord]:
-        status = self._read(run_id).get("status") or {}
-        return [EventRecord(run_id, int(e.get("seq", 0)), float(e.get("ts", 0.0)), str(e.get("kind", "")),
-                            e.get("step"), dict(e.get("data") or {}))
-                for e in status.get("events") or ()]
+        return _event_records(run_id, self._read(run_id))
 
 
 
@@ -661,6 +668,13 @@ def _phase_state(status: Mapping[str, Any]) -> RunState:
 def _stored_state(obj: Mapping[str, Any]) -> RunState:
     """The run state its phase records (no phase yet: ``pending``)."""
     return _phase_state(obj.get("status") or {})
+
+
+def _event_records(run_id: str, obj: Mapping[str, Any]) -> list[EventRecord]:
+    status = obj.get("status") or {}
+    return [EventRecord(run_id, int(e.get("seq", 0)), float(e.get("ts", 0.0)), str(e.get("kind", "")),
+                        e.get("step"), dict(e.get("data") or {}))
+            for e in status.get("events") or ()]
 
 
 def _newest_key(obj: Mapping[str, Any]) -> tuple[float, str]:

@@ -31,7 +31,15 @@ from engine.locks import LeaseObservation, holder_for, lease_name, replica_holde
 from engine.model import Runbook, RunState
 from engine.params import prepare_run
 from engine.runs import RunService
-from engine.serve.starter import WEBHOOK_SOURCES, AlreadyStarted, RunOutcome, RunRequest, RunTicket, TriggerSpec
+from engine.serve.starter import (
+    BREAKER_RESET,
+    WEBHOOK_SOURCES,
+    AlreadyStarted,
+    RunOutcome,
+    RunRequest,
+    RunTicket,
+    TriggerSpec,
+)
 from engine.store import ACTIVE_STATES, RunStore
 
 log = logging.getLogger("runbook.serve")
@@ -72,7 +80,7 @@ class JournalRunStarter:
         self._guard = threading.Lock()
         self.service.preload()  # at server start, not in the first run's worker (docs/performance.md, P8)
         # Why: a burst's breaker reads and GET /runs list the store many times a second (P10 burst)
-        self.journal.follow()
+        self.journal.follow(event_kinds=(BREAKER_RESET,))
         self.service.integrity.keys()  # the run key: read, or created at first start (engine.integrity)
 
     @property
@@ -280,6 +288,9 @@ class JournalRunStarter:
                 "outcome_reason": outcome_reason(events),
                 "approvals": self._approvals(run_id, rec.state),
                 "events": [e.as_dict() for e in events]}
+
+    def events_of(self, run_id: str, kinds: tuple[str, ...]) -> Sequence[Mapping[str, Any]]:
+        return [e.as_dict() for e in self.journal.events_of(run_id, kinds)]
 
     def _approvals(self, run_id: str, state: str) -> Mapping[str, Any] | None:
         """"1 of 2 approvals" for a waiting run (engine.approvals); None otherwise."""

@@ -414,9 +414,15 @@ class RunStore(Protocol):
 
     def close(self) -> None: ...
 
-    def follow(self) -> bool:
-        """For a long-lived reader (``runbook serve``): keep what newest-first lists need up to
-        date in memory instead of reading the store each time (True), when the store can."""
+    def follow(self, *, event_kinds: tuple[str, ...] = ()) -> bool:
+        """For a long-lived reader (``runbook serve``): keep what newest-first lists need, and the
+        events of ``event_kinds`` (``events_of``), up to date in memory instead of reading the store
+        each time (True), when the store can."""
+        ...
+
+    def events_of(self, run_id: str, kinds: tuple[str, ...]) -> list[EventRecord]:
+        """The run's events of those kinds (``UsageError`` for an unknown run id): from memory when
+        following them (``follow``), with the freshness of the newest-first lists."""
         ...
 
 
@@ -436,9 +442,13 @@ class StoreBase(SecretMask):
         p = self.progress(run_id)
         return set(p.completed), p.interrupted_step
 
-    def follow(self) -> bool:
+    def follow(self, *, event_kinds: tuple[str, ...] = ()) -> bool:
         """``RunStore.follow``: a store read in place (a file) has nothing to follow."""
         return False
+
+    def events_of(self, run_id: str, kinds: tuple[str, ...]) -> list[EventRecord]:
+        """``RunStore.events_of``: a read of every event, filtered."""
+        return [e for e in self.events(run_id) if e.kind in kinds]
 
 
 _events_log = logging.getLogger("runbook.events")

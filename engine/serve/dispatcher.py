@@ -63,14 +63,21 @@ from engine.serve.metrics import ServeMetrics
 from engine.serve.notify import Notification, Notifier, RefusalDigest, run_report, step_outcomes
 from engine.serve.page_groups import PageGroups
 from engine.serve.pagerduty import Incident
-from engine.serve.starter import WEBHOOK_SOURCES, AlreadyStarted, Mode, RunOutcome, RunRequest, RunStarter
+from engine.serve.starter import (
+    BREAKER_RESET,
+    WEBHOOK_SOURCES,
+    AlreadyStarted,
+    Mode,
+    RunOutcome,
+    RunRequest,
+    RunStarter,
+)
 from engine.serve.triggers import Candidate, Matches, TriggerIndex
 from engine.serve.worker import WorkerPool
 
 log = logging.getLogger(__name__)
 Outcome = Literal["started", "duplicate", "blocked", "rejected", "ignored"]
 Verdict = Literal["started", "queued", "refused", "duplicate", "ignored"]
-BREAKER_RESET = "breaker.reset"  # event on a run: a person reset the breaker that run held open
 _BREAKER_SCAN = 500  # newest runs read for the shared breaker
 INCIDENT_KEY = "pd-incident-"  # dedup key prefix of runs paged by a PagerDuty incident (triggers.py)
 
@@ -968,7 +975,7 @@ class Dispatcher:
     def _was_reset(self, run_id: str, scope: str) -> bool:
         if (run_id, scope) in self._resets:
             return True
-        events = self.starter.run(run_id).get("events") or ()
+        events = self.starter.events_of(run_id, (BREAKER_RESET,))
         if any(e.get("kind") == BREAKER_RESET and e.get("scope") == scope for e in events):
             with self._lock:
                 self._resets.add((run_id, scope))  # a reset is never undone: no need to read it again

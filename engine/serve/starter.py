@@ -67,6 +67,7 @@ Source = Literal["alertmanager", "pagerduty", "node-condition", "remediation"]
 # The server's own runs (pages, node conditions, RunbookRemediations): it resumes them and counts
 # them in its breaker; a CLI run is its operator's.
 WEBHOOK_SOURCES: tuple[str, ...] = ("alertmanager", "pagerduty", "node-condition", "remediation")
+BREAKER_RESET = "breaker.reset"  # event on a run: a person reset the breaker that run held open
 
 
 @dataclass(frozen=True)
@@ -164,6 +165,11 @@ class RunStarter(Protocol):
 
     def run(self, run_id: str) -> Mapping[str, Any]:
         """One run's summary (``UsageError`` if unknown); may add ``plan``, ``warnings``, ``events``."""
+        ...
+
+    def events_of(self, run_id: str, kinds: tuple[str, ...]) -> Sequence[Mapping[str, Any]]:
+        """The run's events of those kinds, as ``run()`` shows them (``UsageError`` if unknown): what
+        the shared breaker asks of every run in its window (a reset), without reading whole runs."""
         ...
 
     def record_event(self, run_id: str, kind: str, data: Mapping[str, Any]) -> None:

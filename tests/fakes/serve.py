@@ -231,6 +231,9 @@ class FakeRunStarter:
                 raise UsageError(f"unknown run id {run_id!r}")
             return dict(self._runs[run_id])
 
+    def events_of(self, run_id: str, kinds: tuple[str, ...]) -> Sequence[Mapping[str, Any]]:
+        return [e for e in self.run(run_id).get("events") or () if e.get("kind") in kinds]
+
     def record_event(self, run_id: str, kind: str, data: Mapping[str, Any]) -> None:
         with self._cond:
             if run_id not in self._runs:

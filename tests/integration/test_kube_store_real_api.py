@@ -189,11 +189,16 @@ def test_a_run_whose_owner_died_is_recorded_interrupted_by_its_reader_for_kubect
 
 
 class ListCounting:
-    """Our connector, counting its lists (``list_objects``: what a following store must not need)."""
+    """Our connector, counting its lists and reads (what a following store must not need)."""
 
     def __init__(self, inner: KubeConnector) -> None:
         self.inner = inner
         self.lists = 0
+        self.reads = 0
+
+    def read_object(self, *args: Any, **kwargs: Any) -> dict[str, Any] | None:
+        self.reads += 1
+        return self.inner.read_object(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -225,7 +230,7 @@ def test_a_following_store_lists_from_its_watch_its_own_writes_at_once_and_anoth
     theirs = KubeRunStore(connector(crd), namespace)
     try:
         paged = [theirs.create_run("rb", {}, [f"gpu-{i}"], source="alertmanager") for i in range(3)]
-        assert mine.follow()
+        assert mine.follow(event_kinds=("breaker.reset",))
         webhook = ("alertmanager", "pagerduty")
 
         def listed() -> list[tuple[str, str]]:
@@ -247,6 +252,14 @@ def test_a_following_store_lists_from_its_watch_its_own_writes_at_once_and_anoth
         assert mine.get_run(own).plan == {"steps": ["relabel"]}  # a read, not the index's copy
         assert [e.kind for e in mine.events(own)] == ["step.start"]
         assert counted.lists == 0  # every list above came from the watch
+        reads = counted.reads
+        theirs.append(own, "breaker.reset", scope="node", by="alice")  # another replica's reset
+
+        def resets() -> list[Any]:
+            return [e.data.get("scope") for e in mine.events_of(own, ("breaker.reset",))]
+
+        assert _eventually(resets, ["node"]) == ["node"]
+        assert counted.reads == reads  # the kept events answered, no read of the run
     finally:
         mine.close()
         kubectl("delete", "namespace", namespace, "--wait=false", check=False)

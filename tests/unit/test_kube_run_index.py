@@ -89,7 +89,7 @@ def test_the_listed_runs_answer_newest_first_filtered_and_kept_without_events_or
     got = index.newest(10, keep=lambda o: o["spec"]["source"] != "cli", at_least=10)
     assert names(got) == ["r-3", "r-1"]
     assert got is not None and got[0][SLIM] is True
-    assert "events" not in got[0]["status"] and "plan" not in got[0]["status"]
+    assert got[0]["status"]["events"] == [] and "plan" not in got[0]["status"]
     assert got[0]["status"]["startedAt"] == "t"
     assert names(index.newest(1, keep=every, at_least=0)) == ["r-3"]
 
@@ -146,7 +146,19 @@ def test_a_stopped_index_answers_none_at_once(api: ScriptedWatch) -> None:
     assert time.monotonic() - started < 1
 
 
-def test_slim_leaves_the_object_given_untouched() -> None:
+def test_slim_keeps_only_the_events_of_the_kinds_asked_and_leaves_the_object_given_untouched() -> None:
     obj = run("r-1", 1, 5)
-    kept = slim(obj)
-    assert "events" in obj["status"] and "events" not in kept["status"] and kept[SLIM] is True
+    obj["status"]["events"] = [{"seq": 1, "kind": "step.start"}, {"seq": 2, "kind": "breaker.reset", "scope": "node"}]
+    kept = slim(obj, frozenset({"breaker.reset"}))
+    assert kept["status"]["events"] == [{"seq": 2, "kind": "breaker.reset", "scope": "node"}] and kept[SLIM] is True
+    assert len(obj["status"]["events"]) == 2 and "plan" in obj["status"] and "plan" not in kept["status"]
+
+
+def test_one_run_is_answered_known_or_unknown_once_caught_up_and_unsure_before(
+        index: RunIndex, api: ScriptedWatch) -> None:
+    assert index.one("r-1", at_least=10)[0] is True
+    assert index.one("r-nope", at_least=10) == (True, None)
+    assert index.one("r-4", at_least=12, wait=0.1) == (False, None)
+    api.events.put({"type": "ADDED", "object": run("r-4", 4, 12)})
+    known, obj = index.one("r-4", at_least=12, wait=5)
+    assert known and obj is not None and obj["metadata"]["name"] == "r-4"
