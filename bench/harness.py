@@ -10,6 +10,7 @@ and ``detail.error``), 2 on bad arguments.
 from __future__ import annotations
 
 import argparse
+import compileall
 import json
 import platform
 import sys
@@ -138,6 +139,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    # The engine's bytecode, as an installed wheel has it (an editable tree under PYTHONDONTWRITEBYTECODE
+    # would compile every module in every timed command): docs/performance.md, "Noise"
+    for tree in [ENGINE_ROOT, *([args.compare_tree] if args.compare_tree else [])]:
+        compileall.compile_dir(str(Path(tree) / "engine"), quiet=1)
     ctx = Context(quick=args.quick, runs=args.runs, lab_dir=args.lab_dir, fleet_lab_dir=args.fleet_lab_dir,
                   journal=args.journal, work_dir=args.work_dir, keep_fleet_lab=args.keep_fleet_lab,
                   compare_tree=args.compare_tree.resolve() if args.compare_tree else None)

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from engine import loader, output
+from engine import output  # engine.loader: imported by the functions that load runbooks (`runbook runs` never does)
 from engine.errors import Cancelled, ExitCode, LoadError, StalePlan, UsageError
 from engine.model import Plan, PlanState, RunResult, RunState, parse_duration
 
@@ -34,6 +34,8 @@ if TYPE_CHECKING:
 
 
 def list_runbooks(settings: Settings, fmt: str) -> int:
+    from engine import loader
+
     loaded, problems = loader.list_runbooks(settings.runbooks_dir)
     if fmt == "json":
         print(output.dump_json([{"name": lr.name, "version": lr.runbook.version, "path": str(lr.path),
@@ -48,6 +50,7 @@ def list_runbooks(settings: Settings, fmt: str) -> int:
 
 
 def show_runbook(settings: Settings, name: str) -> int:
+    from engine import loader
     from engine.checks import describe
 
     lr = loader.load(name, settings.runbooks_dir)
@@ -111,6 +114,8 @@ def _stop_live(service: RunService) -> None:
 
 def plan(settings: Settings, name: str, *, node: str | None, selector: str | None, raw_params: Sequence[str],
          output: str, out_file: Path | None, expires: str) -> int:
+    from engine import loader
+
     try:
         ttl = parse_duration(expires)
     except ValueError as e:
@@ -278,6 +283,8 @@ def run(settings: Settings, name: str, *, node: str | None, selector: str | None
 
 def apply(settings: Settings, plan_file: Path, *, yes: bool, output: str,
           overrides: dict[str, str] | None = None) -> int:
+    from engine import loader
+
     saved = loader.load_plan(plan_file)
     service = _service(settings)
     try:

@@ -164,17 +164,29 @@ def _process_start(pid: int) -> str | None:
 Owner = tuple[str | None, int | None, str | None]  # a run's owner: (host, pid, BOOT_ID/START)
 
 
+_own_start: tuple[int, str | None] | None = None  # (pid, its ``BOOT_ID/START``): read once per process
+
+
+def _this_process_start() -> str | None:
+    """``_process_start`` of this process, read once (a fork has a pid of its own, and reads again).
+    Why: every run a server lists is owned by it or a peer; two /proc reads per run add up in a burst."""
+    global _own_start
+    pid = os.getpid()
+    if _own_start is None or _own_start[0] != pid:
+        _own_start = (pid, _process_start(pid))
+    return _own_start[1]
+
+
 def current_owner() -> tuple[str, int, str | None]:
     """This process as a run's owner: (host, pid, ``BOOT_ID/START``)."""
-    pid = os.getpid()
-    return socket.gethostname(), pid, _process_start(pid)
+    return socket.gethostname(), os.getpid(), _this_process_start()
 
 
 def process_alive(host: str | None, pid: int | None, start: str | None) -> bool | None:
     """True/False for a process on this machine; None when it ran on another machine."""
     if host != socket.gethostname() or pid is None:
         return None
-    now = _process_start(pid)
+    now = _this_process_start() if pid == os.getpid() else _process_start(pid)
     if now is None:
         return False
     if start is not None and "/" not in start:  # recorded by an older version: no boot id
