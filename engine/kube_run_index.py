@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
-from engine.errors import KubeError
+from engine.errors import Forbidden, KubeError
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +145,13 @@ class RunIndex:
                     version = self._relist()
                 version = self._follow(version)
                 backoff = 0.2
+            except Forbidden as e:  # Why: no `watch` (an older Role): lists answer for good, said once
+                log.warning("run index of %s: %s; the server lists the store instead (grant list and watch "
+                            "on remediationruns: deploy/kubernetes/rbac.yaml)", self._what[2], e)
+                with self._changed:
+                    self._synced = False
+                self._stopped.set()
+                return
             except Exception as e:  # Why: the server lists instead meanwhile; the index tries again
                 if self._stopped.is_set():
                     return

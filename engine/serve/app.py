@@ -27,6 +27,7 @@ loop never blocks. This module decides nothing about runs.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import sys
@@ -89,6 +90,7 @@ _SMALL_BODY = 64 * 1024
 # Bodies up to this size are parsed on the event loop (well under a millisecond: cheaper than the
 # hop to a thread); larger ones in a worker thread, validated in pieces (see parse_alertmanager).
 _INLINE_PARSE_BYTES = 32 * 1024
+_PARSED_KEPT = 64  # deliveries kept parsed (each <= _INLINE_PARSE_BYTES: at most 2 MB)
 _PROBES = frozenset({"/healthz", "/readyz"})
 _JSON_POSTS = frozenset({"/hooks/alertmanager", "/hooks/pagerduty", "/breaker/reset"})
 SWITCH_INTERVAL = 0.001  # seconds: the interpreter's thread switch interval while the server runs
@@ -216,6 +218,8 @@ class ServeApp:
         self.replays = replays
         self.access = access or Access(config)
         self.budget = BodyBudget(config.limits.max_body_reads, config.limits.buffered_bytes)
+        self._parsed: dict[bytes, tuple[WebhookPayload, int]] = {}  # ``_parse_alerts``: body digest -> parse
+        self._counted: dict[tuple[str, str], tuple[Any, Any]] = {}  # (endpoint, outcome) -> its metric children
         self._clock = clock
         slack = config.notify.slack
         self.slack_clicks = None if slack is None else SlackInteractions(
@@ -249,8 +253,13 @@ class ServeApp:
         finally:
             if request is not None:
                 release_body(request, self.budget)
-        self.metrics.webhook_requests.labels(endpoint=endpoint, outcome=outcome).inc()
-        self.metrics.webhook_seconds.labels(endpoint=endpoint).observe(time.perf_counter() - started)
+        counted = self._counted.get((endpoint, outcome))
+        if counted is None:  # Why kept: labels() is a locked lookup, twice per request under a storm
+            counted = self._counted[(endpoint, outcome)] = (
+                self.metrics.webhook_requests.labels(endpoint=endpoint, outcome=outcome),
+                self.metrics.webhook_seconds.labels(endpoint=endpoint))
+        counted[0].inc()
+        counted[1].observe(time.perf_counter() - started)
         return response
 
     async def _caller(self, request: Request) -> Identity | None:
@@ -261,9 +270,23 @@ class ServeApp:
     # -- webhooks -------------------------------------------------------------------------------
 
     def _parse_alerts(self, body: bytes) -> tuple[WebhookPayload, int]:
+        """The delivery, parsed and bounded; a body seen lately (a re-send, byte for byte the same)
+        is not parsed again. Why: Alertmanager re-sends a firing group's delivery every
+        ``repeat_interval`` and after every failure, and in a storm most pages are such re-sends; the
+        parse (JSON, bounds, validation) was a fifth of a duplicate's answer (P5). The result is
+        frozen, so sharing it is safe; a body that fails to parse is never kept."""
+        small = len(body) <= _INLINE_PARSE_BYTES
+        key = hashlib.blake2b(body, digest_size=16).digest() if small else b""
+        if small and (seen := self._parsed.get(key)) is not None:
+            return seen
         lim = self.config.limits
-        return parse_alertmanager(body, max_alerts=lim.max_alerts, max_labels=lim.max_labels,
-                                  max_value_bytes=lim.max_value_bytes)
+        parsed = parse_alertmanager(body, max_alerts=lim.max_alerts, max_labels=lim.max_labels,
+                                    max_value_bytes=lim.max_value_bytes)
+        if small:
+            if len(self._parsed) >= _PARSED_KEPT:
+                self._parsed.pop(next(iter(self._parsed)), None)  # the oldest
+            self._parsed[key] = parsed
+        return parsed
 
     async def alertmanager(self, request: Request) -> Response:
         async def handle() -> tuple[Response, str]:

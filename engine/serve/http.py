@@ -33,7 +33,7 @@ def header_timeout_protocol(seconds: float) -> type[Any]:
         _header_deadline: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport: Any, *args: Any) -> None:
-            super().connection_made(transport, *args)
+            super().connection_made(CoalescingTransport(transport, self.loop), *args)
             self._header_deadline = self.loop.call_later(seconds, self._head_late)
 
         def _head_late(self) -> None:
@@ -61,6 +61,53 @@ def header_timeout_protocol(seconds: float) -> type[Any]:
             super().connection_lost(exc)
 
     return HeaderDeadlineProtocol
+
+
+class CoalescingTransport:
+    """A transport whose writes of one event-loop step leave in one ``send``: uvicorn writes a
+    response's head and its body separately, two TCP segments on a socket with ``TCP_NODELAY``.
+    Why: under a storm of small duplicate pages, the second segment (a syscall, a loopback delivery
+    and its ACK) was a large part of each answer (docs/performance.md, P5). Writes are kept in order
+    and flushed at the loop's next turn, and before ``close``; everything else is the transport's."""
+
+    def __init__(self, transport: Any, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._pending: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        if not self._pending:
+            self._loop.call_soon(self._flush)
+        self._pending.append(bytes(data))
+
+    def _flush(self) -> None:
+        if self._pending:
+            data = b"".join(self._pending)
+            self._pending.clear()
+            if not self._transport.is_closing():
+                self._transport.write(data)
+
+    def writelines(self, lines: Any) -> None:
+        for line in lines:
+            self.write(line)
+
+    def get_write_buffer_size(self) -> int:
+        return int(self._transport.get_write_buffer_size()) + sum(map(len, self._pending))
+
+    def close(self) -> None:
+        self._flush()
+        self._transport.close()
+
+    def write_eof(self) -> None:
+        self._flush()
+        self._transport.write_eof()
+
+    def abort(self) -> None:
+        self._pending.clear()
+        self._transport.abort()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
 
 
 _HELD = "runbook.body_bytes"  # scope key: bytes of the byte budget this request holds

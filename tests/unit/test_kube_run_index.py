@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from engine.errors import KubeError
+from engine.errors import Forbidden, KubeError
 from engine.kube_run_index import SLIM, RunIndex, slim
 
 _END = object()
@@ -162,3 +162,18 @@ def test_one_run_is_answered_known_or_unknown_once_caught_up_and_unsure_before(
     api.events.put({"type": "ADDED", "object": run("r-4", 4, 12)})
     known, obj = index.one("r-4", at_least=12, wait=5)
     assert known and obj is not None and obj["metadata"]["name"] == "r-4"
+
+
+def test_a_forbidden_watch_stops_the_index_for_good_and_lists_answer(api: ScriptedWatch) -> None:
+    idx = RunIndex(api, "runbook.io/v1alpha1", "remediationruns", "ns", sort_key=key).start()
+    try:
+        assert idx.newest(10, keep=every, at_least=10, wait=5) is not None
+        api.events.put(Forbidden("watch remediationruns: forbidden", status=403))
+        deadline = time.monotonic() + 5
+        while idx.synced and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.5)
+        assert idx.newest(10, keep=every, at_least=0, wait=0.1) is None
+        assert api.lists == 1  # never listed again: no retry loop against a Role without `watch`
+    finally:
+        idx.stop()

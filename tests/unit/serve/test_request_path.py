@@ -144,3 +144,33 @@ def test_while_the_server_runs_threads_switch_every_millisecond_so_busy_workers_
     with TestClient(app, base_url="http://127.0.0.1"):
         assert sys.getswitchinterval() == pytest.approx(min(before, 0.001))
     assert sys.getswitchinterval() == pytest.approx(before)  # the process's own setting is given back
+
+
+def test_a_delivery_resent_byte_for_byte_is_not_parsed_again_and_is_answered_as_before(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.serve import app as app_module
+    from tests.fakes import INCIDENT_NODES, StaticClusterView
+
+    parses: list[int] = []
+    real = app_module.parse_alertmanager
+
+    def counting(body: bytes, **limits: int) -> object:
+        parses.append(len(body))
+        return real(body, **limits)
+
+    monkeypatch.setattr(app_module, "parse_alertmanager", counting)
+    app = create_app(load_config(None, env={"RUNBOOK_WEBHOOK_TOKEN": TOKEN}), FakeRunStarter([trigger_spec()]),
+                     cluster=StaticClusterView(INCIDENT_NODES), notifier=Notifier(None), sweep_interval=0)
+    page = json.dumps(webhook(alert("omen2", fingerprint="fp-memo"))).encode()
+    other = json.dumps(webhook(alert("omen2", fingerprint="fp-memo-2"))).encode()
+    headers = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+    with TestClient(app, base_url="http://127.0.0.1") as client:
+        first = client.post("/hooks/alertmanager", content=page, headers=headers)
+        answers = [client.post("/hooks/alertmanager", content=page, headers=headers) for _ in range(3)]
+        assert client.post("/hooks/alertmanager", content=other, headers=headers).status_code in (200, 202)
+        bad = client.post("/hooks/alertmanager", content=b'{"alerts": 1}', headers=headers)
+        again = client.post("/hooks/alertmanager", content=b'{"alerts": 1}', headers=headers)
+    assert first.status_code == 202 and first.json()["runs"]
+    assert [a.json()["decisions"][0]["outcome"] for a in answers] == ["duplicate"] * 3
+    assert parses == [len(page), len(other), 13, 13]  # the re-sends were not parsed; errors never kept
+    assert bad.status_code == again.status_code == 400

@@ -212,3 +212,42 @@ def test_the_per_request_access_log_is_off_unless_configured() -> None:
     quiet = uvicorn.Config(lambda *a: None, **uvicorn_options(load_config(None)))
     loud = uvicorn.Config(lambda *a: None, **uvicorn_options(load_config(None, overrides={"access_log": True})))
     assert (quiet.access_log, loud.access_log) == (False, True)
+
+
+def test_a_responses_head_and_body_written_in_one_loop_step_leave_in_one_send() -> None:
+    """``CoalescingTransport`` (uvicorn writes a response's head and body separately: two segments)."""
+    import asyncio
+
+    from engine.serve.http import CoalescingTransport
+
+    sent: list[Any] = []
+
+    class Recording:
+        def write(self, data: bytes) -> None:
+            sent.append(data)
+
+        def is_closing(self) -> bool:
+            return False
+
+        def close(self) -> None:
+            sent.append("closed")
+
+        def get_write_buffer_size(self) -> int:
+            return 0
+
+    loop = asyncio.new_event_loop()
+    try:
+        transport = CoalescingTransport(Recording(), loop)
+
+        async def respond() -> None:
+            transport.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n")
+            transport.write(b"{}")
+            assert sent == [] and transport.get_write_buffer_size() == 40
+            await asyncio.sleep(0)
+            transport.write(b"next")
+            transport.close()  # what is pending leaves first
+
+        loop.run_until_complete(respond())
+    finally:
+        loop.close()
+    assert sent == [b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}", b"next", "closed"]
