@@ -811,6 +811,15 @@ class Dispatcher:
                 "waiting-approval", run_id, reason=meta.reason, warnings=meta.warnings, state=outcome.state,
                 extra=extra))
             return
+        if outcome.state == "pending" and self._stop.is_set():
+            # Why: it stopped waiting for room in the budget because the server stops, and the stop's
+            # hand-back pass may have gone by while it still executed: nobody else gives it back
+            try:
+                if self.starter.hand_back(run_id):
+                    log.warning("run %s handed back to the store for the leader to resume", run_id)
+                    return
+            except Exception as e:
+                log.warning("run %s: not handed back at shutdown (a restart here resumes it): %s", run_id, e)
         if not _not_active(outcome.state):
             log.warning("run %s returned state %s; treating it as still active", run_id, outcome.state)
             with self._lock:

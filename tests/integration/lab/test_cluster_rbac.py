@@ -79,6 +79,8 @@ UNEXERCISED[("cluster.x-k8s.io", "machines", "get", "")] = \
 # The store's permissions a recovery does not exercise (the recovery uses get, list, create and
 # remediationruns/status update).
 UNEXERCISED[("runbook.io", "remediationruns", "delete", NS)] = "retention: KubeRunStore.prune (engine/kube_store.py)"
+UNEXERCISED[("runbook.io", "remediationruns", "watch", NS)] = \
+    "runbook serve's watch-fed copy of the runs (KubeRunStore.follow, engine/kube_run_index.py)"
 STORE = "--store kubernetes"
 RUN = ("run", FLAGSHIP, "--node", NODE, "--yes")
 

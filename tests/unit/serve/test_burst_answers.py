@@ -6,10 +6,12 @@ alert, and still counts every automatic run it lets through."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from engine.serve.dispatcher import Decision
+from engine.serve.starter import RunOutcome
 from engine.serve.worker import WorkerPool
 from tests.fakes import FakeLeadership, FakeRunStarter, alert, make_node, served, trigger_spec
 
@@ -115,3 +117,48 @@ def test_a_replica_that_stops_hands_its_queued_runs_back_to_the_store_for_the_le
     # the app stopped (its lifespan ended) while one run executed and three waited
     assert sorted(starter.handed_back) == sorted(queued)
     starter.gate.set()
+
+
+class StopsWaitingStarter(GatedStarter):
+    """Its run waits for room in the budget until the gate opens, then returns ``pending`` (the real
+    starter's run stops waiting when the server stops); a run executing now is never handed back."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.executing: set[str] = set()
+
+    def execute(self, run_id: str) -> Any:
+        self.executing.add(run_id)
+        try:
+            self.gate.wait(10)
+            return RunOutcome(run_id, "pending", reason="stopped waiting for room in the budget")
+        finally:
+            self.executing.discard(run_id)
+
+    def hand_back(self, run_id: str) -> bool:
+        if run_id in self.executing:
+            return False
+        with self._cond:
+            if self._runs[run_id]["state"] != "pending":
+                return False
+            self.handed_back.append(run_id)
+            return True
+
+
+def test_a_run_that_stops_waiting_for_budget_after_the_stops_hand_back_pass_is_handed_back_still() -> None:
+    """The race test_serve_burst_real_api.py hit under load: the stop's pass found the run executing
+    (waiting for budget room), the run then returned pending, and nobody gave it back."""
+    starter = StopsWaitingStarter([TRIGGER])
+    with served(starter=starter, nodes=NODES, workers=1, queue_size=10, shutdown_grace=0.2,
+                breaker={"max_unhealthy_nodes": 100, "max_auto_runs": 100}) as s:
+        body = s.post_alerts(alert("omen1")).json()
+        run_id = body["decisions"][0]["run_id"]
+        deadline = time.monotonic() + 5
+        while run_id not in starter.executing and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert starter.handed_back == []  # the stop's pass: it was executing
+    starter.gate.set()
+    deadline = time.monotonic() + 5
+    while not starter.handed_back and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert starter.handed_back == [run_id]
