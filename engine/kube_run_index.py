@@ -67,7 +67,7 @@ class RunIndex:
     def __init__(self, api: WatchableObjects, api_version: str, plural: str, namespace: str, *,
                  sort_key: Callable[[Mapping[str, Any]], Any], event_kinds: frozenset[str] = frozenset()) -> None:
         self.api = api
-        self._event_kinds = event_kinds
+        self.event_kinds = event_kinds  # the events kept with each run
         self._what = (api_version, plural, namespace)
         self._sort_key = sort_key
         self._objects: dict[str, tuple[Any, dict[str, Any]]] = {}  # name -> (sort key, slim object)
@@ -166,7 +166,7 @@ class RunIndex:
         items, version = self.api.list_objects_versioned(*self._what)
         kept = {}
         for o in items:
-            obj = slim(o, self._event_kinds)
+            obj = slim(o, self.event_kinds)
             kept[(obj.get("metadata") or {}).get("name", "")] = (self._sort_key(obj), obj)
         with self._changed:
             self._objects = kept
@@ -190,7 +190,7 @@ class RunIndex:
             version = str(meta.get("resourceVersion") or version)
             with self._changed:
                 if kind in ("ADDED", "MODIFIED"):
-                    kept = slim(obj, self._event_kinds)
+                    kept = slim(obj, self.event_kinds)
                     self._objects[meta.get("name", "")] = (self._sort_key(kept), kept)
                 elif kind == "DELETED":
                     self._objects.pop(meta.get("name", ""), None)

@@ -176,7 +176,6 @@ class KubeRunStore(StoreBase):
         self._locks: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()
         self._index: RunIndex | None = None  # ``follow``: the runs kept from a watch (runbook serve)
-        self._followed_kinds: frozenset[str] = frozenset()  # and the events kept with them
 
     # -- secrets (masking: engine.store.SecretMask) ----------------------------------------------
 
@@ -200,16 +199,15 @@ class KubeRunStore(StoreBase):
             return False
         self._index = RunIndex(cast(WatchableObjects, self.api), API_VERSION, PLURAL, self.namespace,
                                sort_key=_newest_key, event_kinds=frozenset(event_kinds)).start()
-        self._followed_kinds = frozenset(event_kinds)
         return True
 
     def events_of(self, run_id: str, kinds: tuple[str, ...]) -> list[EventRecord]:
         index = self._index
-        if index is not None and self._followed_kinds.issuperset(kinds) and run_id not in self._deleted:
+        if index is not None and index.event_kinds.issuperset(kinds) and run_id not in self._deleted:
             known, obj = index.one(run_id, at_least=self._written_version)
             if known and obj is not None:
                 return [e for e in _event_records(run_id, obj) if e.kind in kinds]
-        return [e for e in self.events(run_id) if e.kind in kinds]
+        return super().events_of(run_id, kinds)
 
     # -- plumbing -----------------------------------------------------------------------------
 

@@ -498,18 +498,8 @@ class KubeConnector:
         """Every object of the kind in ``namespace``, read from etcd in pages (one consistent
         snapshot: every page is of the first page's version), and that version: where a watch of the
         same objects starts (``watch_objects``)."""
-        what = f"list {kind_plural}.{api_version} in {namespace}"
-        path = self._objects_path(api_version, kind_plural, namespace)
-        items: list[dict[str, Any]] = []
-        token: str | None = None
-        version = ""
-        while True:
-            obj = self._raw("GET", path, what, query=[("limit", LIST_PAGE), ("continue", token)])
-            items.extend(obj.get("items") or ())
-            version = version or str((obj.get("metadata") or {}).get("resourceVersion") or "")
-            token = (obj.get("metadata") or {}).get("continue") or None
-            if token is None:
-                return items, version
+        return self._read_pages(self._objects_path(api_version, kind_plural, namespace),
+                                f"list {kind_plural}.{api_version} in {namespace}", None)
 
     def watch_objects(self, api_version: str, kind_plural: str, namespace: str, resource_version: str, *,
                       on_open: Callable[[Any], None] = lambda resp: None,
@@ -542,8 +532,15 @@ class KubeConnector:
                     version: str | None = None) -> list[dict[str, Any]]:
         """Every item of a list, read in pages of ``LIST_PAGE`` (limit/continue), so the API server
         never builds one huge answer (10,000 RemediationRuns, thousands of nodes)."""
+        return self._read_pages(path, what, label_selector, version=version)[0]
+
+    def _read_pages(self, path: str, what: str, label_selector: str | None, *,
+                    version: str | None = None) -> tuple[list[dict[str, Any]], str]:
+        """``_list_pages``' items and the list's resourceVersion (the first page's: every page of a
+        continued list is of that snapshot)."""
         items: list[dict[str, Any]] = []
         token: str | None = None
+        listed = ""
         while True:
             # From the watch cache (``version``): one answer, no pages (before 1.27 the cache cannot
             # page, and a limit with a version other than "0" would send the read to etcd).
@@ -551,9 +548,10 @@ class KubeConnector:
                                                       ("limit", None if version else LIST_PAGE),
                                                       ("continue", token), ("resourceVersion", version)])
             items.extend(obj.get("items") or ())
+            listed = listed or str((obj.get("metadata") or {}).get("resourceVersion") or "")
             token = (obj.get("metadata") or {}).get("continue") or None
             if token is None:
-                return items
+                return items, listed
 
     @staticmethod
     def _objects_path(api_version: str, kind_plural: str, namespace: str, name: str | None = None,
