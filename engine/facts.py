@@ -168,9 +168,11 @@ class HostFacts:
     host: str
     swap_devices: tuple[SwapDevice, ...] = ()
     fstab_active_swap: tuple[str, ...] = ()  # active (uncommented) fstab lines of type swap
+    fstab: str | None = None  # /etc/fstab's text as read (None: the probe could not read it)
     unhandled_swap_sources: tuple[str, ...] = ()  # zram devices, *.swap units: not ours to switch off
     services: Mapping[str, ServiceFacts] = field(default_factory=dict)
     gpus: tuple[GpuDevice, ...] = ()
+    driverctl: bool | None = None  # driverctl(8) installed (None: not probed, an older playbook copy)
     cuda_processes: tuple[CudaProcess, ...] = ()
     files: Mapping[str, FileFacts] = field(default_factory=dict)  # path -> facts, for asked-for paths
     gpu_health: GpuHealth = field(default_factory=GpuHealth)

@@ -217,8 +217,9 @@ printf '%s\n' "$unit_props" | awk 'BEGIN { RS = ""; FS = "\n" } {
             raise HostError(f"{host}: cannot read the swap state (swapon and /proc/swaps both failed)",
                             host=host)
         units = parse_unit_properties(out(probes, "swap_unit_props") or "")
-        return {"swap_devices": devices,
-                "fstab_active_swap": fstab_active_swap(out(probes, "fstab") or ""),
+        fstab = out(probes, "fstab")
+        return {"swap_devices": devices, "fstab": fstab,
+                "fstab_active_swap": fstab_active_swap(fstab or ""),
                 "unhandled_swap_sources": unhandled_swap_sources(devices, units)}
 
     def data(self, facts: HostFacts) -> dict[str, Any]:
@@ -334,10 +335,14 @@ class GpusFact(HostFact):
 
     NAME = "gpus"
     SCRIPT = r"""emit lspci lspci -nnk -d 10de:
+emit driverctl command -v driverctl
 """
 
     def parse(self, host: str, probes: Probes, stat: Mapping[str, Any]) -> dict[str, Any]:
-        return {"gpus": parse_lspci(out(probes, "lspci") or "")}
+        # driverctl (gpu-bind-driver.yml binds with it): `command -v` exits 1 when it is missing
+        driverctl = probes.get("driverctl")
+        return {"gpus": parse_lspci(out(probes, "lspci") or ""),
+                "driverctl": None if driverctl is None else driverctl[0] == 0}
 
     def data(self, facts: HostFacts) -> dict[str, Any]:
         return {"gpus": [{"slot": g.slot, "vendor_device": g.vendor_device, "name": g.name, "driver": g.driver,
@@ -650,8 +655,18 @@ _PROBE_FOOTER = """\
 
 
 def probe_script() -> str:
-    """The bash script of the one raw probe: the header (``emit``), then each fact's lines."""
-    return _SCRIPT_HEADER + "".join(f.SCRIPT for f in _FACTS)
+    """The bash script of the one raw probe: the header (``emit``), then each fact's lines.
+
+    The facts are independent of each other, so each fact's lines run at once in a process
+    substitution, and the main script prints their output in the facts' order: the probe takes
+    about its slowest fact's time instead of their sum (every ``nvidia-smi`` initialises the
+    driver; on the lab every command is a Python shim). A fact whose output outgrows a pipe's
+    buffer just waits until its turn to be printed. Within a fact, lines run in order (they read
+    each other's ``last_out``)."""
+    opens = [f"exec {{runbook_fact_{i}}}< <(\n{f.SCRIPT.rstrip()}\n)\n" for i, f in enumerate(_FACTS)]
+    prints = "".join(f'cat <&"$runbook_fact_{i}"\n' for i in range(len(_FACTS)))
+    return (_SCRIPT_HEADER + "# every fact's probes at once; their lines in the facts' order\n"
+            + "".join(opens) + prints)
 
 
 def probe_task_file() -> str:

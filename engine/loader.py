@@ -30,6 +30,7 @@ from pydantic import ValidationError
 
 from engine import checks as chk
 from engine import kube_verbs  # noqa: F401  (importing it registers the kube verbs the format validates against)
+from engine import playbook_previews
 from engine.errors import LoadError, Location
 from engine.model import ACTION_KEYS, DiagnosisSpec, Fleet, Plan, Runbook, kube_verb_keys
 
@@ -494,6 +495,15 @@ def _semantic_problems(rb: Runbook, data: Mapping[str, Any], *, stem: str | None
                     pb = playbooks_dir / action.ansible.playbook
                     if not pb.is_file():
                         out.append((apath, f"playbook {action.ansible.playbook!r} not found in {playbooks_dir}"))
+
+    # `preview: facts` only where the engine has a model of the playbook.
+    for i, step in enumerate(rb.steps):
+        if isinstance(step.action, _Ansible) and step.action.ansible.preview == "facts" and \
+                step.action.ansible.playbook not in playbook_previews.MODELS:
+            out.append((("steps", i, "action", "ansible", "preview"),
+                        f"preview: facts needs the engine's model of the playbook, and "
+                        f"{step.action.ansible.playbook!r} has none (models: "
+                        f"{', '.join(sorted(playbook_previews.MODELS))}); use true (check mode) or false"))
 
     # The diagnoses: unique evidence ids, at least one required piece, declared params only; one
     # cause id once per runbook.

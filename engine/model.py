@@ -213,7 +213,10 @@ class AnsibleSpec(_Model):
     become: bool = True
     vars: dict[str, Any] = Field(default_factory=dict)
     timeout: Duration = "300s"
-    preview: bool = True  # run with --check --diff when planning
+    # How a plan previews the step: True, run the playbook with --check --diff; "facts", the
+    # engine's model of the playbook says what it would change from the plan's host facts (no
+    # Ansible run; engine.playbook_previews, shipped playbooks only); False, no preview.
+    preview: bool | Literal["facts"] = True
 
     @field_validator("playbook")
     @classmethod

@@ -6,7 +6,8 @@ the background before the Kubernetes client is built (``start_host_work``), the 
 playbook steps whose closing facts serve as the plan's host facts (``early_previews``), and the
 previews attached to changing steps (``preview_plan``: each kube verb's own preview, server-side
 dry runs of its patch or of each eviction, see ``engine.kube_verbs``; ``ansible-playbook --check
---diff`` for playbooks).
+--diff`` for playbooks, or for ``preview: facts`` the engine's model of the playbook computed from
+the plan's host facts, ``engine.playbook_previews``).
 
 It must never change anything: every call here is a read, a ``dryRun=All`` request or an Ansible
 check-mode run. It never imports ``kubernetes`` or ``ansible_runner`` (connectors are passed in).
@@ -23,7 +24,7 @@ from typing import Any
 
 from engine import checks as chk
 from engine import kube_verbs as kv
-from engine import planning, probes
+from engine import planning, playbook_previews, probes
 from engine.connectors.base import KubeAPI, NodeAutomation
 from engine.errors import RunbookError
 from engine.facts import HostFacts
@@ -53,8 +54,9 @@ class HostWork:
 def start_host_work(targets: PreparedRun | Sequence[PreparedRun], nodes: NodeAutomation | None, *,
                     preview: bool = True) -> HostWork:
     """Start, in a background thread, what a plan would ask Ansible for first. One node with
-    ``preview``: the early check-mode previews; otherwise (a fleet, or no previews) one host-facts
-    run over every target's host. Read-only."""
+    ``preview`` and steps to preview in check mode: those early check-mode previews; otherwise (a
+    fleet, no previews, only previews from facts) one host-facts run over every target's host.
+    Read-only."""
     many = [targets] if isinstance(targets, PreparedRun) else list(targets)
     if nodes is None or not many:
         return HostWork()
@@ -69,7 +71,7 @@ def start_host_work(targets: PreparedRun | Sequence[PreparedRun], nodes: NodeAut
         return HostWork()
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plan-host")
     try:
-        if preview and len(many) == 1:
+        if preview and len(many) == 1 and early_jobs(many[0], nodes):
             return HostWork(previews=pool.submit(early_previews, many[0], nodes))
         return HostWork(facts=pool.submit(probes.gather_host_facts, nodes, [t.node for t in many],
                                           sorted(wanted)))
@@ -88,24 +90,33 @@ def plan_host_files(prepared: PreparedRun) -> list[str] | None:
     return files if chk.HOST in wanted or files else None
 
 
-def early_previews(prepared: PreparedRun, nodes: NodeAutomation | None) -> dict[str, tuple[AnsibleAction, str]]:
-    """Check-mode runs of the playbook steps that can be previewed before the plan: those whose
-    action needs no facts to render and whose privilege is that of a facts run (so that their
-    closing facts are what a facts run would return). Step id -> (bound action, preview text)."""
-    files = plan_host_files(prepared)
-    if nodes is None or files is None:
+def early_jobs(prepared: PreparedRun, nodes: NodeAutomation | None) -> dict[str, AnsibleAction]:
+    """The playbook steps that can be previewed in check mode before the plan: those whose action
+    needs no facts to render and whose privilege is that of a facts run (so that their closing facts
+    are what a facts run would return). Steps previewed from facts (``preview: facts``) are not:
+    with none left, the plan's Ansible work is one facts run. Step id -> bound action."""
+    if nodes is None or plan_host_files(prepared) is None:
         return {}  # the plan reads no host facts: previews wait for the plan (changing steps only)
     facts_become = nodes.facts_become
     jobs: dict[str, AnsibleAction] = {}
     for step in prepared.runbook.steps:
-        if not isinstance(step.action, AnsibleAction) or not step.action.ansible.preview:
-            continue
+        if not isinstance(step.action, AnsibleAction) or step.action.ansible.preview is not True:
+            continue  # no preview, or one from the plan's facts (engine.playbook_previews)
         if facts_become is not None and step.action.ansible.become != facts_become:
             continue
         try:
             jobs[step.id] = chk.bind(step.action, prepared.params, None)
         except RunbookError:
             continue  # renders from facts: previewed after the plan
+    return jobs
+
+
+def early_previews(prepared: PreparedRun, nodes: NodeAutomation | None) -> dict[str, tuple[AnsibleAction, str]]:
+    """The check-mode runs of ``early_jobs``, at once. Step id -> (bound action, preview text)."""
+    files = plan_host_files(prepared)
+    jobs = early_jobs(prepared, nodes)
+    if files is None or not jobs:
+        return {}
     texts = _run_previews(jobs, prepared, nodes, files=files)
     return {sid: (jobs[sid], text) for sid, text in texts.items()}
 
@@ -138,6 +149,10 @@ def preview_plan(p: Plan, prepared: PreparedRun, kube: KubeAPI | None, nodes: No
             if text:
                 previews[step.id] = text
         elif isinstance(action, AnsibleAction) and nodes is not None and action.ansible.preview:
+            modelled = _preview_from_facts(action, facts)
+            if modelled is not None:
+                previews[step.id] = modelled
+                continue
             done = (early or {}).get(step.id)
             if done is not None and done[0] == action:
                 previews[step.id] = done[1]
@@ -146,6 +161,14 @@ def preview_plan(p: Plan, prepared: PreparedRun, kube: KubeAPI | None, nodes: No
     previews.update(_run_previews(playbook_jobs, prepared, nodes))
     ordered = {s.id: previews[s.id] for s in prepared.runbook.steps if s.id in previews}
     return planning.with_previews(p, ordered) if ordered else p
+
+
+def _preview_from_facts(action: AnsibleAction, facts: Any) -> str | None:
+    """``preview: facts``: the engine's model of the playbook, from the plan's host facts (None when
+    it cannot say: the step is previewed in check mode instead)."""
+    if action.ansible.preview != "facts" or facts is None:
+        return None
+    return playbook_previews.preview(action.ansible.playbook, facts.host, action.ansible.vars)
 
 
 def _run_previews(jobs: Mapping[str, AnsibleAction], prepared: PreparedRun, nodes: Any,
