@@ -29,8 +29,10 @@ import yaml
 from pydantic import ValidationError
 
 from engine import checks as chk
-from engine import kube_verbs  # noqa: F401  (importing it registers the kube verbs the format validates against)
-from engine import playbook_previews
+from engine import (
+    kube_verbs,  # noqa: F401  (importing it registers the kube verbs the format validates against)
+    playbook_previews,
+)
 from engine.errors import LoadError, Location
 from engine.model import ACTION_KEYS, DiagnosisSpec, Fleet, Plan, Runbook, kube_verb_keys
 

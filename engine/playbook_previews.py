@@ -55,7 +55,7 @@ def fstab_diff(before: str, after: str) -> str:
     """A unified diff of /etc/fstab, as the plan shows Ansible's ``--diff`` of it."""
     lines = difflib.unified_diff(before.splitlines(keepends=True), after.splitlines(keepends=True),
                                  fromfile=FSTAB, tofile=FSTAB)
-    return "".join(ln if ln.endswith("\n") else ln + "\n" for ln in lines).rstrip("\n")
+    return "".join(ln if ln.endswith("\n") else ln + "\n" for ln in lines)
 
 
 def swap_off(host: HostFacts, variables: Mapping[str, Any]) -> str | None:
@@ -95,7 +95,8 @@ def gpu_bind_driver(host: HostFacts, variables: Mapping[str, Any]) -> str | None
     if not todo:
         return _would_change([])
     if not host.driverctl:
-        return _would_fail("Refuse without driverctl", f"driverctl is not installed on {host.host}; nothing was changed")
+        return _would_fail("Refuse without driverctl",
+                           f"driverctl is not installed on {host.host}; nothing was changed")
     return _would_change([f"Report the planned binding (check mode): would bind {', '.join(todo)} to {driver} "
                           f"on {host.host}"])
 

@@ -193,6 +193,12 @@ def _preview_playbook(action: AnsibleAction, prepared: PreparedRun, nodes: Any, 
                                     timeout=parse_duration(spec.timeout), check=True)
     except RunbookError as e:
         return f"check mode unavailable: {e}"
+    return check_mode_text(result)
+
+
+def check_mode_text(result: Any) -> str:
+    """The preview text of a check-mode run's result (``PlaybookResult``): what its tasks say they
+    would change, then the diffs; or that it failed."""
     diffs = [d for ds in result.diffs.values() for d in ds]
     # Tasks that would change something but show no diff (a service restart) say so in their msg.
     said = [f"{t.get('task', '')}: {t.get('msg')}" for t in result.tasks
