@@ -1,5 +1,5 @@
 """P4 plan: ``runbook plan gpu-node-recovery --node omen2`` on the incident lab (omen2 down for swap,
-so the plan gathers facts and previews both playbooks in check mode), and ``runbook plan`` over 100
+so the plan gathers facts and previews swap-off from them: ``preview: facts``), and ``runbook plan`` over 100
 nodes selected by label against one Ansible ad-hoc command over the same 100 hosts.
 
 The 100 nodes live in a second lab (``bench/scenarios/fleet-100.yaml``: healthy RTX 3090 nodes with
@@ -58,8 +58,8 @@ def plan_one(ctx: Context) -> Metric:
         log(f"P4 plan omen2 run {i + 1}: {t.seconds:.2f} s")
     return Metric("p4_plan_1_s", median(times), len(times),
                   {"command": "runbook plan gpu-node-recovery --node omen2", "samples_s": summary(times),
-                   "state": "incident (omen2 NotReady for swap): one check-mode run of swap-off.yml, "
-                            "whose closing facts are the plan's (restart-kubelet has preview: false)",
+                   "state": "incident (omen2 NotReady for swap): one facts run; swap-off and bind-gpus "
+                            "previewed from the facts (preview: facts), restart-kubelet has preview: false",
                    "loadavg_at_runs": loads})
 
 
