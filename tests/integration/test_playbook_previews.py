@@ -20,25 +20,12 @@ from engine.connectors.ansible import AnsibleConnector
 from engine.lab.hoststate import HostState
 from engine.lab.nodehosts import NodeHostSet, NodeHostSpec
 from engine.previews import check_mode_text
+from tests.integration.test_playbooks import PLAYBOOKS, SHIMS, TRICKY_FSTAB
 
 pytestmark = pytest.mark.integration
 
-REPO = Path(__file__).resolve().parents[2]
-PLAYBOOKS = REPO / "playbooks"
-SHIMS = REPO / "engine" / "lab" / "shims"
-
-FSTAB = """\
-# /etc/fstab: static file system information.
-UUID=1111-2222 /               ext4    errors=remount-ro 0       1
-# swap was on /dev/sda3 during installation; keep swap off for kubelet
-#/dev/sda3 none swap sw 0 0
-/dev/sdb1 /data/swapfiles-backup ext4 defaults 0 2
-/swapfile                                 none            swap    sw              0       0
-UUID=5d2e6b1a-9f0e-4b5c-8c11-7a7c1b0d2e3f none swap sw,pri=5 0 0
-LABEL=spare none swap noauto 0 0
-	/dev/mapper/vg-swap	none	swap	defaults,nofail	0	0
-tmpfs /tmp tmpfs defaults 0 0
-"""
+# the tricky fstab of test_playbooks.py, plus a noauto entry and a tab-indented LVM one
+FSTAB = TRICKY_FSTAB + "LABEL=spare none swap noauto 0 0\n\t/dev/mapper/vg-swap\tnone\tswap\tdefaults,nofail\t0\t0\n"
 CLEAN_FSTAB = "UUID=1111-2222 / ext4 errors=remount-ro 0 1\n#/swapfile none swap sw 0 0\n"
 GPU = {"slot": "01:00.0", "vendor_device": "10de:2204", "class": "VGA compatible controller [0300]",
        "name": "GA102 [GeForce RTX 3090]", "driver": "nvidia", "display": True,
