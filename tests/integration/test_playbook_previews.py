@@ -95,10 +95,13 @@ def both(automation: dict[str, AnsibleConnector], hosts: dict[str, NodeHostSet],
 
 
 # -- swap-off.yml -------------------------------------------------------------------------------------
+SLOW = pytest.mark.slow  # the CI time budget: the in-between cases, docs/reliability.md
+
+
 @pytest.mark.parametrize(("case", "fstab", "active"), [
     ("a swapfile on, every kind of fstab entry", FSTAB, ["/swapfile"]),
-    ("swap off, active entries left in fstab", FSTAB, []),
-    ("swap on, fstab already clean", CLEAN_FSTAB, ["/swapfile"]),
+    pytest.param("swap off, active entries left in fstab", FSTAB, [], marks=SLOW),
+    pytest.param("swap on, fstab already clean", CLEAN_FSTAB, ["/swapfile"], marks=SLOW),
     ("nothing to do", CLEAN_FSTAB, []),
 ], ids=["swap-on", "entries-left", "fstab-clean", "nothing"])
 def test_the_swap_off_model_says_what_check_mode_says(
@@ -119,7 +122,7 @@ def test_the_swap_off_model_refuses_swap_it_cannot_keep_off_as_the_playbook_does
 
 # -- gpu-bind-driver.yml ------------------------------------------------------------------------------
 @pytest.mark.parametrize(("case", "gpus"), [
-    ("on nvidia already", [GPU, AUDIO]),
+    pytest.param("on nvidia already", [GPU, AUDIO], marks=SLOW),
     ("one of two on vfio-pci, one without a driver", [{**GPU, "driver": "vfio-pci"}, AUDIO,
                                                       {**GPU, "slot": "41:00.0", "driver": None}]),
 ], ids=["on-nvidia", "to-bind"])
@@ -144,6 +147,7 @@ def test_the_gpu_bind_model_refuses_as_the_playbook_does(
     assert modelled.startswith("check mode: failed"), case
 
 
+@SLOW
 def test_without_driverctl_on_nvidia_already_nothing_is_refused(
         hosts: dict[str, NodeHostSet], automation: dict[str, AnsibleConnector]) -> None:
     arrange(hosts, "bare", gpus=[GPU])
