@@ -66,6 +66,16 @@ def default_runbooks_dir() -> Path:
     return packaged_data_dir() / "runbooks"
 
 
+def _is_shipped_playbook(path: Path, name: str) -> bool:
+    """``path`` is the packaged playbook ``name`` or a byte-for-byte copy of it (a missing file is
+    reported by the playbook check)."""
+    shipped = packaged_data_dir() / "playbooks" / name
+    try:
+        return path.resolve() == shipped.resolve() or path.read_bytes() == shipped.read_bytes()
+    except OSError:
+        return True
+
+
 def playbooks_dir_for(runbooks_dir: Path) -> Path:
     """The playbooks folder that goes with a runbooks folder: its sibling ``playbooks/``, else the
     packaged playbooks (so a user's own runbook can use the standard playbooks)."""
@@ -498,14 +508,19 @@ def _semantic_problems(rb: Runbook, data: Mapping[str, Any], *, stem: str | None
                     if not pb.is_file():
                         out.append((apath, f"playbook {action.ansible.playbook!r} not found in {playbooks_dir}"))
 
-    # `preview: facts` only where the engine has a model of the playbook.
+    # `preview: facts` only where the engine has a model of the playbook, and only for the shipped
+    # playbook itself: a model of swap-off.yml says nothing true of another file of that name.
     for i, step in enumerate(rb.steps):
-        if isinstance(step.action, _Ansible) and step.action.ansible.preview == "facts" and \
-                step.action.ansible.playbook not in playbook_previews.MODELS:
-            out.append((("steps", i, "action", "ansible", "preview"),
-                        f"preview: facts needs the engine's model of the playbook, and "
-                        f"{step.action.ansible.playbook!r} has none (models: "
-                        f"{', '.join(sorted(playbook_previews.MODELS))}); use true (check mode) or false"))
+        if not isinstance(step.action, _Ansible) or step.action.ansible.preview != "facts":
+            continue
+        where, playbook = ("steps", i, "action", "ansible", "preview"), step.action.ansible.playbook
+        if playbook not in playbook_previews.MODELS:
+            out.append((where, f"preview: facts needs the engine's model of the playbook, and {playbook!r} has "
+                               f"none (models: {', '.join(sorted(playbook_previews.MODELS))}); use true (check "
+                               f"mode) or false"))
+        elif playbooks_dir is not None and not _is_shipped_playbook(playbooks_dir / playbook, playbook):
+            out.append((where, f"preview: facts models the shipped {playbook}, and {playbooks_dir / playbook} differs "
+                               f"from it; use true (check mode) for a playbook of your own"))
 
     # The diagnoses: unique evidence ids, at least one required piece, declared params only; one
     # cause id once per runbook.

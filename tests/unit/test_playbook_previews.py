@@ -6,6 +6,7 @@ tests/integration/test_playbook_previews.py."""
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -106,6 +107,19 @@ def test_the_loader_refuses_preview_facts_on_a_playbook_without_a_model(tmp_path
         load("example-label-and-file", tmp_path / "runbooks")
     assert "preview: facts" in str(e.value) and "'example-touch-file.yml' has none" in str(e.value)
     assert ".preview" in str(e.value)  # located at the option
+
+
+def test_the_loader_refuses_preview_facts_on_a_playbook_of_the_same_name_that_is_not_the_shipped_one(
+        tmp_path: Path) -> None:
+    shutil.copytree(REPO / "playbooks", tmp_path / "playbooks")
+    (tmp_path / "runbooks").mkdir()
+    shutil.copy(REPO / "runbooks" / "gpu-node-recovery.yaml", tmp_path / "runbooks")
+    load("gpu-node-recovery", tmp_path / "runbooks")  # a byte-for-byte copy is the shipped playbook
+    own = tmp_path / "playbooks" / "swap-off.yml"
+    own.write_text(own.read_text().replace("swap(?![ \\t]+", "swap(?![ \\t]*", 1))
+    with pytest.raises(LoadError) as e:
+        load("gpu-node-recovery", tmp_path / "runbooks")
+    assert "preview: facts models the shipped swap-off.yml" in str(e.value) and str(own) in str(e.value)
 
 
 def test_a_plan_of_the_flagship_makes_one_facts_run_and_no_check_mode_run() -> None:
