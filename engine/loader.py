@@ -67,13 +67,15 @@ def default_runbooks_dir() -> Path:
 
 
 def _is_shipped_playbook(path: Path, name: str) -> bool:
-    """``path`` is the packaged playbook ``name`` or a byte-for-byte copy of it (a missing file is
-    reported by the playbook check)."""
+    """``path`` is the packaged playbook ``name`` or a byte-for-byte copy of it (a missing ``path`` is
+    reported by the playbook check, not here)."""
     shipped = packaged_data_dir() / "playbooks" / name
+    if not path.is_file():
+        return True
     try:
         return path.resolve() == shipped.resolve() or path.read_bytes() == shipped.read_bytes()
     except OSError:
-        return True
+        return False  # the shipped copy cannot be read: nothing says the file is it (fail closed)
 
 
 def playbooks_dir_for(runbooks_dir: Path) -> Path:
