@@ -71,8 +71,9 @@ def start_host_work(targets: PreparedRun | Sequence[PreparedRun], nodes: NodeAut
         return HostWork()
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plan-host")
     try:
-        if preview and len(many) == 1 and early_jobs(many[0], nodes):
-            return HostWork(previews=pool.submit(early_previews, many[0], nodes))
+        jobs = early_jobs(many[0], nodes) if preview and len(many) == 1 else {}
+        if jobs:
+            return HostWork(previews=pool.submit(early_previews, many[0], nodes, jobs))
         return HostWork(facts=pool.submit(probes.gather_host_facts, nodes, [t.node for t in many],
                                           sorted(wanted)))
     finally:
@@ -111,10 +112,12 @@ def early_jobs(prepared: PreparedRun, nodes: NodeAutomation | None) -> dict[str,
     return jobs
 
 
-def early_previews(prepared: PreparedRun, nodes: NodeAutomation | None) -> dict[str, tuple[AnsibleAction, str]]:
-    """The check-mode runs of ``early_jobs``, at once. Step id -> (bound action, preview text)."""
+def early_previews(prepared: PreparedRun, nodes: NodeAutomation | None,
+                   jobs: Mapping[str, AnsibleAction] | None = None) -> dict[str, tuple[AnsibleAction, str]]:
+    """The check-mode runs of ``early_jobs`` (already bound: ``jobs``), at once. Step id -> (bound
+    action, preview text)."""
     files = plan_host_files(prepared)
-    jobs = early_jobs(prepared, nodes)
+    jobs = early_jobs(prepared, nodes) if jobs is None else jobs
     if files is None or not jobs:
         return {}
     texts = _run_previews(jobs, prepared, nodes, files=files)
